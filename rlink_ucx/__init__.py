@@ -1,0 +1,62 @@
+"""rlink_ucx: a fast, secure communication layer between RL actors and a learner.
+
+Actors ``put`` steps; the learner reads batches, already on its device, from
+:class:`RLinkDataset`. See the README for a two-minute tour.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ._actor import Actor
+from ._batch import Batch
+from ._codec import FieldSpec, Schema
+from ._config import Config
+from ._errors import (
+    AuthError,
+    Backpressure,
+    Closed,
+    ConfigError,
+    ConnectError,
+    PeerLost,
+    ProtocolError,
+    RLinkError,
+    SchemaMismatch,
+    TimeoutError,
+)
+from ._learner import Learner
+from ._version import __version__
+
+__all__ = [
+    "Actor",
+    "AuthError",
+    "Backpressure",
+    "Batch",
+    "Closed",
+    "Config",
+    "ConfigError",
+    "ConnectError",
+    "FieldSpec",
+    "Learner",
+    "PeerLost",
+    "ProtocolError",
+    "RLinkDataset",
+    "RLinkError",
+    "Schema",
+    "SchemaMismatch",
+    "TimeoutError",
+    "__version__",
+]
+
+logging.getLogger(__name__).addHandler(logging.NullHandler())
+
+
+def __getattr__(name: str) -> Any:
+    # RLinkDataset subclasses torch's IterableDataset; importing it lazily keeps
+    # `import rlink_ucx` free of torch for actors that only use numpy.
+    if name == "RLinkDataset":
+        from ._dataset import RLinkDataset
+
+        return RLinkDataset
+    raise AttributeError(f"module 'rlink_ucx' has no attribute {name!r}")

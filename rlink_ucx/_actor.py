@@ -1,0 +1,344 @@
+"""The actor: ``put`` steps, they are coalesced into frames and streamed to the learner."""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from . import _auth
+from ._address import parse_address
+from ._client import ActorConnection, FrameBuffer
+from ._codec import DTYPES, Schema, as_host_array, infer_schema
+from ._config import Config, resolve
+from ._errors import Backpressure, Closed, SchemaMismatch
+from ._errors import TimeoutError as RLinkTimeout
+from ._io import IOThread
+from .transport import check_transport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Actor"]
+
+_SCALAR_KINDS = {bool: "b", int: "iu", float: "f"}
+
+
+class _Field:
+    """What ``put`` checks a value against, precomputed once per schema."""
+
+    __slots__ = ("name", "spec", "dtype", "shape", "index")
+
+    def __init__(self, index: int, spec: Any):
+        self.index = index
+        self.name = spec.name
+        self.spec = spec
+        self.dtype = DTYPES[spec.dtype]
+        self.shape = spec.shape
+
+    def mismatch(self, value: Any, got: str) -> SchemaMismatch:
+        return SchemaMismatch(f"field {self.name!r}: the negotiated schema says {self.spec.describe()}, got {got}")
+
+
+class Actor:
+    """Streams steps to a :class:`Learner`.
+
+    Args:
+        address: the learner's ``host:port``.
+        token: shared secret (default ``RLINK_TOKEN`` / ``RLINK_TOKEN_FILE``).
+        transport: ``"auto"``, ``"tcp"`` or ``"ucx"``; the learner reports the choice.
+        actor_id: a stable integer id (the learner assigns one when None).
+        config: timeouts and caps.
+        schema: optional declaration ``{"obs": ("float32", (4,)), ...}``; otherwise inferred
+            from the first ``put``.
+
+    ``put`` copies the step into a frame buffer and returns; frames go out in the background
+    when full (``Config.frame_bytes``) or ``Config.frame_linger`` seconds after their first
+    step. Call ``flush()`` to wait until the learner holds everything put so far.
+
+    Example::
+
+        with Actor("127.0.0.1:8443") as actor:
+            actor.put({"obs": obs, "action": 1, "reward": 1.0, "done": False})
+            actor.flush()
+
+    Raises:
+        ConnectError / AuthError: the learner is unreachable or refused the token.
+    """
+
+    def __init__(self, address: str, *, token: str | bytes | None = None, transport: str = "auto",
+                 actor_id: int | None = None, config: Config | None = None,
+                 schema: dict[str, Any] | Schema | None = None):  # fmt: skip
+        self.config = resolve(config)
+        host, port = parse_address(address)
+        check_transport(transport)
+        self._closed = False
+        self._lock = threading.Lock()
+        self._current: FrameBuffer | None = None
+        self._next_seq = 0
+        self._fields: list[_Field] | None = None
+        self._policy_version = 0
+        self._io = IOThread(name="rlink-actor-io")
+        incarnation = time.time_ns() ^ (os.getpid() << 20)
+        self._conn = ActorConnection(host, port, token=_auth.resolve_token(token), transport=transport,
+                                     actor_id=actor_id, incarnation=incarnation & (2**63 - 1),
+                                     config=self.config, loop=self._io.loop)  # fmt: skip
+        budget = self.config.connect_timeout + self.config.handshake_timeout + 1
+        try:
+            self._io.call(self._conn.connect(), budget, "connect")
+            if schema is not None:
+                self._negotiate(Schema.from_spec(schema) if isinstance(schema, dict) else schema)
+        except BaseException:
+            self._shutdown()
+            raise
+        assert self._conn.welcome is not None
+        self.actor_id: int = self._conn.welcome.actor_id
+        self.transport: str = self._conn.welcome.transport
+        self.transport_reason: str = self._conn.welcome.reason
+        self._policy_version = self._conn.welcome.version
+        log.info("actor %s connected to %s via %s (%s)", self.actor_id, address, self.transport, self.transport_reason)
+
+    # --- schema -----------------------------------------------------------------------------------
+    @property
+    def schema(self) -> Schema | None:
+        return self._conn.schema
+
+    def _negotiate(self, schema: Schema) -> None:
+        reply = self._io.call(self._conn.propose(schema), self.config.handshake_timeout, "schema negotiation")
+        from ._wire import Reject
+
+        if isinstance(reply, Reject):
+            raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")
+        capacity = max(1, min(reply.max_steps, self.config.frame_bytes // max(schema.step_bytes, 1)))
+        self._conn.schema, self._conn.schema_id = schema, reply.schema_id
+        self._conn.free = [FrameBuffer(schema, capacity) for _ in range(self.config.frame_buffers)]
+        self._fields = [_Field(i, spec) for i, spec in enumerate(schema.fields)]
+
+    def _ensure_schema(self, step: Mapping[str, Any], leading_dims: int) -> list[_Field]:
+        if self._fields is None:
+            self._check_open()
+            self._negotiate(infer_schema(step, leading_dims=leading_dims))
+        assert self._fields is not None
+        return self._fields
+
+    # --- putting steps --------------------------------------------------------------------------
+    @property
+    def policy_version(self) -> int:
+        """The model version stamped on steps put without an explicit ``version=``."""
+        return self._policy_version
+
+    @policy_version.setter
+    def policy_version(self, value: int) -> None:
+        self._policy_version = int(value)
+
+    def put(self, step: Mapping[str, Any], *, version: int | None = None) -> None:
+        """Append one step (field name -> array or scalar) to the outgoing stream.
+
+        Raises:
+            SchemaMismatch: a field is missing, extra, or has another dtype/shape than negotiated.
+            Backpressure: no credit from the learner within ``Config.put_timeout``.
+            PeerLost / Closed: the connection broke / the actor was closed.
+        """
+        fields = self._fields or self._ensure_schema(step, 0)
+        values = [self._check_value(f, step) for f in fields]
+        if len(step) != len(fields):
+            self._raise_extra(step, fields)
+        self._append(1, version, lambda fb, at, src, k: _write_step(fb, at, values))
+
+    def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
+        """Append a chunk of steps: every field has a leading time/batch dimension of equal size."""
+        fields = self._fields or self._ensure_schema(steps, 1)
+        if len(steps) != len(fields):
+            self._raise_extra(steps, fields)
+        arrays = []
+        count = -1
+        for f in fields:
+            if f.name not in steps:
+                raise SchemaMismatch(f"field {f.name!r} ({f.spec.describe()}) is missing from the chunk")
+            arr, dtype = as_host_array(steps[f.name])
+            if dtype != f.spec.dtype or arr.shape[1:] != f.shape or arr.ndim != len(f.shape) + 1:
+                raise f.mismatch(arr, f"{dtype}{list(arr.shape)} (a chunk needs a leading time axis)")
+            if count not in (-1, arr.shape[0]):
+                raise SchemaMismatch(f"field {f.name!r} has {arr.shape[0]} steps, others have {count}")
+            count = arr.shape[0]
+            arrays.append(arr)
+        if count == 0:
+            return
+        self._append(count, version, lambda fb, at, src, k: _write_chunk(fb, at, arrays, src, k))
+
+    def _check_value(self, f: _Field, step: Mapping[str, Any]) -> Any:
+        try:
+            v = step[f.name]
+        except KeyError:
+            raise SchemaMismatch(f"field {f.name!r} ({f.spec.describe()}) is missing from the step") from None
+        kind = type(v)
+        if kind is np.ndarray:
+            if v.dtype == f.dtype and v.shape == f.shape and f.spec.dtype != "bfloat16":
+                return v
+        elif kind in _SCALAR_KINDS and not f.shape:
+            if f.dtype.kind in _SCALAR_KINDS[kind] and f.spec.dtype != "bfloat16":
+                return v
+            raise f.mismatch(v, f"a Python {kind.__name__}")
+        arr, dtype = as_host_array(v)
+        if dtype != f.spec.dtype or arr.shape != f.shape:
+            raise f.mismatch(v, f"{dtype}{list(arr.shape)}")
+        return arr
+
+    @staticmethod
+    def _raise_extra(step: Mapping[str, Any], fields: list[_Field]) -> None:
+        known = {f.name for f in fields}
+        extra = [k for k in step if k not in known]
+        missing = [f.name for f in fields if f.name not in step]
+        raise SchemaMismatch(f"step fields differ from the schema: extra {extra}, missing {missing}")
+
+    def _append(self, count: int, version: int | None, write: Any) -> None:
+        v = self._policy_version if version is None else int(version)
+        conn = self._conn
+        deadline = time.monotonic() + self.config.put_timeout
+        done = 0
+        while done < count:
+            if conn.error is not None or self._closed:
+                self._check_open()
+            with self._lock:
+                fb = self._current
+                if fb is not None and fb.n and fb.version != v:  # one version per frame
+                    self._submit_locked()
+                    fb = None
+                if fb is not None:
+                    k = min(count - done, fb.capacity - fb.n)
+                    write(fb, fb.n, done, k)
+                    fb.n += k
+                    self._next_seq += k
+                    done += k
+                    if fb.n == fb.capacity:
+                        self._submit_locked()
+                    continue
+            fresh = self._acquire(deadline)
+            with self._lock:
+                if self._current is None:
+                    fresh.reset(self._next_seq, v)
+                    self._current = fresh
+                    self._io.soon(self._arm_linger, fresh, fresh.generation)
+                else:
+                    with conn.changed:
+                        conn.free.append(fresh)
+
+    def _acquire(self, deadline: float) -> FrameBuffer:
+        conn = self._conn
+        with conn.changed:
+            while not conn.free:
+                self._check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Backpressure(
+                        f"no credit from the learner for {self.config.put_timeout:.3g}s "
+                        f"({len(conn.queue)} frames waiting); the learner is not consuming fast enough"
+                    )
+                conn.changed.wait(min(left, 0.5))
+            return conn.free.pop()
+
+    def _submit_locked(self) -> None:
+        fb, self._current = self._current, None
+        if fb is not None and fb.n:
+            self._io.soon(self._conn.submit, fb)
+
+    def _arm_linger(self, fb: FrameBuffer, generation: int) -> None:
+        self._io.loop.call_later(self.config.frame_linger, self._linger_expired, fb, generation)
+
+    def _linger_expired(self, fb: FrameBuffer, generation: int) -> None:
+        with self._lock:
+            if self._current is fb and fb.generation == generation and fb.n:
+                self._current = None
+                self._conn.submit(fb)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send any partial frame and wait until the learner holds every step put so far.
+
+        Raises:
+            TimeoutError: not acknowledged within ``timeout`` (default ``Config.flush_timeout``).
+        """
+        self._check_open()
+        with self._lock:
+            self._submit_locked()
+            target = self._next_seq
+        limit = self.config.flush_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        conn = self._conn
+        with conn.changed:
+            while conn.acked < target:
+                self._check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RLinkTimeout(f"flush: learner acknowledged {conn.acked} of {target} steps within {limit:.3g}s")
+                conn.changed.wait(min(left, 0.5))
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("the actor is closed")
+        err = self._conn.error
+        if err is not None:
+            raise type(err)(str(err)) from err
+
+    def stats(self) -> dict[str, Any]:
+        """Counters: steps put and sent, frames, bytes, credit waits, acknowledgements."""
+        c = self._conn
+        return {
+            "actor_id": self.actor_id,
+            "transport": self.transport,
+            "transport_reason": self.transport_reason,
+            "steps_put": self._next_seq,
+            "steps_sent": c.sent_steps,
+            "steps_acked": c.acked,
+            "frames_sent": c.sent_frames,
+            "bytes_sent": c.sent_bytes,
+            "credit": c.credit,
+            "credit_waits": c.credit_waits,
+            "error": repr(c.error) if c.error else None,
+        }
+
+    # --- lifecycle ---------------------------------------------------------------------------------
+    def close(self, timeout: float | None = None) -> None:
+        """Flush what was put (bounded by ``timeout``), say goodbye and disconnect. Idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._conn.error is None and self._fields is not None:
+                self.flush(self.config.close_timeout if timeout is None else timeout)
+        except Exception as exc:  # noqa: BLE001 - closing must finish; the loss is logged
+            log.warning("actor %s closed with unflushed steps: %s", getattr(self, "actor_id", "?"), exc)
+        finally:
+            self._closed = True
+            self._shutdown()
+
+    def _shutdown(self) -> None:
+        self._closed = True
+        try:
+            self._io.call(self._conn.close(), self.config.close_timeout, "actor close")
+        except Exception:  # noqa: BLE001 - release resources even if the graceful path fails
+            log.debug("graceful actor shutdown failed", exc_info=True)
+        self._io.stop(self.config.close_timeout)
+        with self._conn.changed:
+            self._conn.changed.notify_all()
+
+    def __enter__(self) -> Actor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Actor(actor_id={getattr(self, 'actor_id', None)}, transport={getattr(self, 'transport', None)!r})"
+
+
+def _write_step(fb: FrameBuffer, at: int, values: list[Any]) -> None:
+    for arr, value in zip(fb.typed, values):
+        arr[at] = value
+
+
+def _write_chunk(fb: FrameBuffer, at: int, arrays: list[np.ndarray], src: int, k: int) -> None:
+    for arr, value in zip(fb.typed, arrays):
+        arr[at : at + k] = value[src : src + k]

@@ -1,0 +1,292 @@
+"""The actor's network side, living on its I/O loop: handshake, control reader, frame sender."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import socket
+import threading
+import time
+from typing import Any
+
+from . import _auth, _wire
+from ._codec import Schema
+from ._config import Config
+from ._errors import AuthError, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch
+from ._io import ControlConnection
+from ._version import __version__
+from ._wire import FrameHeader
+from .transport import hostname, ucx_available
+from .transport.base import FrameSender
+from .transport.tcp import TcpSender
+
+log = logging.getLogger(__name__)
+
+
+class FrameBuffer:
+    """A reusable frame of up to ``capacity`` steps: one flat byte array per field."""
+
+    def __init__(self, schema: Schema, capacity: int):
+        import numpy as np
+
+        from ._codec import DTYPES
+
+        self.capacity = capacity
+        self.flat = [np.empty(capacity * f.step_bytes, dtype=np.uint8) for f in schema.fields]
+        self.typed = [
+            flat.view(DTYPES[f.dtype]).reshape((capacity, *f.shape)) for f, flat in zip(schema.fields, self.flat)
+        ]
+        self._sizes = [f.step_bytes for f in schema.fields]
+        self.n = 0
+        self.seq = 0
+        self.version = 0
+        self.sent = 0
+        self.generation = 0
+
+    def reset(self, seq: int, version: int) -> None:
+        self.n, self.seq, self.version, self.sent = 0, seq, version, 0
+        self.generation += 1
+
+    def payload(self, start: int, stop: int) -> list[memoryview]:
+        return [memoryview(flat)[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
+
+
+class ActorConnection:
+    """Everything the actor does on its I/O loop. Errors land in :attr:`error` for the caller."""
+
+    def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, actor_id: int | None,
+                 incarnation: int, config: Config, loop: asyncio.AbstractEventLoop):  # fmt: skip
+        self.host, self.port = host, port
+        self.token = token
+        self.transport_wanted = transport
+        self.actor_id = actor_id
+        self.incarnation = incarnation
+        self.config = config
+        self.loop = loop
+        self.control: ControlConnection | None = None
+        self.sender: FrameSender | None = None
+        self.welcome: _wire.Welcome | None = None
+        self.error: RLinkError | None = None
+        self.schema: Schema | None = None
+        self.schema_id = 0
+        self.credit = 0
+        self.acked = 0  # learner holds every step with seq < acked
+        self.sent_steps = 0
+        self.sent_frames = 0
+        self.sent_bytes = 0
+        self.credit_waits = 0
+        self.last_heard = time.monotonic()
+        self.queue: collections.deque[FrameBuffer] = collections.deque()
+        self.free: list[FrameBuffer] = []
+        self.changed = threading.Condition()  # signals free buffers, acks and errors to callers
+        self._wake = asyncio.Event()
+        self._credit_event = asyncio.Event()
+        self._ready: asyncio.Future[str] = loop.create_future()
+        self._proposal: asyncio.Future[_wire.Accept | _wire.Reject] | None = None
+        self._tasks: list[asyncio.Task[Any]] = []
+        self.closing = False
+
+    # --- connecting -------------------------------------------------------------------------------
+    async def _open(self) -> tuple[ControlConnection, _wire.Challenge]:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setblocking(False)
+        try:
+            async with asyncio.timeout(self.config.connect_timeout):
+                await self.loop.sock_connect(sock, (self.host, self.port))
+        except (OSError, TimeoutError) as exc:
+            sock.close()
+            raise ConnectError(f"cannot reach learner at {self.host}:{self.port}: {exc or 'timed out'}") from exc
+        conn = ControlConnection(sock, self.loop, f"{self.host}:{self.port}")
+        challenge = await conn.recv(self.config.max_preauth_bytes)
+        if not isinstance(challenge, _wire.Challenge):
+            raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
+        if challenge.proto != _wire.PROTOCOL_VERSION:
+            raise ProtocolError(f"learner speaks protocol {challenge.proto}, actor {_wire.PROTOCOL_VERSION}")
+        return conn, challenge
+
+    async def connect(self) -> None:
+        try:
+            async with asyncio.timeout(self.config.connect_timeout + self.config.handshake_timeout):
+                await self._connect()
+        except (TimeoutError, asyncio.TimeoutError) as exc:
+            raise ConnectError(f"handshake with {self.host}:{self.port} timed out") from exc
+        except PeerLost as exc:
+            raise ConnectError(f"learner at {self.host}:{self.port} closed the connection during setup: {exc}") from exc
+
+    async def _connect(self) -> None:
+        conn, challenge = await self._open()
+        self.control = conn
+        if challenge.auth and self.token is None:
+            raise AuthError("the learner requires a token; pass token=... or set RLINK_TOKEN")
+        if self.token is not None and not challenge.auth:
+            raise AuthError("this actor has a token but the learner cannot prove it knows it (learner has no token)")
+        nonce = _auth.new_nonce()
+        mac = _auth.actor_proof(self.token, challenge.nonce, nonce) if self.token else b""
+        conn.send(_wire.Login(_wire.PROTOCOL_VERSION, nonce, mac))
+        if self.token is not None:
+            proof = await self._expect(conn, _wire.Proof)
+            _auth.verify(_auth.learner_proof(self.token, challenge.nonce, nonce), proof.mac, "learner")
+        conn.send(_wire.Hello(self.actor_id, self.incarnation, __version__, self.transport_wanted, ucx_available(),
+                              _cuda_visible(), hostname(), os.getpid()))  # fmt: skip
+        welcome = await self._expect(conn, _wire.Welcome)
+        self.welcome = welcome
+        self.actor_id = welcome.actor_id
+        self._tasks.append(self.loop.create_task(self._read_control()))
+        if welcome.transport == "tcp":
+            await self._attach_tcp(welcome)
+        else:
+            from .transport.ucx import UcxActorPlane
+
+            self.sender = await UcxActorPlane.connect(self.loop, welcome, self.incarnation, self.config)
+        await self._ready
+        self._tasks.append(self.loop.create_task(self._heartbeat()))
+        self._tasks.append(self.loop.create_task(self._send_loop()))
+
+    async def _expect(self, conn: ControlConnection, kind: type) -> Any:
+        msg = await conn.recv(self.config.max_control_bytes)
+        if isinstance(msg, _wire.Error):
+            raise (AuthError if msg.kind == "auth" else ConnectError)(f"learner refused: {msg.text}")
+        if not isinstance(msg, kind):
+            raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+        return msg
+
+    async def _attach_tcp(self, welcome: _wire.Welcome) -> None:
+        data, challenge = await self._open()
+        data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
+                               _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session)))  # fmt: skip
+        self.sender = TcpSender(data.sock, self.loop)
+
+    # --- control messages ----------------------------------------------------------------------
+    async def _read_control(self) -> None:
+        assert self.control is not None
+        try:
+            while True:
+                msg = await self.control.recv(self.config.max_control_bytes)
+                self.last_heard = time.monotonic()
+                if isinstance(msg, _wire.Credit):
+                    self.credit += msg.steps
+                    self._credit_event.set()
+                elif isinstance(msg, _wire.Ack):
+                    with self.changed:
+                        self.acked = msg.next_seq
+                        self.changed.notify_all()
+                elif isinstance(msg, _wire.Heartbeat):
+                    pass
+                elif isinstance(msg, _wire.Ready):
+                    if not self._ready.done():
+                        self._ready.set_result(msg.transport)
+                elif isinstance(msg, (_wire.Accept, _wire.Reject)):
+                    if self._proposal is not None and not self._proposal.done():
+                        self._proposal.set_result(msg)
+                elif isinstance(msg, _wire.Error):
+                    kind = AuthError if msg.kind == "auth" else ProtocolError
+                    raise kind(f"learner reported: {msg.text}")
+                elif isinstance(msg, _wire.Bye):
+                    raise PeerLost(f"learner closed the session: {msg.reason}")
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from the learner")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
+            self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"control connection broke: {exc}"))
+
+    async def _heartbeat(self) -> None:
+        assert self.control is not None
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            if time.monotonic() - self.last_heard > self.config.heartbeat_timeout:
+                self.fail(PeerLost(f"no message from the learner for {self.config.heartbeat_timeout:.3g}s"))
+                return
+            self.control.send(_wire.Heartbeat())
+
+    def fail(self, exc: RLinkError) -> None:
+        if self.error is None and not self.closing:
+            self.error = exc
+            log.warning("actor %s: %s", self.actor_id, exc)
+        for fut in (self._ready, self._proposal):
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+        with self.changed:
+            self.changed.notify_all()
+        self._wake.set()
+        self._credit_event.set()
+
+    async def propose(self, schema: Schema) -> _wire.Accept | _wire.Reject:
+        assert self.control is not None
+        if self.error is not None:
+            raise self.error
+        self._proposal = self.loop.create_future()
+        self.control.send(_wire.Propose(schema.to_wire()))
+        return await self._proposal
+
+    # --- sending frames ------------------------------------------------------------------------
+    def submit(self, fb: FrameBuffer) -> None:
+        """Queue a filled frame (loop thread)."""
+        self.queue.append(fb)
+        self._wake.set()
+
+    async def _send_loop(self) -> None:
+        step_bytes = 0
+        try:
+            while True:
+                while not self.queue:
+                    if self.error is not None:
+                        return
+                    self._wake.clear()
+                    await self._wake.wait()
+                if self.error is not None:
+                    return
+                fb = self.queue[0]
+                if not step_bytes:
+                    assert self.schema is not None
+                    step_bytes = self.schema.step_bytes
+                while fb.sent < fb.n:
+                    while self.credit <= 0:
+                        if self.error is not None:
+                            return
+                        self.credit_waits += 1
+                        self._credit_event.clear()
+                        await self._credit_event.wait()
+                    k = min(fb.n - fb.sent, self.credit)
+                    header = FrameHeader(self.schema_id, k, self.actor_id or 0, self.incarnation, fb.seq + fb.sent,
+                                         fb.version, k * step_bytes).pack()  # fmt: skip
+                    assert self.sender is not None
+                    await self.sender.send(header, fb.payload(fb.sent, fb.sent + k))
+                    self.credit -= k
+                    fb.sent += k
+                    self.sent_steps += k
+                    self.sent_frames += 1
+                    self.sent_bytes += k * step_bytes
+                self.queue.popleft()
+                with self.changed:
+                    self.free.append(fb)
+                    self.changed.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
+            self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}"))
+
+    # --- closing -----------------------------------------------------------------------------------
+    async def close(self) -> None:
+        self.closing = True
+        if self.control is not None and self.error is None:
+            self.control.send(_wire.Bye("actor closing"))
+        for task in self._tasks:
+            task.cancel()
+        if self.sender is not None:
+            self.sender.close()
+        if self.control is not None:
+            self.control.close()
+
+
+def _cuda_visible() -> bool:
+    import sys
+
+    torch = sys.modules.get("torch")
+    return bool(torch is not None and torch.cuda.is_available())
+
+
+__all__ = ["ActorConnection", "FrameBuffer", "SchemaMismatch"]

@@ -1,0 +1,208 @@
+"""Tensors <-> raw buffers, and the schema that says how to read them back.
+
+A *step* is a mapping of field name -> array. Every field has a fixed dtype and per-step
+shape, negotiated once (the :class:`Schema`); on the wire a frame of ``n`` steps is the
+fields one after another, each ``n * field.step_bytes`` bytes in C order. The codec never
+imports torch or cupy itself: it recognises them by their array protocols.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ._errors import ProtocolError, SchemaMismatch
+
+__all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "infer_schema", "is_device_array"]
+
+# Allowlisted wire dtypes -> (numpy dtype used to hold the bytes, element size).
+# bfloat16 has no numpy dtype: its bytes travel as uint16 and torch reinterprets them.
+DTYPES: dict[str, np.dtype] = {
+    name: np.dtype(np_name)
+    for name, np_name in [
+        ("bool", "bool"),
+        ("uint8", "<u1"), ("int8", "<i1"),
+        ("uint16", "<u2"), ("int16", "<i2"),
+        ("uint32", "<u4"), ("int32", "<i4"),
+        ("uint64", "<u8"), ("int64", "<i8"),
+        ("float16", "<f2"), ("bfloat16", "<u2"),
+        ("float32", "<f4"), ("float64", "<f8"),
+    ]
+}  # fmt: skip
+
+MAX_DIMS = 8
+MAX_NAME_LEN = 128
+
+
+@dataclass(frozen=True)
+class FieldSpec:
+    """One field of a step: its name, wire dtype name and per-step shape."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not (0 < len(self.name) <= MAX_NAME_LEN):
+            raise ProtocolError(f"bad field name {self.name!r}")
+        if self.dtype not in DTYPES:
+            raise ProtocolError(f"field {self.name!r}: dtype {self.dtype!r} is not allowed")
+        if len(self.shape) > MAX_DIMS or any(
+            not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > 2**31 for d in self.shape
+        ):
+            raise ProtocolError(f"field {self.name!r}: bad shape {self.shape!r}")
+
+    @property
+    def step_bytes(self) -> int:
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
+
+    def describe(self) -> str:
+        return f"{self.dtype}{list(self.shape)}"
+
+
+@dataclass(frozen=True)
+class Schema:
+    """The ordered fields of a step. Two schemas are equal iff their fingerprints are."""
+
+    fields: tuple[FieldSpec, ...]
+
+    def __post_init__(self) -> None:
+        names = [f.name for f in self.fields]
+        if not names:
+            raise ProtocolError("a schema needs at least one field")
+        if len(set(names)) != len(names):
+            raise ProtocolError(f"duplicate field names in {names}")
+
+    @property
+    def step_bytes(self) -> int:
+        return sum(f.step_bytes for f in self.fields)
+
+    @property
+    def fingerprint(self) -> str:
+        text = ";".join(f"{f.name}:{f.describe()}" for f in self.fields)
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def field(self, name: str) -> FieldSpec:
+        for spec in self.fields:
+            if spec.name == name:
+                return spec
+        raise KeyError(name)
+
+    def describe(self) -> str:
+        return "{" + ", ".join(f"{f.name}: {f.describe()}" for f in self.fields) + "}"
+
+    def to_wire(self) -> list[tuple[str, str, list[int]]]:
+        return [(f.name, f.dtype, list(f.shape)) for f in self.fields]
+
+    @classmethod
+    def from_wire(cls, fields: Any, *, max_fields: int = 256) -> Schema:
+        """Validate an untrusted field list (from the network) into a Schema."""
+        if not isinstance(fields, (list, tuple)) or not 0 < len(fields) <= max_fields:
+            raise ProtocolError("schema must be a non-empty list of at most %d fields" % max_fields)
+        specs = []
+        for item in fields:
+            if not isinstance(item, (list, tuple)) or len(item) != 3:
+                raise ProtocolError(f"bad schema field {item!r}")
+            name, dtype, shape = item
+            if not isinstance(shape, (list, tuple)):
+                raise ProtocolError(f"bad shape for field {name!r}")
+            specs.append(FieldSpec(name, dtype, tuple(shape)))
+        return cls(tuple(specs))
+
+    @classmethod
+    def from_spec(cls, spec: Mapping[str, Any]) -> Schema:
+        """Build from a user declaration ``{"obs": ("float32", (4,)), ...}``."""
+        return cls(tuple(FieldSpec(name, _dtype_name(dt), tuple(shape)) for name, (dt, shape) in spec.items()))
+
+    def compare(self, other: Schema) -> str:
+        """A human sentence naming the first difference (for errors naming both sides)."""
+        mine = {f.name: f for f in self.fields}
+        theirs = {f.name: f for f in other.fields}
+        for name in list(mine) + [n for n in theirs if n not in mine]:
+            a, b = mine.get(name), theirs.get(name)
+            if a is None:
+                return f"field {name!r} is new ({b.describe()}) and not in the learner's schema"  # type: ignore[union-attr]
+            if b is None:
+                return f"field {name!r} ({a.describe()}) is missing"
+            if a != b:
+                return f"field {name!r}: learner has {a.describe()}, actor sent {b.describe()}"
+        return "field order differs"
+
+
+def _dtype_name(dtype: Any) -> str:
+    """Map a numpy/torch/cupy dtype (or a string) to the allowlisted wire name."""
+    text = str(dtype)
+    if text.startswith("torch."):
+        text = text[len("torch.") :]
+    if text == "bfloat16":
+        return text
+    try:
+        np_dtype = np.dtype(text)
+    except TypeError as exc:
+        raise SchemaMismatch(f"unsupported dtype {dtype!r}") from exc
+    name = "bool" if np_dtype == np.bool_ else np_dtype.name
+    if name not in DTYPES:
+        raise SchemaMismatch(f"unsupported dtype {dtype!r}; allowed: {sorted(DTYPES)}")
+    return name
+
+
+def _is_torch(x: Any) -> bool:
+    return "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor)
+
+
+def is_device_array(x: Any) -> bool:
+    """True for CUDA tensors and anything exposing ``__cuda_array_interface__``."""
+    if _is_torch(x):
+        return bool(x.is_cuda)
+    return hasattr(x, "__cuda_array_interface__")
+
+
+def as_host_array(x: Any) -> tuple[np.ndarray, str]:
+    """A numpy view (or, for device memory, a host copy) of ``x`` and its wire dtype name.
+
+    bfloat16 tensors come back as a uint16 view of the same bytes.
+    """
+    if _is_torch(x):
+        t = x.detach()
+        if t.is_cuda:
+            t = t.cpu()
+        if str(t.dtype) == "torch.bfloat16":
+            import torch
+
+            return t.contiguous().view(torch.int16).numpy().view(np.uint16), "bfloat16"
+        return t.numpy(), _dtype_name(t.dtype)
+    if isinstance(x, np.ndarray):
+        return x, _dtype_name(x.dtype)
+    if hasattr(x, "__cuda_array_interface__"):  # cupy and friends
+        import cupy  # an object with this interface implies a CUDA library is present
+
+        arr = cupy.asnumpy(x)
+        return arr, _dtype_name(arr.dtype)
+    if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
+        arr = np.from_dlpack(x)
+        return arr, _dtype_name(arr.dtype)
+    arr = np.asarray(x)
+    if arr.dtype == np.float64 and isinstance(x, float):
+        arr = arr.astype(np.float32)  # a bare Python float is a float32 reward, as in RL libs
+    if arr.dtype.kind == "i" and isinstance(x, int) and not isinstance(x, bool):
+        arr = arr.astype(np.int64)
+    return arr, _dtype_name(arr.dtype)
+
+
+def infer_schema(step: Mapping[str, Any], *, leading_dims: int = 0) -> Schema:
+    """Infer a schema from one step (``leading_dims=1`` for a chunk with a time axis)."""
+    if not isinstance(step, Mapping) or not step:
+        raise SchemaMismatch("a step must be a non-empty mapping of field name -> array")
+    specs = []
+    for name, value in step.items():
+        arr, dtype = as_host_array(value)
+        if arr.ndim < leading_dims:
+            raise SchemaMismatch(f"field {name!r} has {arr.ndim} dims; expected a leading time axis")
+        specs.append(FieldSpec(str(name), dtype, tuple(int(d) for d in arr.shape[leading_dims:])))
+    return Schema(tuple(specs))

@@ -1,0 +1,89 @@
+"""One frozen configuration object for every timeout, cap and knob.
+
+Precedence: an explicit ``Config(...)`` argument > ``RLINK_<FIELD>`` environment variable >
+the default here. Every wait in the library takes its limit from this object, so nothing
+blocks forever.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+from ._errors import ConfigError
+
+__all__ = ["Config"]
+
+KiB = 1024
+MiB = 1024 * KiB
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Timeouts (seconds), memory caps (bytes) and data-plane knobs.
+
+    Build with keyword arguments; fields not given fall back to ``RLINK_<NAME>``
+    environment variables (``RLINK_PUT_TIMEOUT=5``), then to the defaults below.
+    """
+
+    # --- timeouts -------------------------------------------------------------------------
+    connect_timeout: float = 10.0
+    handshake_timeout: float = 5.0
+    put_timeout: float = 30.0
+    flush_timeout: float = 30.0
+    fetch_timeout: float = 300.0
+    close_timeout: float = 5.0
+    heartbeat_interval: float = 1.0
+    heartbeat_timeout: float = 10.0
+    frame_timeout: float = 10.0  # a started data frame must finish arriving within this
+
+    # --- actor-side coalescing ------------------------------------------------------------
+    frame_bytes: int = 1 * MiB  # target payload per frame; small steps are coalesced to this
+    frame_linger: float = 0.005  # a partly filled frame is sent after this many seconds
+    frame_buffers: int = 4  # frames an actor can fill while earlier ones are in flight
+
+    # --- learner-side caps ----------------------------------------------------------------
+    buffer_bytes: int = 256 * MiB  # the learner's receive ring (per schema), never exceeded
+    actor_window_bytes: int = 8 * MiB  # credit an actor may hold (in flight) at once
+    max_frame_bytes: int = 64 * MiB  # largest frame payload accepted
+    max_control_bytes: int = 1 * MiB  # largest control message after authentication
+    max_preauth_bytes: int = 512  # largest message read before authentication
+    max_connections: int = 1024
+    max_fields: int = 256
+
+    # --- transport ------------------------------------------------------------------------
+    ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if isinstance(value, (int, float)) and value <= 0:
+                raise ConfigError(f"Config.{field.name} must be > 0, got {value!r}")
+        if self.frame_bytes > self.max_frame_bytes:
+            raise ConfigError("Config.frame_bytes must not exceed Config.max_frame_bytes")
+
+    @classmethod
+    def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Config:
+        """Defaults, overridden by ``RLINK_*`` variables, overridden by ``overrides``."""
+        env = os.environ if environ is None else environ
+        values: dict[str, Any] = {}
+        for field in dataclasses.fields(cls):
+            raw = env.get(f"RLINK_{field.name.upper()}")
+            if raw is None:
+                continue
+            kind = type(field.default)
+            try:
+                values[field.name] = kind(float(raw)) if kind is int else kind(raw)
+            except ValueError as exc:
+                raise ConfigError(f"RLINK_{field.name.upper()}={raw!r} is not a {kind.__name__}") from exc
+        values.update(overrides)
+        return cls(**values)
+
+    def replace(self, **changes: Any) -> Config:
+        return dataclasses.replace(self, **changes)
+
+
+def resolve(config: Config | None) -> Config:
+    """The config to use: the caller's, or one built from the environment."""
+    return config if config is not None else Config.from_env()

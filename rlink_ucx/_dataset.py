@@ -1,0 +1,116 @@
+"""RLinkDataset: the learner's batches as a ``torch.utils.data.IterableDataset``."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from ._address import DEFAULT_PORT
+from ._batch import Batch
+from ._config import Config
+from ._errors import Closed, ConfigError
+from ._errors import TimeoutError as RLinkTimeout
+from ._gather import BatchAssembler
+from ._learner import Learner
+
+__all__ = ["RLinkDataset"]
+
+
+class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
+    """Batches of actor steps, already on ``device``, in arrival order (each step once).
+
+    Args:
+        learner: the :class:`Learner` to read from. When omitted, a learner is created on
+            ``address`` (default ``127.0.0.1:8443``) and closed with the dataset.
+        batch_size: steps per batch.
+        device: ``"cpu"`` or ``"cuda:N"``; ``gpu_id=N`` is shorthand for ``"cuda:N"``.
+        timeout: default seconds ``fetch`` waits (``Config.fetch_timeout`` if None).
+
+    Use it directly (``dataset.fetch()``, ``for batch in dataset``) or through
+    ``DataLoader(dataset, batch_size=None, num_workers=0)``: batching is already done and the
+    connection lives in this process, so DataLoader worker processes are refused.
+
+    Example::
+
+        learner = Learner("127.0.0.1:0")
+        dataset = RLinkDataset(learner, batch_size=256, device="cpu")
+        batch = dataset.fetch(timeout=30)
+        batch["obs"].shape, batch.version, batch.staleness
+    """
+
+    def __init__(self, learner: Learner | None = None, *, batch_size: int = 256, device: str | torch.device = "cpu",
+                 gpu_id: int | None = None, timeout: float | None = None, address: str | None = None,
+                 token: str | bytes | None = None, transport: str = "auto", config: Config | None = None):  # fmt: skip
+        if batch_size <= 0:
+            raise ConfigError("batch_size must be positive")
+        if gpu_id is not None:
+            device = f"cuda:{gpu_id}"
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device} requested but CUDA is not available")
+        self._owns_learner = learner is None
+        if learner is None:
+            learner = Learner(address or f"127.0.0.1:{DEFAULT_PORT}", token=token, transport=transport, config=config)
+        self.learner = learner
+        self.batch_size = batch_size
+        self.timeout = timeout
+        if self.device.type == "cuda":
+            learner._request_pinned()
+        self._assembler: BatchAssembler | None = None
+        self._lock = threading.Lock()
+        self.batches = 0
+
+    def fetch(self, timeout: float | None = None) -> Batch:
+        """Block until ``batch_size`` steps are ready and return them as a :class:`Batch`.
+
+        Raises:
+            TimeoutError: fewer than ``batch_size`` steps arrived within ``timeout``.
+            Closed: the learner was closed.
+        """
+        if timeout is None:
+            timeout = self.timeout if self.timeout is not None else self.learner.config.fetch_timeout
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            if self.learner.closed:
+                raise Closed("the learner is closed")
+            assembler = self._assembler
+            if assembler is None:
+                ring = self.learner._wait_ring(timeout)
+                if ring is None:
+                    raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s: no actor has sent a schema yet")
+                if self.batch_size > ring.capacity - 2 * ring.max_frame_steps:
+                    raise ConfigError(
+                        f"batch_size {self.batch_size} does not fit the learner buffer "
+                        f"({ring.capacity} steps); raise Config.buffer_bytes"
+                    )
+                assembler = self._assembler = BatchAssembler(ring, self.batch_size, self.device)
+            pieces, take_id = assembler.ring.take(self.batch_size, max(0.0, deadline - time.monotonic()))
+            batch = assembler.assemble(pieces, take_id, self.learner.version)
+            self.batches += 1
+            return batch
+
+    def __iter__(self) -> Any:
+        if get_worker_info() is not None:
+            raise ConfigError(
+                "RLinkDataset must be read in the learner process: use DataLoader(dataset, batch_size=None, num_workers=0)"
+            )
+        while True:
+            try:
+                yield self.fetch()
+            except Closed:
+                return
+
+    def close(self) -> None:
+        """Close the learner if this dataset created it."""
+        if self._owns_learner:
+            self.learner.close()
+
+    def __enter__(self) -> RLinkDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,62 @@
+"""The rlink error tree: every error the library raises derives from :class:`RLinkError`.
+
+Errors from sockets, ucxx or asyncio are translated where they enter the library
+(``raise ... from exc``) so callers only ever need to catch these types.
+"""
+
+from __future__ import annotations
+
+import builtins
+
+__all__ = [
+    "RLinkError",
+    "ConfigError",
+    "ConnectError",
+    "AuthError",
+    "ProtocolError",
+    "SchemaMismatch",
+    "PeerLost",
+    "Backpressure",
+    "Closed",
+    "TimeoutError",
+]
+
+
+class RLinkError(Exception):
+    """Root of every error raised by rlink_ucx."""
+
+
+class ConfigError(RLinkError, ValueError):
+    """An option or argument is invalid (e.g. a non-loopback bind without a token)."""
+
+
+class ConnectError(RLinkError, ConnectionError):
+    """The peer could not be reached, or refused the session."""
+
+
+class AuthError(ConnectError):
+    """The mutual token handshake failed (missing, wrong or replayed credentials)."""
+
+
+class ProtocolError(RLinkError):
+    """A peer sent a malformed, oversized or unexpected message; the connection is dropped."""
+
+
+class SchemaMismatch(RLinkError, ValueError):
+    """A step's fields, dtypes or shapes differ from the negotiated schema."""
+
+
+class PeerLost(RLinkError, ConnectionError):
+    """The peer broke the connection or stopped answering heartbeats (the peer's doing)."""
+
+
+class Backpressure(RLinkError):
+    """The learner granted no credit for longer than the put timeout."""
+
+
+class Closed(RLinkError):
+    """The object was closed by its owner (your doing, not the peer's)."""
+
+
+class TimeoutError(RLinkError, builtins.TimeoutError):  # noqa: A001 - deliberate shadow
+    """A blocking call ran past its timeout."""

@@ -1,0 +1,164 @@
+"""The I/O thread (one asyncio loop per Learner/Actor) and the framed control connection.
+
+The sync public API hands work to the loop with :meth:`IOThread.call`; the loop never blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import socket
+import threading
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from . import _wire
+from ._errors import Closed, PeerLost, ProtocolError, RLinkError
+from ._errors import TimeoutError as RLinkTimeout
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+class IOThread:
+    """A daemon thread running one asyncio event loop until :meth:`stop`."""
+
+    def __init__(self, name: str):
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        finally:
+            self.loop.close()
+
+    def in_loop_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def call(self, coro: Coroutine[Any, Any, T], timeout: float, what: str = "operation") -> T:
+        """Run ``coro`` on the loop and wait for its result in the calling thread."""
+        if self.loop.is_closed() or not self.loop.is_running():
+            coro.close()
+            raise Closed(f"cannot run {what}: the I/O thread has stopped")
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        try:
+            return future.result(timeout)
+        except concurrent.futures.TimeoutError as exc:
+            future.cancel()
+            raise RLinkTimeout(f"{what} did not finish within {timeout:.3g}s") from exc
+        except concurrent.futures.CancelledError as exc:
+            raise Closed(f"{what} was cancelled because the connection closed") from exc
+
+    def soon(self, fn: Any, *args: Any) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # loop already closed: nothing left to notify
+            pass
+
+    def stop(self, timeout: float) -> None:
+        async def _shutdown() -> None:
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for task in tasks:
+                task.cancel()
+            await asyncio.wait(tasks, timeout=timeout) if tasks else None
+
+        if self.loop.is_running() and not self.in_loop_thread():
+            try:
+                asyncio.run_coroutine_threadsafe(_shutdown(), self.loop).result(timeout)
+            except Exception:  # noqa: BLE001 - best effort: the loop is stopped below regardless
+                log.debug("I/O shutdown did not finish cleanly", exc_info=True)
+            self.soon(self.loop.stop)
+        # The join is bounded: a wedged native call (UCX progress) must not hang close().
+        self._thread.join(timeout)
+
+
+class ControlConnection:
+    """Length-prefixed msgspec messages over one non-blocking socket, on the I/O loop.
+
+    Reads are bounded (``max_bytes``) before any allocation; writes are buffered so a
+    sender never waits inside a callback.
+    """
+
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: str = "?"):
+        sock.setblocking(False)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.sock = sock
+        self.loop = loop
+        self.peer = peer
+        self._out = bytearray()
+        self._writing = False
+        self.closed = False
+
+    async def _read_exact(self, n: int) -> bytes:
+        buf = bytearray(n)
+        view = memoryview(buf)
+        got = 0
+        while got < n:
+            try:
+                k = await self.loop.sock_recv_into(self.sock, view[got:])
+            except OSError as exc:
+                raise PeerLost(f"connection to {self.peer} broke: {exc}") from exc
+            if k == 0:
+                raise PeerLost(f"{self.peer} closed the connection")
+            got += k
+        return bytes(buf)
+
+    async def recv(self, max_bytes: int) -> _wire.Message:
+        (length,) = _wire.LENGTH.unpack(await self._read_exact(_wire.LENGTH.size))
+        _wire.check_length(length, max_bytes)
+        if length == 0:
+            raise ProtocolError("empty control message")
+        return _wire.decode(await self._read_exact(length))
+
+    def send(self, msg: Any) -> None:
+        """Queue ``msg`` for sending; never blocks (call on the loop thread)."""
+        if self.closed:
+            return
+        self._out += _wire.encode(msg)
+        if not self._writing:
+            self._flush()
+
+    def _flush(self) -> None:
+        try:
+            while self._out:
+                n = self.sock.send(self._out)
+                del self._out[:n]
+        except BlockingIOError:
+            if not self._writing:
+                self._writing = True
+                self.loop.add_writer(self.sock, self._on_writable)
+            return
+        except OSError:
+            self._out.clear()  # the reader side will report the broken connection
+        if self._writing:
+            self._writing = False
+            self.loop.remove_writer(self.sock)
+
+    def _on_writable(self) -> None:
+        self._flush()
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        if self._writing:
+            self.loop.remove_writer(self.sock)
+        try:
+            self.sock.close()
+        except OSError:
+            pass
+
+
+def translate(exc: BaseException, what: str) -> RLinkError:
+    """Map an exception from the I/O layer to the rlink error tree."""
+    if isinstance(exc, RLinkError):
+        return exc
+    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
+        return RLinkTimeout(f"{what} timed out")
+    if isinstance(exc, OSError):
+        return PeerLost(f"{what}: {exc}")
+    return RLinkError(f"{what}: {exc!r}")

@@ -1,0 +1,125 @@
+"""The learner: accepts actors, buffers their steps, and serves them to datasets."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from . import _auth
+from ._address import format_address, parse_address
+from ._codec import Schema
+from ._config import Config, resolve
+from ._errors import ConfigError
+from ._io import IOThread
+from ._server import LearnerServer
+from .transport import check_transport
+
+log = logging.getLogger(__name__)
+
+__all__ = ["Learner"]
+
+
+class Learner:
+    """Accepts actor connections and buffers their steps for :class:`RLinkDataset`.
+
+    Args:
+        address: ``host:port`` to listen on. Port 0 picks a free port; read the real one from
+            :attr:`address`. Binding a non-loopback host requires a token.
+        token: shared secret for the mutual HMAC handshake (default: ``RLINK_TOKEN`` or the
+            0600 file named by ``RLINK_TOKEN_FILE``).
+        transport: ``"auto"`` (per actor), ``"tcp"`` or ``"ucx"``.
+        config: timeouts and caps; defaults from ``RLINK_*`` environment variables.
+        schema: optional declaration ``{"obs": ("float32", (4,)), ...}``; otherwise the first
+            actor's schema is accepted.
+
+    Example::
+
+        with Learner("127.0.0.1:0") as learner:
+            print(learner.address)
+
+    Raises:
+        ConfigError: bad address/transport, or a non-loopback bind without a token.
+    """
+
+    def __init__(self, address: str = "127.0.0.1:8443", *, token: str | bytes | None = None,
+                 transport: str = "auto", config: Config | None = None,
+                 schema: dict[str, Any] | Schema | None = None):  # fmt: skip
+        self.config = resolve(config)
+        host, port = parse_address(address)
+        self._token = _auth.resolve_token(token)
+        if self._token is None and not _auth.is_loopback(host):
+            raise ConfigError(
+                f"refusing to listen on non-loopback address {host!r} without a token: pass token=... "
+                "or set RLINK_TOKEN (the data would otherwise be open to the network)"
+            )
+        check_transport(transport)
+        declared = Schema.from_spec(schema) if isinstance(schema, dict) else schema
+        self._closed = False
+        self._io = IOThread(name="rlink-learner-io")
+        self._server = LearnerServer(host, port, token=self._token, transport=transport, config=self.config,
+                                     loop=self._io.loop, schema=declared)  # fmt: skip
+        try:
+            self._io.call(self._server.start(), self.config.connect_timeout, "learner start")
+        except OSError as exc:
+            self._io.stop(self.config.close_timeout)
+            raise ConfigError(f"cannot listen on {address}: {exc}") from exc
+        except BaseException:
+            self._io.stop(self.config.close_timeout)
+            raise
+        self.address = format_address(host, self._server.port)
+        log.info("learner listening on %s (transport=%s, auth=%s)", self.address, transport, self._token is not None)
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def version(self) -> int:
+        """The current model version (0 until the first publish)."""
+        return self._server.version
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def stats(self) -> dict[str, Any]:
+        """Per-actor and total counters, buffer use and the data plane chosen for each actor."""
+        if self._closed:
+            return {"closed": True}
+        return self._io.call(self._snapshot(), self.config.close_timeout, "stats")
+
+    async def _snapshot(self) -> dict[str, Any]:
+        return self._server.snapshot()
+
+    # Used by RLinkDataset ----------------------------------------------------------------------
+    def _wait_ring(self, timeout: float) -> Any:
+        """The receive ring, once the schema is known (declared, or from the first actor)."""
+        if not self._server.ring_ready.wait(timeout):
+            return None
+        return self._server.ring
+
+    def _request_pinned(self) -> None:
+        self._server.pin_memory = True
+
+    def close(self) -> None:
+        """Disconnect every actor and stop the I/O thread. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._io.call(self._server.stop(), self.config.close_timeout, "learner close")
+        except Exception:  # noqa: BLE001 - close must release resources even if the graceful path fails
+            log.debug("graceful learner shutdown failed", exc_info=True)
+        finally:
+            if self._server.ring is not None:
+                self._server.ring.close()
+            self._io.stop(self.config.close_timeout)
+
+    def __enter__(self) -> Learner:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Learner(address={self.address!r}, version={self.version}, closed={self._closed})"

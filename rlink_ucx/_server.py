@@ -1,0 +1,298 @@
+"""The learner's network side, living on its I/O loop: listener, handshakes, sessions, credit."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from . import _auth, _wire
+from ._codec import Schema
+from ._config import Config
+from ._errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch
+from ._io import ControlConnection
+from ._session import LearnerSession
+from ._store import StepRing
+from ._version import __version__
+from .transport import choose, hostname, ucx_available
+from .transport.tcp import TcpReceiver
+
+log = logging.getLogger(__name__)
+
+
+class LearnerServer:
+    def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, config: Config,
+                 loop: asyncio.AbstractEventLoop, schema: Schema | None = None):  # fmt: skip
+        self.host, self.port = host, port
+        self.token = token
+        self.transport = transport
+        self.config = config
+        self.loop = loop
+        self.sessions: dict[int, LearnerSession] = {}
+        self.ended: list[dict[str, Any]] = []
+        self.schema = schema
+        self.ring: StepRing | None = None
+        self.ring_ready = threading.Event()
+        self.pin_memory = False
+        self.version = 0
+        self.rejected_connections = 0
+        self.auth_failures = 0
+        self._ids = itertools.count(1)
+        self._auto_actor_ids = itertools.count(1)
+        self._rotation = 0
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._listener: socket.socket | None = None
+        self._connections = 0
+        self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
+        self.learner_ucx = ucx_available() and transport != "tcp"
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.create_server((self.host, self.port), family=family, backlog=512, reuse_port=False)
+        sock.setblocking(False)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        self._spawn(self._accept_loop())
+        self._spawn(self._heartbeat_loop())
+        if self.schema is not None:
+            self.negotiate_schema(self.schema)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def stop(self) -> None:
+        for session in list(self.sessions.values()):
+            session.control.send(_wire.Bye("learner closing"))
+            session.close("learner closing", lost=False)
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self.ucx is not None:
+            await self.ucx.close()
+        if self.ring is not None:
+            self.ring.close()
+
+    # --- accepting ----------------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, addr = await self.loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and friends: back off rather than spin
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            if self._connections >= self.config.max_connections:
+                self.rejected_connections += 1
+                sock.close()
+                continue
+            self._connections += 1
+            self._spawn(self._handle(sock, f"{addr[0]}:{addr[1]}"))
+
+    async def _handle(self, sock: socket.socket, peer: str) -> None:
+        conn = ControlConnection(sock, self.loop, peer)
+        session: LearnerSession | None = None
+        try:
+            try:
+                async with asyncio.timeout(self.config.handshake_timeout):
+                    result = await self._handshake(conn)
+            except (asyncio.TimeoutError, TimeoutError) as exc:
+                raise ProtocolError(f"handshake did not finish within {self.config.handshake_timeout}s") from exc
+            if result is None:  # a data connection, now owned by its session
+                return
+            session = result
+            await session.serve()
+        except AuthError as exc:
+            self.auth_failures += 1
+            log.warning("refused %s: %s", peer, exc)
+            conn.send(_wire.Error("auth", str(exc)))
+        except (ProtocolError, SchemaMismatch) as exc:
+            log.warning("dropped %s: %s", peer, exc)
+            conn.send(_wire.Error("protocol", str(exc)[:500]))
+            if session is not None:
+                session.stats.protocol_errors += 1
+        except (PeerLost, OSError, RLinkError) as exc:
+            if session is not None:
+                session.close(str(exc), lost=True)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            self._connections -= 1
+            if session is not None:
+                session.close("control connection ended", lost=True)
+            elif not getattr(conn, "handed_off", False):
+                conn.close()
+
+    async def _handshake(self, conn: ControlConnection) -> LearnerSession | None:
+        nonce = _auth.new_nonce()
+        conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
+        first = await conn.recv(self.config.max_preauth_bytes)
+        if isinstance(first, _wire.Attach):
+            self._attach_tcp(conn, first, nonce)
+            return None
+        if not isinstance(first, _wire.Login):
+            raise ProtocolError(f"expected Login or Attach, got {type(first).__name__}")
+        if first.proto != _wire.PROTOCOL_VERSION:
+            raise ProtocolError(f"actor speaks protocol {first.proto}; learner speaks {_wire.PROTOCOL_VERSION}")
+        if len(first.nonce) != _auth.NONCE_BYTES:
+            raise ProtocolError("bad nonce length")
+        if self.token is not None:
+            _auth.verify(_auth.actor_proof(self.token, nonce, first.nonce), first.mac, "actor")
+            conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
+        hello = await conn.recv(self.config.max_control_bytes)
+        if not isinstance(hello, _wire.Hello):
+            raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
+        return self._open_session(conn, hello)
+
+    def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
+        same_host = hello.host == hostname()
+        transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx,
+                                   actor_ucx=hello.ucx, same_host=same_host)  # fmt: skip
+        if not transport:
+            raise ProtocolError(f"no common data plane: {reason}")
+        if hello.actor_id is not None:
+            actor_id = hello.actor_id
+            for other in list(self.sessions.values()):
+                if other.actor_id == actor_id:
+                    if other.incarnation == hello.incarnation:
+                        raise ProtocolError(f"actor id {actor_id} (incarnation {hello.incarnation}) is already connected")
+                    other.close(f"replaced by incarnation {hello.incarnation}", lost=True)
+        else:
+            in_use = {s.actor_id for s in self.sessions.values()}
+            actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
+        ucx_address = None
+        if transport == "ucx":
+            ucx_address = self._ucx_plane().address
+        session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
+                                 secrets.token_bytes(32))  # fmt: skip
+        self.sessions[session.id] = session
+        conn.send(_wire.Welcome(
+            session.id, actor_id, self.version, transport, reason, session.ticket, ucx_address,
+            self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
+        ))  # fmt: skip
+        log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
+        if transport == "ucx":
+            self.ucx.attach(session)
+        return session
+
+    def _attach_tcp(self, conn: ControlConnection, msg: _wire.Attach, nonce: bytes) -> None:
+        session = self.sessions.get(msg.session)
+        if session is None or session.state != "open":
+            raise AuthError("data connection for an unknown session")
+        _auth.verify(_auth.data_proof(session.ticket, nonce, msg.session), msg.mac, "data connection")
+        if session.transport != "tcp" or session.receiver is not None:
+            raise ProtocolError("session already has its data plane")
+        conn.handed_off = True  # type: ignore[attr-defined]
+        session.receiver = TcpReceiver(conn.sock, self.loop, session)
+        session.receiver.start()
+        session.control.send(_wire.Ready("tcp"))
+        self.grant_credits()
+
+    def _ucx_plane(self) -> Any:
+        if self.ucx is None:
+            from .transport.ucx import UcxLearnerPlane
+
+            self.ucx = UcxLearnerPlane(self.loop, self.config)
+        return self.ucx
+
+    # --- schema and credit ----------------------------------------------------------------------
+    def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]:
+        if self.schema is None or self.ring is None:
+            if self.schema is not None and self.schema != schema:
+                raise SchemaMismatch(self._mismatch(schema))
+            self.schema = schema
+            if schema.step_bytes > self.config.max_frame_bytes:
+                raise SchemaMismatch(
+                    f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
+                )
+            max_steps = max(1, self.config.frame_bytes // max(schema.step_bytes, 1))
+            self.ring = StepRing(schema, self.config.buffer_bytes, max_steps, pin_memory=self.pin_memory)
+            self.ring.on_space_freed = lambda: self.loop.call_soon_threadsafe(self.grant_credits)
+            self.ring_ready.set()
+            log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())
+        elif schema != self.schema:
+            raise SchemaMismatch(self._mismatch(schema))
+        return 1, self.ring
+
+    def _mismatch(self, schema: Schema) -> str:
+        assert self.schema is not None
+        return (f"actor schema {schema.describe()} does not match the learner's {self.schema.describe()}: "
+                f"{self.schema.compare(schema)}")  # fmt: skip
+
+    def grant_credits(self) -> None:
+        """Top up each ready actor's credit while the ring has room (round robin, for fairness)."""
+        ring = self.ring
+        if ring is None:
+            return
+        window = max(2 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
+        threshold = max(1, min(window // 4, ring.max_frame_steps))
+        active = [s for s in self.sessions.values() if s.state == "open" and s.ring is ring and s.receiver]
+        if not active:
+            return
+        self._rotation = (self._rotation + 1) % len(active)
+        for session in active[self._rotation :] + active[: self._rotation]:
+            want = window - session.credit
+            if want < threshold:
+                continue
+            give = min(want, ring.grantable())
+            if give <= 0:
+                return
+            if give < threshold and session.credit > 0:
+                continue
+            ring.grant(give)
+            session.grant(give)
+
+    # --- liveness and bookkeeping -------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.heartbeat_interval)
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                session.heartbeat(now)
+
+    def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        self.ended.append(session.describe())
+        del self.ended[:-1000]
+        if self.ring is not None:
+            self.ring.wake()
+        self.grant_credits()
+
+    def snapshot(self) -> dict[str, Any]:
+        ring = self.ring
+        actors = [s.describe() for s in self.sessions.values()]
+        total = {k: sum(a[k] + 0 for a in actors + self.ended) for k in ("frames", "steps", "bytes", "torn_frames")}
+        return {
+            "address": f"{self.host}:{self.port}",
+            "version": self.version,
+            "pid": os.getpid(),
+            "library": __version__,
+            "schema": self.schema.describe() if self.schema else None,
+            "actors": actors,
+            "ended_actors": list(self.ended),
+            "connected_actors": len(actors),
+            "lost_actors": sum(1 for a in self.ended if a["state"] == "lost"),
+            "rejected_connections": self.rejected_connections,
+            "auth_failures": self.auth_failures,
+            "buffer": {
+                "capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
+                "buffered_bytes": ring.buffered_bytes if ring else 0,
+                "ready_steps": ring.ready_steps() if ring else 0,
+                "steps_in": ring.stats.steps_in if ring else 0,
+                "steps_out": ring.stats.steps_out if ring else 0,
+                "torn_frames": ring.stats.torn_frames if ring else 0,
+            },
+            "total": total,
+        }

@@ -1,0 +1,182 @@
+"""One actor's session on the learner: control messages, frame validation, credit, liveness."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from . import _wire
+from ._codec import Schema
+from ._errors import PeerLost, ProtocolError, SchemaMismatch
+from ._io import ControlConnection
+from ._store import Segment, StepRing
+from ._wire import FrameHeader
+
+if TYPE_CHECKING:
+    from ._server import LearnerServer
+    from .transport.base import FrameReceiver
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class SessionStats:
+    frames: int = 0
+    steps: int = 0
+    bytes: int = 0
+    torn_frames: int = 0
+    protocol_errors: int = 0
+
+
+class LearnerSession:
+    """Implements the transport's FrameSink for one authenticated actor."""
+
+    def __init__(self, server: LearnerServer, session_id: int, control: ControlConnection, hello: _wire.Hello,
+                 actor_id: int, transport: str, reason: str, ticket: bytes):  # fmt: skip
+        self.server = server
+        self.id = session_id
+        self.control = control
+        self.hello = hello
+        self.actor_id = actor_id
+        self.incarnation = hello.incarnation
+        self.transport = transport
+        self.transport_reason = reason
+        self.ticket = ticket
+        self.receiver: FrameReceiver | None = None
+        self.schema_id: int | None = None
+        self.ring: StepRing | None = None
+        self.credit = 0  # steps granted to this actor and not yet used
+        self.next_seq = 0
+        self.last_heard = time.monotonic()
+        self.state = "open"
+        self.error: str | None = None
+        self.stats = SessionStats()
+        self._frame: tuple[FrameHeader, Segment] | None = None
+
+    # --- control ----------------------------------------------------------------------------
+    async def serve(self) -> None:
+        max_bytes = self.server.config.max_control_bytes
+        while True:
+            msg = await self.control.recv(max_bytes)
+            self.last_heard = time.monotonic()
+            if isinstance(msg, _wire.Heartbeat):
+                continue
+            if isinstance(msg, _wire.Propose):
+                self._on_propose(msg)
+            elif isinstance(msg, _wire.Bye):
+                self.close("actor said goodbye: " + msg.reason[:200], lost=False)
+                return
+            else:
+                raise ProtocolError(f"unexpected {type(msg).__name__} on an open session")
+
+    def _on_propose(self, msg: _wire.Propose) -> None:
+        schema = Schema.from_wire(msg.fields, max_fields=self.server.config.max_fields)
+        try:
+            schema_id, ring = self.server.negotiate_schema(schema)
+        except SchemaMismatch as exc:
+            self.control.send(_wire.Reject(str(exc)))
+            return
+        self.schema_id, self.ring = schema_id, ring
+        self.control.send(_wire.Accept(schema_id, ring.max_frame_steps))
+        self.server.grant_credits()
+
+    def heartbeat(self, now: float) -> None:
+        """Called periodically on the loop: keep the peer alive and detect a silent one."""
+        timeout = self.server.config.heartbeat_timeout
+        if now - self.last_heard > timeout:
+            self.close(f"no message from actor {self.actor_id} for {timeout:.3g}s", lost=True)
+            return
+        started = self.receiver.frame_started if self.receiver is not None else None
+        if started is not None and now - started > self.server.config.frame_timeout:
+            self.close(f"a frame from actor {self.actor_id} stalled mid-transfer", lost=True)
+            return
+        self.control.send(_wire.Heartbeat())
+
+    def grant(self, steps: int) -> None:
+        self.credit += steps
+        self.control.send(_wire.Credit(steps))
+
+    # --- FrameSink ------------------------------------------------------------------------------
+    def begin(self, header: bytes) -> list[memoryview]:
+        h = FrameHeader.unpack(header)
+        ring = self.ring
+        if self.schema_id is None or ring is None or h.schema_id != self.schema_id:
+            raise ProtocolError(f"frame names schema id {h.schema_id}, which this session did not negotiate")
+        if h.actor_id != self.actor_id or h.incarnation != self.incarnation:
+            raise ProtocolError(
+                f"frame claims actor {h.actor_id}/{h.incarnation}; session is {self.actor_id}/{self.incarnation}"
+            )
+        if not 0 < h.n_steps <= ring.max_frame_steps:
+            raise ProtocolError(f"frame of {h.n_steps} steps; limit {ring.max_frame_steps}")
+        if h.payload_bytes != h.n_steps * ring.schema.step_bytes:
+            raise ProtocolError(f"payload {h.payload_bytes} bytes does not match {h.n_steps} steps of the schema")
+        if h.n_steps > self.credit:
+            raise ProtocolError(f"frame of {h.n_steps} steps exceeds the {self.credit} steps of credit granted")
+        if h.seq != self.next_seq:
+            raise ProtocolError(f"frame seq {h.seq}, expected {self.next_seq}")
+        seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version)
+        self.credit -= h.n_steps
+        self._frame = (h, seg)
+        return ring.field_views(seg)
+
+    def end(self) -> None:
+        assert self._frame is not None and self.ring is not None
+        h, seg = self._frame
+        self._frame = None
+        self.ring.commit(seg)
+        self.next_seq = h.seq + h.n_steps
+        self.stats.frames += 1
+        self.stats.steps += h.n_steps
+        self.stats.bytes += h.payload_bytes
+        self.last_heard = time.monotonic()
+        self.control.send(_wire.Ack(self.next_seq))
+        self.server.grant_credits()
+
+    def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, ProtocolError):
+            self.stats.protocol_errors += 1
+            log.warning("actor %s: protocol error on the data plane: %s", self.actor_id, exc)
+            self.control.send(_wire.Error("protocol", str(exc)[:500]))
+            self.close(f"protocol error: {exc}", lost=True)
+        else:
+            self.close(f"data connection lost: {exc}", lost=True)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def close(self, reason: str, *, lost: bool) -> None:
+        if self.state != "open":
+            return
+        self.state = "lost" if lost else "closed"
+        self.error = reason if lost else None
+        if self._frame is not None and self.ring is not None:
+            self.ring.abandon(self._frame[1])
+            self.stats.torn_frames += 1
+            self._frame = None
+        if self.ring is not None and self.credit:
+            self.ring.revoke(self.credit)
+        self.credit = 0
+        if self.receiver is not None:
+            self.receiver.close()
+        self.control.close()
+        (log.warning if lost else log.info)("actor %s session %s ended: %s", self.actor_id, self.id, reason)
+        self.server.session_ended(self, PeerLost(reason) if lost else None)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "actor_id": self.actor_id,
+            "incarnation": self.incarnation,
+            "host": self.hello.host,
+            "pid": self.hello.pid,
+            "transport": self.transport,
+            "transport_reason": self.transport_reason,
+            "state": self.state,
+            "error": self.error,
+            "frames": self.stats.frames,
+            "steps": self.stats.steps,
+            "bytes": self.stats.bytes,
+            "torn_frames": self.stats.torn_frames,
+            "protocol_errors": self.stats.protocol_errors,
+            "credit": self.credit,
+            "next_seq": self.next_seq,
+        }

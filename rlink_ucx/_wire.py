@@ -1,0 +1,179 @@
+"""Every message that crosses the network, in one place.
+
+Control messages are msgspec structs encoded as msgpack behind a 4-byte little-endian length
+prefix (never pickle). Data frames start with a fixed 56-byte binary header followed by the
+payload: each schema field's bytes for ``n_steps`` steps, one field after another.
+"""
+
+from __future__ import annotations
+
+import struct
+from dataclasses import dataclass
+from typing import Union
+
+import msgspec
+
+from ._errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pass
+
+
+# --- handshake (bounded, pre-authentication) -----------------------------------------------
+class Challenge(_Msg):
+    """Learner -> any new connection: protocol version, fresh nonce, whether a token is needed."""
+
+    proto: int
+    nonce: bytes
+    auth: bool
+
+
+class Login(_Msg):
+    """Actor -> learner on a control connection: its nonce and proof of the token."""
+
+    proto: int
+    nonce: bytes
+    mac: bytes
+
+
+class Proof(_Msg):
+    """Learner -> actor: the learner's proof of the token (mutual authentication)."""
+
+    mac: bytes
+
+
+class Attach(_Msg):
+    """Actor -> learner on a data connection: the session it belongs to, proven by its ticket."""
+
+    proto: int
+    session: int
+    mac: bytes
+
+
+# --- session ----------------------------------------------------------------------------------
+class Hello(_Msg):
+    actor_id: Union[int, None]
+    incarnation: int
+    library: str
+    transport: str  # what the actor asks for: auto | tcp | ucx
+    ucx: bool  # ucxx importable on the actor
+    cuda: bool
+    host: str
+    pid: int
+
+
+class Welcome(_Msg):
+    session: int
+    actor_id: int
+    version: int  # the learner's current model version
+    transport: str  # the data plane chosen for this actor
+    reason: str  # why that plane was chosen
+    ticket: bytes  # secret that proves a data connection belongs to this session
+    ucx_address: Union[bytes, None]
+    max_frame_bytes: int
+    heartbeat_interval: float
+    heartbeat_timeout: float
+
+
+class Propose(_Msg):
+    fields: list  # [[name, dtype, [dims...]], ...], validated by Schema.from_wire
+
+
+class Accept(_Msg):
+    schema_id: int
+    max_steps: int  # the most steps one frame may carry (the learner's ring reserve)
+
+
+class Reject(_Msg):
+    reason: str
+
+
+class Ready(_Msg):
+    """The data plane of this session is attached and authenticated."""
+
+    transport: str
+
+
+class Credit(_Msg):
+    steps: int
+
+
+class Ack(_Msg):
+    next_seq: int  # every step with seq < next_seq is in the learner's buffer
+
+
+class Heartbeat(_Msg):
+    pass
+
+
+class Bye(_Msg):
+    reason: str
+
+
+class Error(_Msg):
+    kind: str
+    text: str
+
+
+Message = Union[
+    Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Ack, Heartbeat, Bye, Error
+]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+LENGTH = struct.Struct("<I")
+
+
+def encode(msg: _Msg) -> bytes:
+    body = _encoder.encode(msg)
+    return LENGTH.pack(len(body)) + body
+
+
+def decode(body: bytes | memoryview) -> Message:
+    try:
+        return _decoder.decode(body)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed control message: {exc}") from exc
+
+
+def check_length(length: int, limit: int) -> None:
+    if length > limit:
+        raise ProtocolError(f"control message of {length} bytes exceeds the {limit}-byte limit")
+
+
+# --- data frames -----------------------------------------------------------------------------
+FRAME_MAGIC = b"RLNK"
+FRAME_HEADER = struct.Struct("<4sHHIIQQQqQ")
+FRAME_HEADER_BYTES = FRAME_HEADER.size  # 56
+
+
+@dataclass(frozen=True, slots=True)
+class FrameHeader:
+    schema_id: int
+    n_steps: int
+    actor_id: int
+    incarnation: int
+    seq: int  # seq of the first step; step i has seq + i
+    version: int  # behaviour-policy version of every step in the frame
+    payload_bytes: int
+    flags: int = 0
+
+    def pack(self) -> bytes:
+        return FRAME_HEADER.pack(
+            FRAME_MAGIC, PROTOCOL_VERSION, self.flags, self.schema_id, self.n_steps,
+            self.actor_id, self.incarnation, self.seq, self.version, self.payload_bytes,
+        )  # fmt: skip
+
+    @classmethod
+    def unpack(cls, raw: bytes | bytearray | memoryview) -> FrameHeader:
+        if len(raw) != FRAME_HEADER_BYTES:
+            raise ProtocolError(f"frame header is {len(raw)} bytes, expected {FRAME_HEADER_BYTES}")
+        magic, proto, flags, schema_id, n_steps, actor_id, incarnation, seq, version, payload = FRAME_HEADER.unpack(raw)
+        if magic != FRAME_MAGIC:
+            raise ProtocolError(f"bad frame magic {magic!r}")
+        if proto != PROTOCOL_VERSION:
+            raise ProtocolError(f"frame protocol version {proto} is not {PROTOCOL_VERSION}")
+        return cls(schema_id, n_steps, actor_id, incarnation, seq, version, payload, flags)

@@ -1,0 +1,48 @@
+"""The data-plane interface: what every transport backend provides.
+
+A backend moves *frames*: a fixed-size header plus a list of payload buffers. It knows nothing
+about RL, schemas or versions. On the learner, the receiver asks a :class:`FrameSink` where
+each frame's payload goes, so the bytes land in their final place with no extra copy.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class FrameSink(Protocol):
+    """Learner-side consumer of one peer's frames (implemented by the session)."""
+
+    def begin(self, header: bytes) -> list[memoryview]:
+        """Validate a frame header; return the buffers its payload is written into, in order.
+
+        Raises ``ProtocolError`` for a header that must not be accepted.
+        """
+
+    def end(self) -> None:
+        """The payload of the frame from the last ``begin`` is complete."""
+
+    def fail(self, exc: BaseException) -> None:
+        """The data connection broke or misbehaved; any frame in progress is torn."""
+
+
+class FrameSender(Protocol):
+    """Actor side: sends frames in order."""
+
+    name: str
+
+    async def send(self, header: bytes, payload: list[memoryview]) -> None:
+        """Send one frame; returns when every buffer may be reused."""
+
+    def close(self) -> None: ...
+
+
+class FrameReceiver(Protocol):
+    """Learner side: receives one peer's frames into the buffers its sink provides."""
+
+    name: str
+    frame_started: float | None  # monotonic time the current frame began, None between frames
+
+    def start(self) -> None: ...
+
+    def close(self) -> None: ...

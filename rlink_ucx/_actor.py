@@ -161,7 +161,8 @@ class Actor:
                 raise SchemaMismatch(f"field {f.name!r} ({f.spec.describe()}) is missing from the chunk")
             arr, dtype = as_host_array(steps[f.name])
             if dtype != f.spec.dtype or arr.shape[1:] != f.shape or arr.ndim != len(f.shape) + 1:
-                raise f.mismatch(arr, f"{dtype}{list(arr.shape)} (a chunk needs a leading time axis)")
+                got = f"{dtype}{list(arr.shape[1:])} per step (chunk shape {list(arr.shape)})"
+                raise f.mismatch(arr, got if arr.ndim else f"{dtype}[] (a chunk needs a leading time axis)")
             if count not in (-1, arr.shape[0]):
                 raise SchemaMismatch(f"field {f.name!r} has {arr.shape[0]} steps, others have {count}")
             count = arr.shape[0]

@@ -87,11 +87,16 @@ class BatchAssembler:
         staging = self._staging()
         fields = {}
         try:
-            for spec, host, dtype, ring_view in zip(self.ring.schema.fields, staging.arrays, self._dtypes,
-                                                    self.ring.views):  # fmt: skip
-                out = torch.from_numpy(host).view(dtype).view(self.batch_size, *spec.shape)
-                self._copy_pieces(out, ring_view, pieces)
-                fields[spec.name] = out
+            for spec, host, dtype, ring_bytes in zip(self.ring.schema.fields, staging.arrays, self._dtypes,
+                                                     self.ring.host_bytes):  # fmt: skip
+                # numpy, not torch: torch's intra-op threads make CPU copies ~10x slower
+                # when the other cores are busy receiving (measured in docs/benchmarks.md).
+                sb = spec.step_bytes
+                i = 0
+                for p in pieces:
+                    host[i * sb : (i + p.count) * sb] = ring_bytes[p.start * sb : (p.start + p.count) * sb]
+                    i += p.count
+                fields[spec.name] = torch.from_numpy(host).view(dtype).view(self.batch_size, *spec.shape)
         finally:
             self.ring.release(take_id)
         self._meta_into(staging.meta, pieces)
@@ -100,14 +105,10 @@ class BatchAssembler:
         return Batch(fields, version=version, actor_id=meta[1], seq=meta[2], staleness=learner_version - version)
 
     @staticmethod
-    def _copy_pieces(out: Any, ring_view: Any, pieces: list[Piece], non_blocking: bool = False) -> None:
-        if len(pieces) == 1:
-            p = pieces[0]
-            out.copy_(ring_view[p.start : p.start + p.count], non_blocking=non_blocking)
-            return
+    def _copy_pieces(out: Any, ring_view: Any, pieces: list[Piece]) -> None:
         i = 0
         for p in pieces:
-            out[i : i + p.count].copy_(ring_view[p.start : p.start + p.count], non_blocking=non_blocking)
+            out[i : i + p.count].copy_(ring_view[p.start : p.start + p.count], non_blocking=True)
             i += p.count
 
     def _assemble_cuda(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
@@ -119,7 +120,7 @@ class BatchAssembler:
         with torch.cuda.stream(self._stream):
             for spec, dtype, ring_view in zip(self.ring.schema.fields, self._dtypes, self.ring.views):
                 out = torch.empty((self.batch_size, *spec.shape), dtype=dtype, device=self.device)
-                self._copy_pieces(out, ring_view, pieces, non_blocking=True)
+                self._copy_pieces(out, ring_view, pieces)
                 fields[spec.name] = out
             meta = torch.from_numpy(meta_host).pin_memory().to(self.device, non_blocking=True)
             event = torch.cuda.Event()

@@ -135,6 +135,11 @@ class LearnerSession:
         self.server.grant_credits()
 
     def fail(self, exc: BaseException) -> None:
+        if isinstance(exc, EOFError):
+            # A clean close between frames; the control channel (Bye or EOF) decides whether
+            # this was a goodbye or a crash.
+            log.debug("actor %s closed its data plane", self.actor_id)
+            return
         if isinstance(exc, ProtocolError):
             self.stats.protocol_errors += 1
             log.warning("actor %s: protocol error on the data plane: %s", self.actor_id, exc)

@@ -21,6 +21,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ._codec import Schema
 from ._errors import Closed, ProtocolError
 from ._errors import TimeoutError as RLinkTimeout
@@ -82,11 +84,13 @@ class StepRing:
         self._flat: list[torch.Tensor] = []
         self.views: list[torch.Tensor] = []  # typed [capacity, *shape] views, for gathering
         self._bytes: list[memoryview] = []  # raw byte views, for receiving into
+        self.host_bytes: list[np.ndarray] = []  # the same bytes as numpy, for CPU gathers
         for spec in schema.fields:
             flat = torch.empty(self.capacity * spec.step_bytes, dtype=torch.uint8, pin_memory=pin_memory)
             self._flat.append(flat)
             self.views.append(flat.view(torch_dtype(spec.dtype)).view(self.capacity, *spec.shape))
-            self._bytes.append(memoryview(flat.numpy()).cast("B"))
+            self.host_bytes.append(flat.numpy())
+            self._bytes.append(memoryview(self.host_bytes[-1]).cast("B"))
         self._segments: collections.deque[Segment] = collections.deque()
         self._head = 0
         self._used = 0  # steps held by live segments (waste included)

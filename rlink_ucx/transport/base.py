@@ -23,7 +23,10 @@ class FrameSink(Protocol):
         """The payload of the frame from the last ``begin`` is complete."""
 
     def fail(self, exc: BaseException) -> None:
-        """The data connection broke or misbehaved; any frame in progress is torn."""
+        """The data connection broke or misbehaved; any frame in progress is torn.
+
+        ``EOFError`` means the peer closed the data plane cleanly between two frames.
+        """
 
 
 class FrameSender(Protocol):

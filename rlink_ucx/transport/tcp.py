@@ -105,7 +105,9 @@ class TcpReceiver:
                 if self._payload is None:
                     n = self.sock.recv_into(memoryview(self._header)[self._header_got :])
                     if n == 0:
-                        raise ConnectionResetError("actor closed the data connection")
+                        if self._header_got == 0:  # between frames: the control channel says why
+                            raise EOFError("actor closed the data connection")
+                        raise ConnectionResetError("actor closed the data connection mid-header")
                     if self._header_got == 0:
                         self.frame_started = time.monotonic()
                     self._header_got += n

@@ -1,0 +1,38 @@
+"""Code that runs in spawned actor processes (importable by the children)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def encoded_steps(actor: int, n: int) -> dict[str, np.ndarray]:
+    """Steps whose values encode (actor, seq), so the learner can check every byte."""
+    seq = np.arange(n, dtype=np.int64)
+    return {
+        "obs": np.stack([np.full(n, actor, np.float32), seq.astype(np.float32), (seq * 0.5).astype(np.float32)], 1),
+        "action": actor * 1_000_000 + seq,
+        "reward": (seq % 7).astype(np.float16),
+        "done": seq % 11 == 0,
+    }
+
+
+def version_of(seq: int) -> int:
+    return seq // 1000
+
+
+def stream_actor(address: str, transport: str, actor: int, n: int, mode: str = "mixed") -> None:
+    """Put ``n`` encoded steps: single puts and put_many chunks, with changing versions."""
+    from rlink_ucx import Actor
+
+    steps = encoded_steps(actor, n)
+    with Actor(address, transport=transport, actor_id=actor) as a:
+        seq = 0
+        while seq < n:
+            if mode == "mixed" and (seq // 500) % 2 == 0:  # single steps
+                a.put({k: v[seq] for k, v in steps.items()}, version=version_of(seq))
+                seq += 1
+            else:  # chunks that never straddle a version change
+                k = min(37, n - seq, 1000 - seq % 1000)
+                a.put_many({f: v[seq : seq + k] for f, v in steps.items()}, version=version_of(seq))
+                seq += k
+        a.flush(60)

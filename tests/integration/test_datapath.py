@@ -1,0 +1,176 @@
+"""End to end: real learner and actor processes over real sockets / real UCX on loopback."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+import rlink_ucx
+from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
+from tests.conftest import TRANSPORTS
+from tests.integration.procs import encoded_steps, stream_actor, version_of
+
+SPAWN = mp.get_context("spawn")
+
+
+def join_all(procs, timeout=60):
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        p.join(max(0.1, deadline - time.monotonic()))
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    return [p.exitcode for p in procs]
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_four_actors_every_step_exactly_once_bit_exact(transport):
+    n_actors, n_steps, batch_size = 4, 10_000, 500
+    with Learner("127.0.0.1:0", transport=transport) as learner:
+        dataset = RLinkDataset(learner, batch_size=batch_size)
+        procs = [SPAWN.Process(target=stream_actor, args=(learner.address, transport, a + 1, n_steps))
+                 for a in range(n_actors)]  # fmt: skip
+        for p in procs:
+            p.start()
+        got: dict[str, list] = {"obs": [], "action": [], "reward": [], "done": [], "actor": [], "seq": [], "version": []}
+        for _ in range(n_actors * n_steps // batch_size):
+            batch = dataset.fetch(timeout=60)
+            for name in ("obs", "action", "reward", "done"):
+                got[name].append(batch[name].numpy().copy())
+            got["actor"].append(batch.actor_id.numpy().copy())
+            got["seq"].append(batch.seq.numpy().copy())
+            got["version"].append(batch.version.numpy().copy())
+            assert (batch.staleness == learner.version - batch.version).all()
+        assert join_all(procs) == [0] * n_actors
+        stats = learner.stats()
+    cat = {k: np.concatenate(v) for k, v in got.items()}
+    assert len(cat["seq"]) == n_actors * n_steps
+    for a in range(1, n_actors + 1):
+        mine = cat["actor"] == a
+        order = cat["seq"][mine]
+        assert order.tolist() == list(range(n_steps)), f"actor {a}: steps missing, duplicated or reordered"
+        expected = encoded_steps(a, n_steps)
+        for name in ("obs", "action", "reward", "done"):
+            assert cat[name][mine].tobytes() == np.ascontiguousarray(expected[name]).tobytes(), name
+        assert cat["version"][mine].tolist() == [version_of(s) for s in range(n_steps)]
+    assert stats["total"]["steps"] == n_actors * n_steps
+    assert {a["transport"] for a in stats["actors"] + stats["ended_actors"]} == {transport}
+
+
+@pytest.mark.timeout(30)
+def test_fetch_times_out_on_an_idle_learner():
+    with Learner("127.0.0.1:0") as learner:
+        dataset = RLinkDataset(learner, batch_size=4)
+        t0 = time.monotonic()
+        with pytest.raises(rlink_ucx.TimeoutError):
+            dataset.fetch(timeout=0.3)
+        assert 0.25 < time.monotonic() - t0 < 5
+        with Actor(learner.address, transport="tcp") as actor:
+            actor.put({"x": np.zeros(2, np.float32)})
+            actor.flush(10)
+            with pytest.raises(TimeoutError):  # the rlink error is also a builtin TimeoutError
+                dataset.fetch(timeout=0.3)
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_close_twice_is_fine(transport):
+    learner = Learner("127.0.0.1:0", transport=transport)
+    actor = Actor(learner.address, transport=transport)
+    actor.put({"x": np.arange(3)})
+    actor.close()
+    actor.close()
+    learner.close()
+    learner.close()
+    with pytest.raises(rlink_ucx.Closed):
+        actor.put({"x": np.arange(3)})
+    assert learner.closed
+
+
+@pytest.mark.timeout(30)
+def test_tokens_mutual_auth():
+    with Learner("127.0.0.1:0", token="s3cret") as learner:
+        with pytest.raises(AuthError, match="did not match|refused"):
+            Actor(learner.address, token="wrong")
+        with pytest.raises(AuthError, match="requires a token"):
+            Actor(learner.address)
+        with Actor(learner.address, token="s3cret") as ok:
+            ok.put({"x": np.arange(3)})
+            ok.flush(10)
+        stats = learner.stats()
+        assert stats["auth_failures"] >= 1
+        assert "s3cret" not in repr(stats)
+    with Learner("127.0.0.1:0") as open_learner:  # the actor demands proof the learner can't give
+        with pytest.raises(AuthError, match="cannot prove"):
+            Actor(open_learner.address, token="s3cret")
+
+
+@pytest.mark.timeout(30)
+def test_non_loopback_bind_without_token_refuses():
+    with pytest.raises(rlink_ucx.ConfigError, match="without a token"):
+        Learner("0.0.0.0:0")
+
+
+@pytest.mark.timeout(30)
+def test_schema_mismatch_names_field_and_both_specs():
+    with Learner("127.0.0.1:0") as learner:
+        dataset = RLinkDataset(learner, batch_size=2)
+        with Actor(learner.address) as actor:
+            actor.put({"obs": np.zeros(4, np.float32), "done": False})
+            with pytest.raises(SchemaMismatch, match=r"'obs'.*float32\[4\].*float64\[4\]"):
+                actor.put({"obs": np.zeros(4, np.float64), "done": False})
+            with pytest.raises(SchemaMismatch, match=r"'obs'.*float32\[4\].*float32\[5\]"):
+                actor.put_many({"obs": np.zeros((3, 5), np.float32), "done": np.zeros(3, bool)})
+            with pytest.raises(SchemaMismatch, match="extra"):
+                actor.put({"obs": np.zeros(4, np.float32), "done": False, "extra": 1})
+            with pytest.raises(SchemaMismatch, match="'done'.*missing"):
+                actor.put({"obs": np.zeros(4, np.float32)})
+            actor.put({"obs": np.ones(4, np.float32), "done": True})
+            actor.flush(10)
+        batch = dataset.fetch(timeout=10)  # nothing accepted before the errors was lost
+        assert batch["obs"].tolist() == [[0.0] * 4, [1.0] * 4] and batch["done"].tolist() == [False, True]
+        with Actor(learner.address) as other:  # a second actor with another schema is rejected
+            with pytest.raises(SchemaMismatch, match="learner rejected.*obs"):
+                other.put({"obs": np.zeros(3, np.int32), "done": False})
+
+
+def _raw_connect(address: str) -> socket.socket:
+    host, port = address.rsplit(":", 1)
+    return socket.create_connection((host, int(port)), timeout=5)
+
+
+@pytest.mark.timeout(60)
+def test_garbage_connections_do_not_disturb_a_streaming_actor():
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=100)
+        proc = SPAWN.Process(target=stream_actor, args=(learner.address, "tcp", 1, 3000))
+        proc.start()
+        attacks = [
+            b"GET / HTTP/1.1\r\n\r\n",
+            struct.pack("<I", 2**31) + b"x" * 16,  # absurd length prefix
+            struct.pack("<I", 400) + b"\xff" * 400,  # malformed msgpack
+            b"\x00" * 3,  # truncated
+        ]
+        for raw in attacks:
+            s = _raw_connect(learner.address)
+            s.recv(512)  # the challenge
+            s.sendall(raw)
+            s.settimeout(5)
+            try:
+                while s.recv(4096):  # the learner must close it
+                    pass
+            except ConnectionResetError:
+                pass
+            s.close()
+        seqs = []
+        for _ in range(30):
+            seqs += dataset.fetch(timeout=30).seq.tolist()
+        assert seqs == list(range(3000))
+        assert join_all([proc]) == [0]
+        assert learner.stats()["connected_actors"] == 0

@@ -1,0 +1,170 @@
+"""Actor -> learner throughput against a raw-socket baseline, measured in one run.
+
+Every row is measured at the receiver, in two processes (spawn), after one warm-up batch:
+
+- ``raw-socket``: ``sendall`` of each message / ``recv_into`` a preallocated buffer;
+- ``rlink-tcp`` / ``rlink-ucx``: ``Actor.put`` of one ``uint8[size]`` step per message ->
+  ``RLinkDataset.fetch`` (batches of about 4 MiB);
+- ``cartpole-put`` / ``cartpole-put_many``: CartPole-sized steps (obs float32[4], action int64,
+  reward float32, done bool), one ``put`` per step, or ``put_many`` chunks of 64 steps.
+
+Usage: rlink bench  (or python bench/throughput.py) [--sizes 1K,64K,1M,16M] [--reps 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import statistics
+import sys
+import time
+
+import numpy as np
+
+SIZES = {"1K": 1 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20}
+TOTAL_BYTES = {1 << 10: 48 << 20, 64 << 10: 768 << 20, 1 << 20: 1536 << 20, 16 << 20: 2048 << 20}
+BATCH_BYTES = 4 << 20
+
+
+# --- raw socket baseline ---------------------------------------------------------------------
+def _raw_sender(port: int, size: int, count: int) -> None:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = np.random.randint(0, 255, size, dtype=np.uint8)
+    view = memoryview(payload)
+    for _ in range(count):
+        sock.sendall(view)
+    sock.recv(1)  # wait for the receiver to finish before closing
+    sock.close()
+
+
+def raw_socket(size: int, count: int) -> float:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    proc = mp.get_context("spawn").Process(target=_raw_sender, args=(port, size, count))
+    proc.start()
+    conn, _ = server.accept()
+    buf = bytearray(size)
+    view = memoryview(buf)
+
+    def recv_message() -> None:
+        got = 0
+        while got < size:
+            n = conn.recv_into(view[got:], size - got)
+            if n == 0:
+                raise ConnectionError("sender closed early")
+            got += n
+
+    warm = max(1, count // 20)
+    for _ in range(warm):
+        recv_message()
+    t0 = time.perf_counter()
+    for _ in range(count - warm):
+        recv_message()
+    elapsed = time.perf_counter() - t0
+    conn.send(b"x")
+    proc.join(30)
+    conn.close()
+    server.close()
+    return (count - warm) * size / elapsed
+
+
+# --- rlink ----------------------------------------------------------------------------------------
+def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int) -> None:
+    from rlink_ucx import Actor
+
+    with Actor(address, transport=transport) as actor:
+        if kind == "bytes":
+            step = {"x": np.random.randint(0, 255, size, dtype=np.uint8)}
+            for _ in range(count):
+                actor.put(step)
+        elif kind == "cartpole-put":
+            obs = np.zeros(4, np.float32)
+            for i in range(count):
+                actor.put({"obs": obs, "action": i, "reward": 1.0, "done": False})
+        else:  # cartpole-put_many: a vectorized env's 64 sub-envs at once
+            chunk = 64
+            steps = {
+                "obs": np.zeros((chunk, 4), np.float32),
+                "action": np.zeros(chunk, np.int64),
+                "reward": np.ones(chunk, np.float32),
+                "done": np.zeros(chunk, bool),
+            }
+            for _ in range(count // chunk):
+                actor.put_many(steps)
+        actor.flush(120)
+
+
+def rlink(transport: str, kind: str, size: int, count: int, step_bytes: int) -> float:
+    """Returns bytes/s (kind == "bytes") or steps/s, measured at the learner."""
+    from rlink_ucx import Learner, RLinkDataset
+
+    with Learner("127.0.0.1:0", transport=transport) as learner:
+        batch = max(1, BATCH_BYTES // step_bytes) if kind == "bytes" else 16384
+        batch = min(batch, count // 4)
+        dataset = RLinkDataset(learner, batch_size=batch)
+        proc = mp.get_context("spawn").Process(target=_rlink_actor, args=(learner.address, transport, kind, size, count))
+        proc.start()
+        batches = count // batch
+        dataset.fetch(timeout=120)
+        t0 = time.perf_counter()
+        for _ in range(batches - 1):
+            dataset.fetch(timeout=120)
+        elapsed = time.perf_counter() - t0
+        proc.join(60)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"actor process exited with {proc.exitcode}")
+        moved = (batches - 1) * batch
+        return moved * (step_bytes if kind == "bytes" else 1) / elapsed
+
+
+def median_of(fn, reps: int) -> tuple[float, float, float]:
+    values = [fn() for _ in range(reps)]
+    return statistics.median(values), min(values), max(values)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes", default="1K,64K,1M,16M")
+    parser.add_argument("--transports", default="tcp,ucx")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=400_000, help="CartPole steps per repetition")
+    parser.add_argument("--json", help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    from rlink_ucx.transport import ucx_available
+
+    transports = [t for t in args.transports.split(",") if t != "ucx" or ucx_available()]
+    rows = []
+    print(f"{'workload':<22}{'system':<16}{'median':>12}{'min':>10}{'max':>10}{'vs raw':>9}")
+    for label in args.sizes.split(","):
+        size = SIZES[label]
+        count = TOTAL_BYTES[size] // size
+        base = median_of(lambda: raw_socket(size, count), args.reps)
+        rows.append({"workload": f"bytes-{label}", "system": "raw-socket", "unit": "GB/s",
+                     "median": base[0] / 1e9, "min": base[1] / 1e9, "max": base[2] / 1e9, "ratio": 1.0})
+        print(f"{'bytes-' + label:<22}{'raw-socket':<16}{base[0] / 1e9:>10.2f}GB{base[1] / 1e9:>10.2f}{base[2] / 1e9:>10.2f}{1.0:>9.2f}")
+        for transport in transports:
+            res = median_of(lambda: rlink(transport, "bytes", size, count, size), args.reps)
+            ratio = res[0] / base[0]
+            rows.append({"workload": f"bytes-{label}", "system": f"rlink-{transport}", "unit": "GB/s",
+                         "median": res[0] / 1e9, "min": res[1] / 1e9, "max": res[2] / 1e9, "ratio": ratio})
+            print(f"{'bytes-' + label:<22}{'rlink-' + transport:<16}{res[0] / 1e9:>10.2f}GB{res[1] / 1e9:>10.2f}{res[2] / 1e9:>10.2f}{ratio:>9.2f}")
+            sys.stdout.flush()
+    for kind in ("cartpole-put", "cartpole-put_many"):
+        for transport in transports:
+            res = median_of(lambda: rlink(transport, kind, 0, args.steps, 29), args.reps)
+            rows.append({"workload": kind, "system": f"rlink-{transport}", "unit": "steps/s",
+                         "median": res[0], "min": res[1], "max": res[2], "ratio": None})
+            print(f"{kind:<22}{'rlink-' + transport:<16}{res[0]:>12,.0f}{res[1]:>10,.0f}{res[2]:>10,.0f}   steps/s")
+            sys.stdout.flush()
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump({"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rows": rows}, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -54,6 +55,8 @@ class LearnerSession:
         self.error: str | None = None
         self.stats = SessionStats()
         self._frame: tuple[FrameHeader, Segment] | None = None
+        # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
+        self._lock = threading.Lock()
 
     # --- control ----------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -95,11 +98,20 @@ class LearnerSession:
         self.control.send(_wire.Heartbeat())
 
     def grant(self, steps: int) -> None:
-        self.credit += steps
+        with self._lock:
+            self.credit += steps
         self.control.send(_wire.Credit(steps))
 
     # --- FrameSink ------------------------------------------------------------------------------
     def begin(self, header: bytes) -> list[memoryview]:
+        with self._lock:
+            return self._begin(header)
+
+    begin_threadsafe = begin
+
+    def _begin(self, header: bytes) -> list[memoryview]:
+        if self.state != "open":
+            raise ProtocolError("session is closed")
         h = FrameHeader.unpack(header)
         ring = self.ring
         if self.schema_id is None or ring is None or h.schema_id != self.schema_id:
@@ -122,17 +134,41 @@ class LearnerSession:
         return ring.field_views(seg)
 
     def end(self) -> None:
-        assert self._frame is not None and self.ring is not None
-        h, seg = self._frame
-        self._frame = None
-        self.ring.commit(seg)
-        self.next_seq = h.seq + h.n_steps
-        self.stats.frames += 1
-        self.stats.steps += h.n_steps
-        self.stats.bytes += h.payload_bytes
-        self.last_heard = time.monotonic()
+        self._commit()
+        self._after_frame()
+
+    def end_threadsafe(self) -> None:
+        """``end`` from another thread: commit now, acknowledge on the I/O loop."""
+        self._commit()
+        self.server.loop.call_soon_threadsafe(self._after_frame)
+
+    def _commit(self) -> None:
+        with self._lock:
+            assert self._frame is not None and self.ring is not None
+            h, seg = self._frame
+            self._frame = None
+            self.ring.commit(seg)
+            self.next_seq = h.seq + h.n_steps
+            self.stats.frames += 1
+            self.stats.steps += h.n_steps
+            self.stats.bytes += h.payload_bytes
+            self.last_heard = time.monotonic()
+
+    def _after_frame(self) -> None:
+        if self.state != "open":
+            return
         self.control.send(_wire.Ack(self.next_seq))
         self.server.grant_credits()
+
+    def abandon(self) -> None:
+        """The receiver guarantees nothing more is written: a frame in progress is torn."""
+        with self._lock:
+            frame, self._frame = self._frame, None
+        if frame is not None and self.ring is not None:
+            self.ring.abandon(frame[1])
+            self.stats.torn_frames += 1
+
+    abandon_threadsafe = abandon
 
     def fail(self, exc: BaseException) -> None:
         if isinstance(exc, EOFError):
@@ -154,15 +190,12 @@ class LearnerSession:
             return
         self.state = "lost" if lost else "closed"
         self.error = reason if lost else None
-        if self._frame is not None and self.ring is not None:
-            self.ring.abandon(self._frame[1])
-            self.stats.torn_frames += 1
-            self._frame = None
-        if self.ring is not None and self.credit:
-            self.ring.revoke(self.credit)
-        self.credit = 0
+        with self._lock:
+            credit, self.credit = self.credit, 0
+        if self.ring is not None and credit:
+            self.ring.revoke(credit)
         if self.receiver is not None:
-            self.receiver.close()
+            self.receiver.close()  # the receiver calls abandon() once nothing more can land
         self.control.close()
         (log.warning if lost else log.info)("actor %s session %s ended: %s", self.actor_id, self.id, reason)
         self.server.session_ended(self, PeerLost(reason) if lost else None)

@@ -22,6 +22,9 @@ class FrameSink(Protocol):
     def end(self) -> None:
         """The payload of the frame from the last ``begin`` is complete."""
 
+    def abandon(self) -> None:
+        """Nothing more will be written into the current frame's buffers: it is torn."""
+
     def fail(self, exc: BaseException) -> None:
         """The data connection broke or misbehaved; any frame in progress is torn.
 

@@ -148,3 +148,6 @@ class TcpReceiver:
             self.sock.close()
         except OSError:
             pass
+        self._payload = None
+        self.frame_started = None
+        self.sink.abandon()

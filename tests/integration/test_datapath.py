@@ -174,3 +174,17 @@ def test_garbage_connections_do_not_disturb_a_streaming_actor():
         assert seqs == list(range(3000))
         assert join_all([proc]) == [0]
         assert learner.stats()["connected_actors"] == 0
+
+
+@pytest.mark.timeout(30)
+def test_a_kept_batch_is_never_overwritten_by_later_fetches():
+    with Learner("127.0.0.1:0") as learner:
+        dataset = RLinkDataset(learner, batch_size=4)
+        with Actor(learner.address) as actor:
+            actor.put_many({"x": np.arange(64, dtype=np.int64)})
+            actor.flush(10)
+            kept = dataset.fetch(timeout=10)
+            view = kept["x"][1:]  # a view keeps the staging buffer alive too
+            later = [dataset.fetch(timeout=10)["x"].tolist() for _ in range(10)]
+        assert kept["x"].tolist() == [0, 1, 2, 3] and view.tolist() == [1, 2, 3]
+        assert later[-1] == [40, 41, 42, 43]

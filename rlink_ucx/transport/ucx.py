@@ -1,0 +1,312 @@
+"""The ``ucx`` data plane, on ucxx's low-level (synchronous) API.
+
+Measured on our 2-core machine (docs/transports.md), ucxx's asyncio API costs ~100 us per
+message and reaches 0.3-1.8 GB/s; the low-level API driven by one dedicated progress thread
+costs ~10 us and beats a raw socket. So:
+
+- the learner owns one UCX worker driven by :class:`UcxLearnerPlane`'s thread, which keeps a
+  header receive posted per actor and, once a header is validated, posts one receive per field
+  straight into the ring (no copy);
+- each actor owns a worker with one endpoint to the learner's worker address (exchanged over
+  the authenticated control channel) and sends ``header, field_0, field_1, ...`` with one tag.
+
+Tags are ``session_tag << 32 | kind`` where ``session_tag`` is derived from the session's
+secret ticket, so a process that did not authenticate cannot address a session's buffers.
+Endpoint error handling is off: it would restrict UCX to TCP and lose same-host shared memory
+(sysv/cma, 3-5x a raw socket here); a dead peer is detected by the control channel instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from .._errors import PeerLost, ProtocolError
+from .._wire import FRAME_HEADER_BYTES
+
+if TYPE_CHECKING:
+    from .._config import Config
+    from .._session import LearnerSession
+    from .._wire import Welcome
+
+log = logging.getLogger(__name__)
+
+HEADER_KIND = 0
+PAYLOAD_KIND = 1
+
+
+def ucx_options(config: Config) -> dict[str, str]:
+    """UCX settings we ship (unless the user set the variable): see docs/transports.md."""
+    seg = f"{max(64, config.ucx_segment_bytes // 1024)}k"
+    ours = {
+        "TCP_TX_SEG_SIZE": seg,
+        "TCP_RX_SEG_SIZE": seg,  # must be >= TX or the worker refuses to start
+        "RNDV_FRAG_SIZE": "host:4M",
+    }
+    return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
+
+
+def _libucxx() -> tuple[Any, Any]:
+    try:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        import ucxx._lib.libucxx as libucxx
+        from ucxx._lib.arr import Array
+    except ImportError as exc:  # pragma: no cover - checked by transport.choose first
+        raise ImportError('the ucx data plane needs ucxx: pip install "rlink-ucx[cu12]"') from exc
+    return libucxx, Array
+
+
+def session_tag(ticket: bytes) -> int:
+    return int.from_bytes(ticket[:4], "little")
+
+
+def make_worker(config: Config) -> tuple[Any, Any, Any]:
+    u, _ = _libucxx()
+    context = u.UCXContext(ucx_options(config), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
+    return u, context, u.UCXWorker(context)
+
+
+class _Receive:
+    """One actor's receive state, touched only by the progress thread."""
+
+    def __init__(self, session: LearnerSession, tag: int):
+        self.session = session
+        self.tag = tag
+        # Receives are posted through an endpoint of their own (to our own worker): matching is
+        # still by tag alone, but closing the endpoint cancels exactly this session's receives.
+        self.endpoint: Any = None
+        self.header = bytearray(FRAME_HEADER_BYTES)
+        self.requests: list[tuple[Any, Any, int]] = []  # (request, Array, kind) in flight
+        self.payload_left = 0
+        self.dead = False
+        self.frame_started: float | None = None
+
+
+class UcxReceiver:
+    """What the session sees (FrameReceiver): liveness of the current frame, and close."""
+
+    name = "ucx"
+
+    def __init__(self, plane: UcxLearnerPlane, state: _Receive):
+        self._plane = plane
+        self._state = state
+
+    @property
+    def frame_started(self) -> float | None:
+        return self._state.frame_started
+
+    def start(self) -> None:
+        self._plane.call(lambda: self._plane._post_header(self._state))
+
+    def close(self) -> None:
+        self._plane.call(lambda: self._plane._drop(self._state))
+
+
+class UcxLearnerPlane:
+    """The learner's UCX worker and the one thread that drives it."""
+
+    _IDLE_SPINS = 2000  # progress calls without completions before sleeping in epoll
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, config: Config):
+        self.u, self.Array = _libucxx()
+        self.u, self._context, self.worker = make_worker(config)
+        self.address = bytes(self.worker.address.tobytes())
+        self.loop = loop
+        self.config = config
+        self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
+        self._receives: list[_Receive] = []
+        self._stuck: list[_Receive] = []  # receives UCX would not give back (kept alive)
+        self._stop = False
+        self.worker.init_blocking_progress_mode()
+        self._thread = threading.Thread(target=self._run, name="rlink-learner-ucx", daemon=True)
+        self._thread.start()
+
+    # --- called from the loop thread ----------------------------------------------------------
+    def attach(self, session: LearnerSession) -> None:
+        state = _Receive(session, session_tag(session.ticket) << 32)
+        session.receiver = receiver = UcxReceiver(self, state)
+        receiver.start()
+        session.control.send(_ready("ucx"))
+
+    def call(self, fn: Callable[[], None]) -> None:
+        self._calls.put(fn)
+
+    async def close(self) -> None:
+        self._stop = True
+        await asyncio.get_running_loop().run_in_executor(None, self._thread.join, self.config.close_timeout)
+
+    # --- the progress thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        idle = 0
+        while not self._stop:
+            try:
+                while True:
+                    self._calls.get_nowait()()
+            except queue.Empty:
+                pass
+            self.worker.progress()
+            if self._poll():
+                idle = 0
+            else:
+                idle += 1
+                if idle > self._IDLE_SPINS:
+                    # Nothing moved for a while: sleep in epoll until UCX has an event (or
+                    # 2 ms pass, so queued calls are still picked up promptly).
+                    self.worker.progress_worker_event(2)
+        self._shutdown()
+
+    def _poll(self) -> bool:
+        moved = False
+        for state in self._receives[:]:
+            while state.requests and state.requests[0][0].completed:
+                request, _, kind = state.requests.pop(0)
+                moved = True
+                try:
+                    request.check_error()
+                except Exception as exc:  # noqa: BLE001 - a cancelled or failed receive
+                    self._failed(state, exc)
+                    break
+                if kind == HEADER_KIND:
+                    self._on_header(state)
+                else:
+                    state.payload_left -= 1
+                    if state.payload_left == 0:
+                        self._on_frame(state)
+        return moved
+
+    def _recv(self, state: _Receive, buffer: Any, kind: int) -> None:
+        array = self.Array(buffer)
+        request = state.endpoint.tag_recv(array, self.u.UCXXTag(state.tag | kind))
+        state.requests.append((request, array, kind))
+
+    def _post_header(self, state: _Receive) -> None:
+        if state.dead:
+            return
+        if state.endpoint is None:
+            own = self.u.UCXAddress.create_from_buffer(self.address)
+            state.endpoint = self.u.UCXEndpoint.create_from_worker_address(self.worker, own, False)
+            self._receives.append(state)
+        self._recv(state, state.header, HEADER_KIND)
+
+    def _on_header(self, state: _Receive) -> None:
+        state.frame_started = time.monotonic()
+        try:
+            views = [v for v in state.session.begin_threadsafe(bytes(state.header)) if len(v)]
+        except ProtocolError as exc:
+            self._failed(state, exc)
+            return
+        if not views:
+            self._on_frame(state)
+            return
+        state.payload_left = len(views)
+        for view in views:
+            self._recv(state, view, PAYLOAD_KIND)
+
+    def _on_frame(self, state: _Receive) -> None:
+        state.frame_started = None
+        state.session.end_threadsafe()
+        self._post_header(state)
+
+    def _failed(self, state: _Receive, exc: BaseException) -> None:
+        self._drop(state)
+        if not state.dead:
+            state.dead = True
+            err = exc if isinstance(exc, ProtocolError) else PeerLost(f"ucx receive failed: {exc}")
+            self.loop.call_soon_threadsafe(state.session.fail, err)
+
+    def _drop(self, state: _Receive) -> None:
+        """The session ended: withdraw its receives so UCX never writes into reused memory."""
+        state.dead = True
+        if state not in self._receives:
+            return
+        if state.endpoint is not None:
+            try:
+                state.endpoint.close_blocking(10**8, 1)  # cancels this endpoint's receives
+            except Exception:  # noqa: BLE001 - best effort; we still wait for the requests below
+                log.debug("closing a session's ucx endpoint failed", exc_info=True)
+            deadline = time.monotonic() + self.config.frame_timeout
+            while any(not r.completed for r, _, _ in state.requests):
+                self.worker.progress()
+                if time.monotonic() > deadline:
+                    # Keep the buffers referenced (never freed under UCX) and the segment reserved.
+                    log.error("ucx receives of actor %s did not cancel; its frame stays reserved",
+                              state.session.actor_id)
+                    self._receives.remove(state)
+                    self._stuck.append(state)
+                    return
+        self._forget(state)
+
+    def _forget(self, state: _Receive) -> None:
+        state.requests.clear()
+        if state in self._receives:
+            self._receives.remove(state)
+        state.session.abandon_threadsafe()
+
+    def _shutdown(self) -> None:
+        for state in list(self._receives):
+            self._drop(state)
+
+
+def _ready(transport: str) -> Any:
+    from .._wire import Ready
+
+    return Ready(transport)
+
+
+class UcxActorPlane:
+    """The actor's side: one worker, one endpoint to the learner; sends in frame order."""
+
+    name = "ucx"
+
+    def __init__(self, u: Any, context: Any, worker: Any, endpoint: Any, tag: int, loop: asyncio.AbstractEventLoop,
+                 config: Config):  # fmt: skip
+        _, self.Array = _libucxx()
+        self.u, self._context, self.worker, self.endpoint = u, context, worker, endpoint
+        self.tag = tag
+        self.loop = loop
+        self.config = config
+
+    @classmethod
+    async def connect(cls, loop: asyncio.AbstractEventLoop, welcome: Welcome, incarnation: int,
+                      config: Config) -> UcxActorPlane:  # fmt: skip
+        if not welcome.ucx_address:
+            raise ProtocolError("learner chose ucx but sent no worker address")
+        u, context, worker = make_worker(config)
+        address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
+        endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
+        return cls(u, context, worker, endpoint, session_tag(welcome.ticket) << 32, loop, config)
+
+    async def send(self, header: bytes, payload: list[memoryview]) -> None:
+        tag_header = self.u.UCXXTag(self.tag | HEADER_KIND)
+        tag_payload = self.u.UCXXTag(self.tag | PAYLOAD_KIND)
+        keep = [self.Array(bytearray(header))]  # UCX needs a writable, contiguous buffer
+        requests = [self.endpoint.tag_send(keep[0], tag_header)]
+        for view in payload:
+            if len(view):
+                keep.append(self.Array(view))
+                requests.append(self.endpoint.tag_send(keep[-1], tag_payload))
+        deadline = time.monotonic() + self.config.frame_timeout
+        spins = 0
+        # Progress on this (the actor's I/O) thread until every buffer is handed over; yield to
+        # the loop now and then so control messages (credit, heartbeats) keep flowing.
+        while not all(r.completed for r in requests):
+            self.worker.progress()
+            spins += 1
+            if spins % 64 == 0:
+                if time.monotonic() > deadline:
+                    raise PeerLost(f"ucx send did not complete within {self.config.frame_timeout}s")
+                await asyncio.sleep(0)
+        for request in requests:
+            request.check_error()
+
+    def close(self) -> None:
+        try:
+            self.endpoint.close_blocking(10**9, 1)  # bounded (ns): never hang on a dead peer
+        except Exception:  # noqa: BLE001 - best effort at shutdown
+            pass

@@ -13,7 +13,7 @@ import numpy as np
 
 from . import _auth
 from ._address import parse_address
-from ._client import ActorConnection, FrameBuffer
+from ._client import ActorConnection, BorrowedFrame, FrameBuffer
 from ._codec import DTYPES, Schema, as_host_array, infer_schema
 from ._config import Config, resolve
 from ._errors import Backpressure, Closed, SchemaMismatch
@@ -82,6 +82,7 @@ class Actor:
         self._next_seq = 0
         self._fields: list[_Field] | None = None
         self._policy_version = 0
+        self._frame_steps = 0  # steps per frame, known once the schema is negotiated
         self._io = IOThread(name="rlink-actor-io")
         incarnation = time.time_ns() ^ (os.getpid() << 20)
         self._conn = ActorConnection(host, port, token=_auth.resolve_token(token), transport=transport,
@@ -117,6 +118,7 @@ class Actor:
         self._conn.schema, self._conn.schema_id = schema, reply.schema_id
         self._conn.free = [FrameBuffer(schema, capacity) for _ in range(self.config.frame_buffers)]
         self._fields = [_Field(i, spec) for i, spec in enumerate(schema.fields)]
+        self._frame_steps = capacity
 
     def _ensure_schema(self, step: Mapping[str, Any], leading_dims: int) -> list[_Field]:
         if self._fields is None:
@@ -147,6 +149,9 @@ class Actor:
         values = [self._check_value(f, step) for f in fields]
         if len(step) != len(fields):
             self._raise_extra(step, fields)
+        if self._frame_steps == 1 and all(type(v) is np.ndarray and v.flags.c_contiguous for v in values):
+            self._send_borrowed([v.reshape(1, *v.shape) for v in values], 1, version)
+            return
         self._append(1, version, lambda fb, at, src, k: _write_step(fb, at, values))
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
@@ -169,7 +174,39 @@ class Actor:
             arrays.append(arr)
         if count == 0:
             return
+        if count >= self._frame_steps and all(a.flags.c_contiguous for a in arrays):
+            self._send_borrowed(arrays, count, version)
+            return
         self._append(count, version, lambda fb, at, src, k: _write_chunk(fb, at, arrays, src, k))
+
+    def _send_borrowed(self, arrays: list[np.ndarray], count: int, version: int | None) -> None:
+        """At least a full frame: send from the caller's memory instead of copying it (like
+        ``sendall``, return once the transport has taken the bytes)."""
+        v = self._policy_version if version is None else int(version)
+        self._check_open()
+        conn = self._conn
+        deadline = time.monotonic() + self.config.put_timeout
+        with self._lock:
+            self._submit_locked()  # an earlier partial frame goes first
+            frame = BorrowedFrame(arrays, count, self._next_seq, v)
+            self._next_seq += count
+            with conn.changed:
+                direct = conn.outstanding == 0
+        try:
+            if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
+                conn.send_direct(frame, deadline)
+                return
+            self._hand_off(frame)
+            if not frame.done.wait(self.config.put_timeout):
+                frame.cancelled = True
+                frame.done.wait(self.config.frame_timeout + self.config.close_timeout)
+                raise Backpressure(f"no credit from the learner for {self.config.put_timeout:.3g}s; "
+                                   f"{frame.sent} of {count} steps were sent")  # fmt: skip
+            self._check_open()
+        except Backpressure:
+            with self._lock:
+                self._next_seq = frame.seq + frame.sent  # unsent steps were never put
+            raise
 
     def _check_value(self, f: _Field, step: Mapping[str, Any]) -> Any:
         try:
@@ -245,7 +282,12 @@ class Actor:
     def _submit_locked(self) -> None:
         fb, self._current = self._current, None
         if fb is not None and fb.n:
-            self._io.soon(self._conn.submit, fb)
+            self._hand_off(fb)
+
+    def _hand_off(self, frame: FrameBuffer | BorrowedFrame) -> None:
+        with self._conn.changed:
+            self._conn.outstanding += 1
+        self._io.soon(self._conn.submit, frame)
 
     def _arm_linger(self, fb: FrameBuffer, generation: int) -> None:
         self._io.loop.call_later(self.config.frame_linger, self._linger_expired, fb, generation)
@@ -254,6 +296,8 @@ class Actor:
         with self._lock:
             if self._current is fb and fb.generation == generation and fb.n:
                 self._current = None
+                with self._conn.changed:
+                    self._conn.outstanding += 1
                 self._conn.submit(fb)
 
     def flush(self, timeout: float | None = None) -> None:
@@ -269,6 +313,7 @@ class Actor:
         limit = self.config.flush_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         conn = self._conn
+        self._io.soon(conn.sync, target)
         with conn.changed:
             while conn.acked < target:
                 self._check_open()

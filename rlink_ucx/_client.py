@@ -14,7 +14,7 @@ from typing import Any
 from . import _auth, _wire
 from ._codec import Schema
 from ._config import Config
-from ._errors import AuthError, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch
+from ._errors import AuthError, Backpressure, ConnectError, PeerLost, ProtocolError, RLinkError
 from ._io import ControlConnection
 from ._version import __version__
 from ._wire import FrameHeader
@@ -53,6 +53,24 @@ class FrameBuffer:
         return [memoryview(flat)[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
 
 
+class BorrowedFrame:
+    """Steps sent straight from the caller's arrays (large puts): no copy into a frame buffer.
+
+    The caller waits on :attr:`done` before returning, so the arrays are never read after
+    ``put`` returns; ``cancelled`` asks the sender to stop at the next sub-frame boundary.
+    """
+
+    def __init__(self, arrays: list[Any], n: int, seq: int, version: int):
+        self.flat = [memoryview(a).cast("B") for a in arrays]
+        self._sizes = [len(f) // n for f in self.flat]
+        self.n, self.seq, self.version, self.sent = n, seq, version, 0
+        self.done = threading.Event()
+        self.cancelled = False
+
+    def payload(self, start: int, stop: int) -> list[memoryview]:
+        return [flat[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
+
+
 class ActorConnection:
     """Everything the actor does on its I/O loop. Errors land in :attr:`error` for the caller."""
 
@@ -71,14 +89,17 @@ class ActorConnection:
         self.error: RLinkError | None = None
         self.schema: Schema | None = None
         self.schema_id = 0
-        self.credit = 0
+        self.credit = 0  # guarded by credit_cv: the loop adds, senders take
+        self.credit_cv = threading.Condition()
+        self.send_lock = threading.Lock()  # one frame on the wire at a time, from any thread
+        self.outstanding = 0  # frames handed to the loop and not yet sent (guarded by changed)
         self.acked = 0  # learner holds every step with seq < acked
         self.sent_steps = 0
         self.sent_frames = 0
         self.sent_bytes = 0
         self.credit_waits = 0
         self.last_heard = time.monotonic()
-        self.queue: collections.deque[FrameBuffer] = collections.deque()
+        self.queue: collections.deque[FrameBuffer | BorrowedFrame] = collections.deque()
         self.free: list[FrameBuffer] = []
         self.changed = threading.Condition()  # signals free buffers, acks and errors to callers
         self._wake = asyncio.Event()
@@ -157,7 +178,7 @@ class ActorConnection:
         data, challenge = await self._open()
         data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
                                _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session)))  # fmt: skip
-        self.sender = TcpSender(data.sock, self.loop)
+        self.sender = TcpSender(data.sock, self.loop, self.config.frame_timeout)
 
     # --- control messages ----------------------------------------------------------------------
     async def _read_control(self) -> None:
@@ -167,8 +188,14 @@ class ActorConnection:
                 msg = await self.control.recv(self.config.max_control_bytes)
                 self.last_heard = time.monotonic()
                 if isinstance(msg, _wire.Credit):
-                    self.credit += msg.steps
+                    with self.credit_cv:
+                        self.credit += msg.steps
+                        self.credit_cv.notify_all()
                     self._credit_event.set()
+                    if msg.acked > self.acked:
+                        with self.changed:
+                            self.acked = msg.acked
+                            self.changed.notify_all()
                 elif isinstance(msg, _wire.Ack):
                     with self.changed:
                         self.acked = msg.next_seq
@@ -206,11 +233,16 @@ class ActorConnection:
         if self.error is None and not self.closing:
             self.error = exc
             log.warning("actor %s: %s", self.actor_id, exc)
+        for frame in self.queue:
+            if isinstance(frame, BorrowedFrame):
+                frame.done.set()  # the caller raises self.error
         for fut in (self._ready, self._proposal):
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
         with self.changed:
             self.changed.notify_all()
+        with self.credit_cv:
+            self.credit_cv.notify_all()
         self._wake.set()
         self._credit_event.set()
 
@@ -222,14 +254,36 @@ class ActorConnection:
         self.control.send(_wire.Propose(schema.to_wire()))
         return await self._proposal
 
+    def sync(self, seq: int) -> None:
+        """Ask the learner to acknowledge once ``seq`` steps are buffered (loop thread)."""
+        if self.control is not None and self.acked < seq:
+            self.control.send(_wire.Sync(seq))
+
     # --- sending frames ------------------------------------------------------------------------
-    def submit(self, fb: FrameBuffer) -> None:
+    def submit(self, fb: FrameBuffer | BorrowedFrame) -> None:
         """Queue a filled frame (loop thread)."""
         self.queue.append(fb)
         self._wake.set()
 
+    def _send_part(self, frame: FrameBuffer | BorrowedFrame, k: int) -> None:
+        """Send steps ``[sent, sent + k)`` of ``frame`` as one wire frame (send_lock held)."""
+        assert self.schema is not None and self.sender is not None
+        step_bytes = self.schema.step_bytes
+        header = FrameHeader(self.schema_id, k, self.actor_id or 0, self.incarnation, frame.seq + frame.sent,
+                             frame.version, k * step_bytes).pack()  # fmt: skip
+        self.sender.send(header, frame.payload(frame.sent, frame.sent + k))
+        frame.sent += k
+        self.sent_steps += k
+        self.sent_frames += 1
+        self.sent_bytes += k * step_bytes
+
+    def _take_credit(self, want: int) -> int:
+        with self.credit_cv:
+            k = min(want, self.credit)
+            self.credit -= k
+            return k
+
     async def _send_loop(self) -> None:
-        step_bytes = 0
         try:
             while True:
                 while not self.queue:
@@ -239,35 +293,60 @@ class ActorConnection:
                     await self._wake.wait()
                 if self.error is not None:
                     return
-                fb = self.queue[0]
-                if not step_bytes:
-                    assert self.schema is not None
-                    step_bytes = self.schema.step_bytes
-                while fb.sent < fb.n:
-                    while self.credit <= 0:
+                frame = self.queue[0]
+                while frame.sent < frame.n and not getattr(frame, "cancelled", False):
+                    k = self._take_credit(frame.n - frame.sent)
+                    if k == 0:
                         if self.error is not None:
                             return
                         self.credit_waits += 1
                         self._credit_event.clear()
-                        await self._credit_event.wait()
-                    k = min(fb.n - fb.sent, self.credit)
-                    header = FrameHeader(self.schema_id, k, self.actor_id or 0, self.incarnation, fb.seq + fb.sent,
-                                         fb.version, k * step_bytes).pack()  # fmt: skip
-                    assert self.sender is not None
-                    await self.sender.send(header, fb.payload(fb.sent, fb.sent + k))
-                    self.credit -= k
-                    fb.sent += k
-                    self.sent_steps += k
-                    self.sent_frames += 1
-                    self.sent_bytes += k * step_bytes
+                        if self.credit <= 0:
+                            await self._credit_event.wait()
+                        continue
+                    with self.send_lock:
+                        self._send_part(frame, k)
                 self.queue.popleft()
                 with self.changed:
-                    self.free.append(fb)
+                    self.outstanding -= 1
+                    if isinstance(frame, FrameBuffer):
+                        self.free.append(frame)
                     self.changed.notify_all()
+                if isinstance(frame, BorrowedFrame):
+                    frame.done.set()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
             self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}"))
+
+    def send_direct(self, frame: BorrowedFrame, deadline: float) -> None:
+        """Send ``frame`` from the calling thread (nothing else is queued): no thread hand-off.
+
+        Raises Backpressure when no credit arrives before ``deadline``.
+        """
+        try:
+            while frame.sent < frame.n:
+                with self.credit_cv:
+                    while self.credit <= 0:
+                        if self.error is not None:
+                            raise self.error
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            raise Backpressure(
+                                f"no credit from the learner before the put timeout; {frame.sent} of {frame.n} steps sent"
+                            )
+                        self.credit_waits += 1
+                        self.credit_cv.wait(min(left, 0.5))
+                    k = min(frame.n - frame.sent, self.credit)
+                    self.credit -= k
+                with self.send_lock:
+                    self._send_part(frame, k)
+        except (Backpressure, RLinkError):
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated and recorded for later calls too
+            err = PeerLost(f"data connection broke: {exc}")
+            self.loop.call_soon_threadsafe(self.fail, err)
+            raise err from exc
 
     # --- closing -----------------------------------------------------------------------------------
     async def close(self) -> None:
@@ -289,4 +368,4 @@ def _cuda_visible() -> bool:
     return bool(torch is not None and torch.cuda.is_available())
 
 
-__all__ = ["ActorConnection", "FrameBuffer", "SchemaMismatch"]
+__all__ = ["ActorConnection", "BorrowedFrame", "FrameBuffer"]

@@ -44,8 +44,8 @@ class Config:
     frame_buffers: int = 4  # frames an actor can fill while earlier ones are in flight
 
     # --- learner-side caps ----------------------------------------------------------------
-    buffer_bytes: int = 256 * MiB  # the learner's receive ring (per schema), never exceeded
-    actor_window_bytes: int = 8 * MiB  # credit an actor may hold (in flight) at once
+    buffer_bytes: int = 64 * MiB  # the learner's receive ring (per schema), never exceeded
+    actor_window_bytes: int = 32 * MiB  # credit an actor may hold (in flight) at once
     max_frame_bytes: int = 64 * MiB  # largest frame payload accepted
     max_control_bytes: int = 1 * MiB  # largest control message after authentication
     max_preauth_bytes: int = 512  # largest message read before authentication

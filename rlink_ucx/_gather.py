@@ -28,7 +28,7 @@ class _Staging:
         for spec in ring.schema.fields:
             host = np.empty(batch_size * spec.step_bytes, dtype=np.uint8)
             self.arrays.append(host)
-        self.meta = np.empty((3, batch_size), dtype=np.int64)  # version, actor_id, seq
+        self.meta = np.empty((4, batch_size), dtype=np.int64)  # version, actor_id, seq, staleness
 
     def in_use(self) -> bool:
         # Each torch tensor (and every view of one) keeps its numpy base alive through its
@@ -65,13 +65,14 @@ class BatchAssembler:
             return self._assemble_cuda(pieces, take_id, learner_version)
         return self._assemble_cpu(pieces, take_id, learner_version)
 
-    def _meta_into(self, meta: np.ndarray, pieces: list[Piece]) -> None:
+    def _meta_into(self, meta: np.ndarray, pieces: list[Piece], learner_version: int) -> None:
         i = 0
         for p in pieces:
             meta[0, i : i + p.count] = p.version
             meta[1, i : i + p.count] = p.actor_id
             meta[2, i : i + p.count] = np.arange(p.seq, p.seq + p.count)
             i += p.count
+        np.subtract(learner_version, meta[0], out=meta[3])
 
     def _staging(self) -> _Staging:
         for staging in self._pool:
@@ -99,10 +100,9 @@ class BatchAssembler:
                 fields[spec.name] = torch.from_numpy(host).view(dtype).view(self.batch_size, *spec.shape)
         finally:
             self.ring.release(take_id)
-        self._meta_into(staging.meta, pieces)
+        self._meta_into(staging.meta, pieces, learner_version)
         meta = torch.from_numpy(staging.meta)
-        version = meta[0]
-        return Batch(fields, version=version, actor_id=meta[1], seq=meta[2], staleness=learner_version - version)
+        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
 
     @staticmethod
     def _copy_pieces(out: Any, ring_view: Any, pieces: list[Piece]) -> None:
@@ -114,8 +114,8 @@ class BatchAssembler:
     def _assemble_cuda(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
         torch = self.torch
         self.release_finished()
-        meta_host = np.empty((3, self.batch_size), dtype=np.int64)
-        self._meta_into(meta_host, pieces)
+        meta_host = np.empty((4, self.batch_size), dtype=np.int64)
+        self._meta_into(meta_host, pieces, learner_version)
         fields = {}
         with torch.cuda.stream(self._stream):
             for spec, dtype, ring_view in zip(self.ring.schema.fields, self._dtypes, self.ring.views):
@@ -129,5 +129,4 @@ class BatchAssembler:
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         for tensor in (*fields.values(), meta):
             tensor.record_stream(torch.cuda.current_stream(self.device))
-        version = meta[0]
-        return Batch(fields, version=version, actor_id=meta[1], seq=meta[2], staleness=learner_version - version)
+        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])

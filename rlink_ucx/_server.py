@@ -194,7 +194,7 @@ class LearnerServer:
         if session.transport != "tcp" or session.receiver is not None:
             raise ProtocolError("session already has its data plane")
         conn.handed_off = True  # type: ignore[attr-defined]
-        session.receiver = TcpReceiver(conn.sock, self.loop, session)
+        session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}")
         session.receiver.start()
         session.control.send(_wire.Ready("tcp"))
         self.grant_credits()
@@ -235,8 +235,8 @@ class LearnerServer:
         ring = self.ring
         if ring is None:
             return
-        window = max(2 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
-        threshold = max(1, min(window // 4, ring.max_frame_steps))
+        window = max(4 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
+        threshold = max(1, window // 4)  # grant in chunks: one Credit message per quarter window
         active = [s for s in self.sessions.values() if s.state == "open" and s.ring is ring and s.receiver]
         if not active:
             return
@@ -251,7 +251,7 @@ class LearnerServer:
             if give < threshold and session.credit > 0:
                 continue
             ring.grant(give)
-            session.grant(give)
+            session.grant(give, low_water=window - threshold)
 
     # --- liveness and bookkeeping -------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:

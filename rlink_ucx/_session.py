@@ -55,6 +55,8 @@ class LearnerSession:
         self.error: str | None = None
         self.stats = SessionStats()
         self._frame: tuple[FrameHeader, Segment] | None = None
+        self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
+        self.low_water = 0  # wake the loop for more credit once credit falls to this
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
         self._lock = threading.Lock()
 
@@ -66,7 +68,10 @@ class LearnerSession:
             self.last_heard = time.monotonic()
             if isinstance(msg, _wire.Heartbeat):
                 continue
-            if isinstance(msg, _wire.Propose):
+            if isinstance(msg, _wire.Sync):
+                self.ack_wanted = msg.seq
+                self._after_frame()
+            elif isinstance(msg, _wire.Propose):
                 self._on_propose(msg)
             elif isinstance(msg, _wire.Bye):
                 self.close("actor said goodbye: " + msg.reason[:200], lost=False)
@@ -97,17 +102,16 @@ class LearnerSession:
             return
         self.control.send(_wire.Heartbeat())
 
-    def grant(self, steps: int) -> None:
+    def grant(self, steps: int, low_water: int) -> None:
         with self._lock:
             self.credit += steps
-        self.control.send(_wire.Credit(steps))
+            self.low_water = low_water
+        self.control.send(_wire.Credit(steps, self.next_seq))
 
     # --- FrameSink ------------------------------------------------------------------------------
     def begin(self, header: bytes) -> list[memoryview]:
         with self._lock:
             return self._begin(header)
-
-    begin_threadsafe = begin
 
     def _begin(self, header: bytes) -> list[memoryview]:
         if self.state != "open":
@@ -133,14 +137,12 @@ class LearnerSession:
         self._frame = (h, seg)
         return ring.field_views(seg)
 
-    def end(self) -> None:
-        self._commit()
-        self._after_frame()
-
     def end_threadsafe(self) -> None:
-        """``end`` from another thread: commit now, acknowledge on the I/O loop."""
+        """The frame is complete (any thread): commit now; wake the I/O loop only when a flush
+        waits for it or credit runs low, so a stream of frames costs no loop round trips."""
         self._commit()
-        self.server.loop.call_soon_threadsafe(self._after_frame)
+        if self.next_seq >= self.ack_wanted or self.credit <= self.low_water:
+            self.server.loop.call_soon_threadsafe(self._after_frame)
 
     def _commit(self) -> None:
         with self._lock:
@@ -157,7 +159,9 @@ class LearnerSession:
     def _after_frame(self) -> None:
         if self.state != "open":
             return
-        self.control.send(_wire.Ack(self.next_seq))
+        if self.next_seq >= self.ack_wanted:
+            self.ack_wanted = 1 << 62
+            self.control.send(_wire.Ack(self.next_seq))
         self.server.grant_credits()
 
     def abandon(self) -> None:
@@ -168,7 +172,9 @@ class LearnerSession:
             self.ring.abandon(frame[1])
             self.stats.torn_frames += 1
 
-    abandon_threadsafe = abandon
+
+    def fail_threadsafe(self, exc: BaseException) -> None:
+        self.server.loop.call_soon_threadsafe(self.fail, exc)
 
     def fail(self, exc: BaseException) -> None:
         if isinstance(exc, EOFError):

@@ -99,6 +99,13 @@ class Ready(_Msg):
 
 class Credit(_Msg):
     steps: int
+    acked: int  # piggybacked Ack.next_seq
+
+
+class Sync(_Msg):
+    """Actor -> learner: acknowledge once every step before ``seq`` is buffered (flush)."""
+
+    seq: int
 
 
 class Ack(_Msg):
@@ -119,7 +126,7 @@ class Error(_Msg):
 
 
 Message = Union[
-    Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Ack, Heartbeat, Bye, Error
+    Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye, Error
 ]
 
 _encoder = msgspec.msgpack.Encoder()

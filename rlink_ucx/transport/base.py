@@ -14,18 +14,18 @@ class FrameSink(Protocol):
     """Learner-side consumer of one peer's frames (implemented by the session)."""
 
     def begin(self, header: bytes) -> list[memoryview]:
-        """Validate a frame header; return the buffers its payload is written into, in order.
+        """(Any thread.) Validate a frame header; return the buffers its payload is written into, in order.
 
         Raises ``ProtocolError`` for a header that must not be accepted.
         """
 
-    def end(self) -> None:
-        """The payload of the frame from the last ``begin`` is complete."""
+    def end_threadsafe(self) -> None:
+        """The payload of the frame from the last ``begin`` is complete (any thread)."""
 
     def abandon(self) -> None:
         """Nothing more will be written into the current frame's buffers: it is torn."""
 
-    def fail(self, exc: BaseException) -> None:
+    def fail_threadsafe(self, exc: BaseException) -> None:
         """The data connection broke or misbehaved; any frame in progress is torn.
 
         ``EOFError`` means the peer closed the data plane cleanly between two frames.
@@ -37,8 +37,9 @@ class FrameSender(Protocol):
 
     name: str
 
-    async def send(self, header: bytes, payload: list[memoryview]) -> None:
-        """Send one frame; returns when every buffer may be reused."""
+    def send(self, header: bytes, payload: list[memoryview]) -> None:
+        """Send one frame (blocking, bounded by ``frame_timeout``); returns when every buffer
+        may be reused. Callers serialize sends with the connection's send lock."""
 
     def close(self) -> None: ...
 

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import threading
 import time
 
 from .._wire import FRAME_HEADER_BYTES
 from .base import FrameSink
 
-# A connection gives up the loop after this many bytes so one busy actor cannot starve others.
-_FAIRNESS_BYTES = 8 * 1024 * 1024
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 
 
@@ -41,113 +40,94 @@ def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
 
 
 class TcpSender:
+    """Blocking scatter-gather sends on the actor's I/O thread.
+
+    A blocking ``sendmsg`` (bounded by ``frame_timeout``) beats non-blocking sends driven by
+    the event loop: one Python wake-up per frame instead of one per socket-buffer's worth.
+    """
+
     name = "tcp"
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop):
-        sock.setblocking(False)
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, timeout: float):
         tune_socket(sock)
+        sock.settimeout(timeout)
         self.sock = sock
-        self.loop = loop
 
-    async def send(self, header: bytes, payload: list[memoryview]) -> None:
+    def send(self, header: bytes, payload: list[memoryview]) -> None:
         buffers = [memoryview(header), *(b for b in payload if len(b))]
         while buffers:
-            try:
-                sent = self.sock.sendmsg(buffers)
-            except BlockingIOError:
-                await self._writable()
-                continue
-            buffers = _advance(buffers, sent)
-
-    def _writable(self) -> asyncio.Future[None]:
-        fut: asyncio.Future[None] = self.loop.create_future()
-
-        def ready() -> None:
-            self.loop.remove_writer(self.sock)
-            if not fut.done():
-                fut.set_result(None)
-
-        self.loop.add_writer(self.sock, ready)
-        fut.add_done_callback(lambda f: self.loop.remove_writer(self.sock) if f.cancelled() else None)
-        return fut
+            buffers = _advance(buffers, self.sock.sendmsg(buffers))
 
     def close(self) -> None:
-        try:
-            self.sock.close()
-        except OSError:
-            pass
+        _close(self.sock)
+
+
+def _close(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass
 
 
 class TcpReceiver:
-    """Reads frames from one actor's data socket, driven by loop reader callbacks."""
+    """Reads one actor's frames on a thread of its own, with blocking ``recvmsg_into``.
+
+    Blocking reads into the ring cost one Python call per socket read instead of an event-loop
+    round trip each (measured ~2x the throughput on loopback). The session's ``begin``/``end``
+    are thread-safe; a stalled frame is caught by the session's heartbeat check, which closes
+    the socket and so unblocks this thread.
+    """
 
     name = "tcp"
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, sink: FrameSink):
-        sock.setblocking(False)
+    def __init__(self, sock: socket.socket, sink: FrameSink, name: str = "rlink-tcp-recv"):
+        sock.setblocking(True)
         tune_socket(sock)
         self.sock = sock
-        self.loop = loop
         self.sink = sink
-        self._header = bytearray(FRAME_HEADER_BYTES)
-        self._header_got = 0
-        self._payload: list[memoryview] | None = None
         self.frame_started: float | None = None
         self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
-        self.loop.add_reader(self.sock, self._on_readable)
+        self._thread.start()
 
-    def _on_readable(self) -> None:
-        budget = _FAIRNESS_BYTES
+    def _run(self) -> None:
+        header = bytearray(FRAME_HEADER_BYTES)
+        view = memoryview(header)
         try:
-            while budget > 0 and not self._closed:
-                if self._payload is None:
-                    n = self.sock.recv_into(memoryview(self._header)[self._header_got :])
+            while True:
+                got = 0
+                while got < FRAME_HEADER_BYTES:
+                    n = self.sock.recv_into(view[got:])
                     if n == 0:
-                        if self._header_got == 0:  # between frames: the control channel says why
+                        if got == 0:  # between frames: the control channel says why
                             raise EOFError("actor closed the data connection")
                         raise ConnectionResetError("actor closed the data connection mid-header")
-                    if self._header_got == 0:
-                        self.frame_started = time.monotonic()
-                    self._header_got += n
-                    if self._header_got < FRAME_HEADER_BYTES:
-                        continue
-                    self._header_got = 0
-                    self._payload = [v for v in self.sink.begin(bytes(self._header)) if len(v)]
-                    if not self._payload:
-                        self._finish()
-                    continue
-                n = self.sock.recvmsg_into(self._payload)[0]
-                if n == 0:
-                    raise ConnectionResetError("actor closed the data connection mid-frame")
-                budget -= n
-                self._payload = _advance(self._payload, n)
-                if not self._payload:
-                    self._finish()
-        except BlockingIOError:
-            return
+                    got += n
+                self.frame_started = time.monotonic()
+                payload = [v for v in self.sink.begin(bytes(header)) if len(v)]
+                while payload:
+                    n = self.sock.recvmsg_into(payload)[0]
+                    if n == 0:
+                        raise ConnectionResetError("actor closed the data connection mid-frame")
+                    payload = _advance(payload, n)
+                self.frame_started = None
+                self.sink.end_threadsafe()
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the session
-            self.close()
-            self.sink.fail(exc)
-
-    def _finish(self) -> None:
-        self._payload = None
-        self.frame_started = None
-        self.sink.end()
+            if not self._closed:
+                self._closed = True
+                _close(self.sock)
+                self.sink.fail_threadsafe(exc)
+        finally:
+            self.frame_started = None
+            self.sink.abandon()  # nothing more can land in the ring from this thread
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        try:
-            self.loop.remove_reader(self.sock)
-        except (ValueError, OSError, RuntimeError):
-            pass
-        try:
-            self.sock.close()
-        except OSError:
-            pass
-        self._payload = None
-        self.frame_started = None
-        self.sink.abandon()
+        if not self._closed:
+            self._closed = True
+            _close(self.sock)

@@ -197,7 +197,7 @@ class UcxLearnerPlane:
     def _on_header(self, state: _Receive) -> None:
         state.frame_started = time.monotonic()
         try:
-            views = [v for v in state.session.begin_threadsafe(bytes(state.header)) if len(v)]
+            views = [v for v in state.session.begin(bytes(state.header)) if len(v)]
         except ProtocolError as exc:
             self._failed(state, exc)
             return
@@ -218,7 +218,7 @@ class UcxLearnerPlane:
         if not state.dead:
             state.dead = True
             err = exc if isinstance(exc, ProtocolError) else PeerLost(f"ucx receive failed: {exc}")
-            self.loop.call_soon_threadsafe(state.session.fail, err)
+            state.session.fail_threadsafe(err)
 
     def _drop(self, state: _Receive) -> None:
         """The session ended: withdraw its receives so UCX never writes into reused memory."""
@@ -246,7 +246,7 @@ class UcxLearnerPlane:
         state.requests.clear()
         if state in self._receives:
             self._receives.remove(state)
-        state.session.abandon_threadsafe()
+        state.session.abandon()
 
     def _shutdown(self) -> None:
         for state in list(self._receives):
@@ -282,7 +282,7 @@ class UcxActorPlane:
         endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
         return cls(u, context, worker, endpoint, session_tag(welcome.ticket) << 32, loop, config)
 
-    async def send(self, header: bytes, payload: list[memoryview]) -> None:
+    def send(self, header: bytes, payload: list[memoryview]) -> None:
         tag_header = self.u.UCXXTag(self.tag | HEADER_KIND)
         tag_payload = self.u.UCXXTag(self.tag | PAYLOAD_KIND)
         keep = [self.Array(bytearray(header))]  # UCX needs a writable, contiguous buffer
@@ -293,15 +293,13 @@ class UcxActorPlane:
                 requests.append(self.endpoint.tag_send(keep[-1], tag_payload))
         deadline = time.monotonic() + self.config.frame_timeout
         spins = 0
-        # Progress on this (the actor's I/O) thread until every buffer is handed over; yield to
-        # the loop now and then so control messages (credit, heartbeats) keep flowing.
+        # Progress on the sending thread until every buffer is handed over (the worker is only
+        # touched under the connection's send lock).
         while not all(r.completed for r in requests):
             self.worker.progress()
             spins += 1
-            if spins % 64 == 0:
-                if time.monotonic() > deadline:
-                    raise PeerLost(f"ucx send did not complete within {self.config.frame_timeout}s")
-                await asyncio.sleep(0)
+            if spins % 256 == 0 and time.monotonic() > deadline:
+                raise PeerLost(f"ucx send did not complete within {self.config.frame_timeout}s")
         for request in requests:
             request.check_error()
 

@@ -101,6 +101,7 @@ class Actor:
         self.transport: str = self._conn.welcome.transport
         self.transport_reason: str = self._conn.welcome.reason
         self._policy_version = self._conn.welcome.version
+        self._io.soon(self._linger_tick)
         log.info("actor %s connected to %s via %s (%s)", self.actor_id, address, self.transport, self.transport_reason)
 
     # --- schema -----------------------------------------------------------------------------------
@@ -241,6 +242,7 @@ class Actor:
         while done < count:
             if conn.error is not None or self._closed:
                 self._check_open()
+            full = None
             with self._lock:
                 fb = self._current
                 if fb is not None and fb.n and fb.version != v:  # one version per frame
@@ -253,17 +255,41 @@ class Actor:
                     self._next_seq += k
                     done += k
                     if fb.n == fb.capacity:
-                        self._submit_locked()
-                    continue
+                        full, self._current = fb, None
+            if full is not None:
+                self._dispatch(full, v)
+                continue
+            if fb is not None:
+                continue
             fresh = self._acquire(deadline)
             with self._lock:
                 if self._current is None:
                     fresh.reset(self._next_seq, v)
                     self._current = fresh
-                    self._io.soon(self._arm_linger, fresh, fresh.generation)
                 else:
                     with conn.changed:
                         conn.free.append(fresh)
+
+    def _dispatch(self, fb: FrameBuffer, version: int) -> None:
+        """Send a full frame. With nothing queued and credit at hand, send it on this thread
+        and keep the (cache-warm) buffer; otherwise hand it to the I/O thread."""
+        conn = self._conn
+        with conn.changed:
+            idle = conn.outstanding == 0
+        if idle and conn.take_all_credit(fb.n):
+            with conn.send_lock:
+                conn.send_part_or_fail(fb, fb.n)
+            with self._lock:
+                if self._current is None:
+                    fb.reset(self._next_seq, version)
+                    self._current = fb
+                    return
+            with conn.changed:
+                conn.free.append(fb)
+                conn.changed.notify_all()
+            return
+        with self._lock:
+            self._hand_off(fb)
 
     def _acquire(self, deadline: float) -> FrameBuffer:
         conn = self._conn
@@ -289,16 +315,18 @@ class Actor:
             self._conn.outstanding += 1
         self._io.soon(self._conn.submit, frame)
 
-    def _arm_linger(self, fb: FrameBuffer, generation: int) -> None:
-        self._io.loop.call_later(self.config.frame_linger, self._linger_expired, fb, generation)
-
-    def _linger_expired(self, fb: FrameBuffer, generation: int) -> None:
-        with self._lock:
-            if self._current is fb and fb.generation == generation and fb.n:
-                self._current = None
-                with self._conn.changed:
-                    self._conn.outstanding += 1
-                self._conn.submit(fb)
+    def _linger_tick(self) -> None:
+        """On the I/O loop, every ``frame_linger``: send a partial frame that waited long enough."""
+        fb = self._current  # unlocked peek: most ticks find nothing to do
+        if fb is not None and fb.n and time.monotonic() - fb.started >= self.config.frame_linger:
+            with self._lock:
+                if self._current is fb and fb.n:
+                    self._current = None
+                    with self._conn.changed:
+                        self._conn.outstanding += 1
+                    self._conn.submit(fb)
+        if not self._closed:
+            self._io.loop.call_later(self.config.frame_linger, self._linger_tick)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send any partial frame and wait until the learner holds every step put so far.

@@ -43,11 +43,11 @@ class FrameBuffer:
         self.seq = 0
         self.version = 0
         self.sent = 0
-        self.generation = 0
+        self.started = 0.0
 
     def reset(self, seq: int, version: int) -> None:
         self.n, self.seq, self.version, self.sent = 0, seq, version, 0
-        self.generation += 1
+        self.started = time.monotonic()
 
     def payload(self, start: int, stop: int) -> list[memoryview]:
         return [memoryview(flat)[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
@@ -277,6 +277,25 @@ class ActorConnection:
         self.sent_frames += 1
         self.sent_bytes += k * step_bytes
 
+    def take_all_credit(self, n: int) -> bool:
+        """Take ``n`` steps of credit if all are available now (any thread)."""
+        with self.credit_cv:
+            if self.credit < n or self.error is not None:
+                return False
+            self.credit -= n
+            return True
+
+    def send_part_or_fail(self, frame: FrameBuffer | BorrowedFrame, k: int) -> None:
+        """``_send_part`` from a caller's thread: failures are recorded and raised as PeerLost."""
+        try:
+            self._send_part(frame, k)
+        except RLinkError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - translated and recorded for later calls too
+            err = PeerLost(f"data connection broke: {exc}")
+            self.loop.call_soon_threadsafe(self.fail, err)
+            raise err from exc
+
     def _take_credit(self, want: int) -> int:
         with self.credit_cv:
             k = min(want, self.credit)
@@ -324,29 +343,22 @@ class ActorConnection:
 
         Raises Backpressure when no credit arrives before ``deadline``.
         """
-        try:
-            while frame.sent < frame.n:
-                with self.credit_cv:
-                    while self.credit <= 0:
-                        if self.error is not None:
-                            raise self.error
-                        left = deadline - time.monotonic()
-                        if left <= 0:
-                            raise Backpressure(
-                                f"no credit from the learner before the put timeout; {frame.sent} of {frame.n} steps sent"
-                            )
-                        self.credit_waits += 1
-                        self.credit_cv.wait(min(left, 0.5))
-                    k = min(frame.n - frame.sent, self.credit)
-                    self.credit -= k
-                with self.send_lock:
-                    self._send_part(frame, k)
-        except (Backpressure, RLinkError):
-            raise
-        except Exception as exc:  # noqa: BLE001 - translated and recorded for later calls too
-            err = PeerLost(f"data connection broke: {exc}")
-            self.loop.call_soon_threadsafe(self.fail, err)
-            raise err from exc
+        while frame.sent < frame.n:
+            with self.credit_cv:
+                while self.credit <= 0:
+                    if self.error is not None:
+                        raise self.error
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Backpressure(
+                            f"no credit from the learner before the put timeout; {frame.sent} of {frame.n} steps sent"
+                        )
+                    self.credit_waits += 1
+                    self.credit_cv.wait(min(left, 0.5))
+                k = min(frame.n - frame.sent, self.credit)
+                self.credit -= k
+            with self.send_lock:
+                self.send_part_or_fail(frame, k)
 
     # --- closing -----------------------------------------------------------------------------------
     async def close(self) -> None:

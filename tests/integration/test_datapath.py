@@ -147,7 +147,8 @@ def _raw_connect(address: str) -> socket.socket:
 
 @pytest.mark.timeout(60)
 def test_garbage_connections_do_not_disturb_a_streaming_actor():
-    with Learner("127.0.0.1:0", transport="tcp") as learner:
+    # A truncated message is only dropped when the handshake times out: keep that short.
+    with Learner("127.0.0.1:0", transport="tcp", config=rlink_ucx.Config(handshake_timeout=1.0)) as learner:
         dataset = RLinkDataset(learner, batch_size=100)
         proc = SPAWN.Process(target=stream_actor, args=(learner.address, "tcp", 1, 3000))
         proc.start()
@@ -158,6 +159,7 @@ def test_garbage_connections_do_not_disturb_a_streaming_actor():
             b"\x00" * 3,  # truncated
         ]
         for raw in attacks:
+            t0 = time.monotonic()
             s = _raw_connect(learner.address)
             s.recv(512)  # the challenge
             s.sendall(raw)
@@ -167,6 +169,7 @@ def test_garbage_connections_do_not_disturb_a_streaming_actor():
                     pass
             except ConnectionResetError:
                 pass
+            assert time.monotonic() - t0 < 3, "the learner must drop a bad connection within the handshake timeout"
             s.close()
         seqs = []
         for _ in range(30):

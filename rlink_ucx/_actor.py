@@ -101,6 +101,7 @@ class Actor:
         self.transport: str = self._conn.welcome.transport
         self.transport_reason: str = self._conn.welcome.reason
         self._policy_version = self._conn.welcome.version
+        self._direct = bool(getattr(self._conn.sender, "any_thread", False))  # send on the caller's thread?
         self._io.soon(self._linger_tick)
         log.info("actor %s connected to %s via %s (%s)", self.actor_id, address, self.transport, self.transport_reason)
 
@@ -192,7 +193,7 @@ class Actor:
             frame = BorrowedFrame(arrays, count, self._next_seq, v)
             self._next_seq += count
             with conn.changed:
-                direct = conn.outstanding == 0
+                direct = conn.outstanding == 0 and self._direct
         try:
             if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
                 conn.send_direct(frame, deadline)
@@ -275,7 +276,7 @@ class Actor:
         and keep the (cache-warm) buffer; otherwise hand it to the I/O thread."""
         conn = self._conn
         with conn.changed:
-            idle = conn.outstanding == 0
+            idle = conn.outstanding == 0 and self._direct
         if idle and conn.take_all_credit(fb.n):
             with conn.send_lock:
                 conn.send_part_or_fail(fb, fb.n)

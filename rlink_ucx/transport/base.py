@@ -36,6 +36,7 @@ class FrameSender(Protocol):
     """Actor side: sends frames in order."""
 
     name: str
+    any_thread: bool  # may send() run on a caller's thread, or only on the I/O loop?
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         """Send one frame (blocking, bounded by ``frame_timeout``); returns when every buffer

@@ -47,6 +47,7 @@ class TcpSender:
     """
 
     name = "tcp"
+    any_thread = True  # a socket may be written from any thread (under the send lock)
 
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, timeout: float):
         tune_socket(sock)

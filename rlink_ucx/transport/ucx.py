@@ -115,17 +115,21 @@ class UcxLearnerPlane:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, config: Config):
         self.u, self.Array = _libucxx()
-        self.u, self._context, self.worker = make_worker(config)
-        self.address = bytes(self.worker.address.tobytes())
         self.loop = loop
         self.config = config
+        self.address = b""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._receives: list[_Receive] = []
         self._stuck: list[_Receive] = []  # receives UCX would not give back (kept alive)
         self._stop = False
-        self.worker.init_blocking_progress_mode()
+        self._started = threading.Event()
+        self._start_error: BaseException | None = None
+        # UCX workers run in single-thread mode: the thread that drives the worker must be the
+        # one that creates it (touching it from another thread hung transfers now and then).
         self._thread = threading.Thread(target=self._run, name="rlink-learner-ucx", daemon=True)
         self._thread.start()
+        if not self._started.wait(config.connect_timeout) or self._start_error is not None:
+            raise PeerLost(f"the learner's UCX worker did not start: {self._start_error}")
 
     # --- called from the loop thread ----------------------------------------------------------
     def attach(self, session: LearnerSession) -> None:
@@ -143,6 +147,24 @@ class UcxLearnerPlane:
 
     # --- the progress thread -------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self.u, self._context, self.worker = make_worker(self.config)
+            self.address = bytes(self.worker.address.tobytes())
+            self.worker.init_blocking_progress_mode()
+        except BaseException as exc:  # reported by __init__ in the caller's thread
+            self._start_error = exc
+            self._started.set()
+            return
+        self._started.set()
+        try:
+            self._loop()
+        except BaseException:  # a dead progress thread would stall every ucx actor: say so loudly
+            log.critical("the learner's UCX progress thread died", exc_info=True)
+            for state in list(self._receives):
+                state.session.fail_threadsafe(PeerLost("the learner's UCX progress thread died"))
+            raise
+
+    def _loop(self) -> None:
         idle = 0
         while not self._stop:
             try:
@@ -263,6 +285,9 @@ class UcxActorPlane:
     """The actor's side: one worker, one endpoint to the learner; sends in frame order."""
 
     name = "ucx"
+    # UCX workers run in single-thread mode: only the thread that made the worker (the actor's
+    # I/O loop) may touch it, so callers must not send from their own threads.
+    any_thread = False
 
     def __init__(self, u: Any, context: Any, worker: Any, endpoint: Any, tag: int, loop: asyncio.AbstractEventLoop,
                  config: Config):  # fmt: skip

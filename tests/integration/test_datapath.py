@@ -191,3 +191,4 @@ def test_a_kept_batch_is_never_overwritten_by_later_fetches():
             later = [dataset.fetch(timeout=10)["x"].tolist() for _ in range(10)]
         assert kept["x"].tolist() == [0, 1, 2, 3] and view.tolist() == [1, 2, 3]
         assert later[-1] == [40, 41, 42, 43]
+

@@ -82,7 +82,7 @@ def _smoke(args: argparse.Namespace) -> int:
     from ._learner import Learner
 
     total = args.actors * args.steps
-    batch_size = min(1024, total)
+    batch_size = max(d for d in range(1, min(1024, total) + 1) if total % d == 0)  # fetch every step
     with Learner("127.0.0.1:0", transport=args.transport) as learner:
         dataset = RLinkDataset(learner, batch_size=batch_size)
         ctx = mp.get_context("spawn")
@@ -104,7 +104,7 @@ def _smoke(args: argparse.Namespace) -> int:
         for p in procs:
             p.join(60)
         stats = learner.stats()
-    ordered = all(v == list(range(len(v))) for v in seen.values())
+    ordered = all(v == list(range(args.steps)) for v in seen.values())
     transports = sorted({a["transport"] for a in stats["ended_actors"] + stats["actors"]})
     print(f"learner received {received} steps from {len(seen)} actors in {elapsed:.2f}s "
           f"({received / elapsed:,.0f} steps/s) over {', '.join(transports)}; "

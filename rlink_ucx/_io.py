@@ -14,7 +14,7 @@ from collections.abc import Coroutine
 from typing import Any, TypeVar
 
 from . import _wire
-from ._errors import Closed, PeerLost, ProtocolError, RLinkError
+from ._errors import Closed, PeerLost, ProtocolError
 from ._errors import TimeoutError as RLinkTimeout
 
 log = logging.getLogger(__name__)
@@ -151,14 +151,3 @@ class ControlConnection:
             self.sock.close()
         except OSError:
             pass
-
-
-def translate(exc: BaseException, what: str) -> RLinkError:
-    """Map an exception from the I/O layer to the rlink error tree."""
-    if isinstance(exc, RLinkError):
-        return exc
-    if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
-        return RLinkTimeout(f"{what} timed out")
-    if isinstance(exc, OSError):
-        return PeerLost(f"{what}: {exc}")
-    return RLinkError(f"{what}: {exc!r}")

@@ -19,7 +19,7 @@ import enum
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -66,7 +66,6 @@ class RingStats:
     torn_frames: int = 0
     bytes_in: int = 0
     wait_seconds: float = 0.0
-    history: list[int] = field(default_factory=list)
 
 
 class StepRing:

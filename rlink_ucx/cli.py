@@ -6,7 +6,6 @@ import argparse
 import json
 import logging
 import multiprocessing as mp
-import os
 import sys
 import time
 from typing import Any

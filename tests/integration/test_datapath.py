@@ -12,7 +12,7 @@ import pytest
 
 import rlink_ucx
 from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
-from tests.conftest import TRANSPORTS
+from tests.conftest import STREAMING_TRANSPORTS, TRANSPORTS
 from tests.integration.procs import encoded_steps, stream_actor, version_of
 
 SPAWN = mp.get_context("spawn")
@@ -29,7 +29,7 @@ def join_all(procs, timeout=60):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", TRANSPORTS)
+@pytest.mark.parametrize("transport", STREAMING_TRANSPORTS)
 def test_four_actors_every_step_exactly_once_bit_exact(transport):
     n_actors, n_steps, batch_size = 4, 10_000, 500
     with Learner("127.0.0.1:0", transport=transport) as learner:

@@ -91,6 +91,7 @@ class ControlConnection:
         self.peer = peer
         self._out = bytearray()
         self._writing = False
+        self._reader: asyncio.Task[Any] | None = None  # the task that last waited in recv
         self.closed = False
 
     async def _read_exact(self, n: int) -> bytes:
@@ -108,6 +109,9 @@ class ControlConnection:
         return bytes(buf)
 
     async def recv(self, max_bytes: int) -> _wire.Message:
+        if self.closed:
+            raise PeerLost(f"connection to {self.peer} is closed")
+        self._reader = asyncio.current_task()
         (length,) = _wire.LENGTH.unpack(await self._read_exact(_wire.LENGTH.size))
         _wire.check_length(length, max_bytes)
         if length == 0:
@@ -145,8 +149,15 @@ class ControlConnection:
         if self.closed:
             return
         self.closed = True
-        if self._writing:
-            self.loop.remove_writer(self.sock)
+        # Unregister the fd before closing it: a pending sock_recv_into leaves a reader in the
+        # selector, and once the kernel reuses the fd number for a new connection, that stale
+        # entry silently swallows the new socket's registration (seen as a hung handshake).
+        fd = self.sock.fileno()
+        if fd >= 0:
+            self.loop.remove_reader(fd)
+            self.loop.remove_writer(fd)
+        if self._reader is not None and self._reader is not asyncio.current_task() and not self._reader.done():
+            self._reader.cancel()
         try:
             self.sock.close()
         except OSError:

@@ -36,3 +36,13 @@ def stream_actor(address: str, transport: str, actor: int, n: int, mode: str = "
                 a.put_many({f: v[seq : seq + k] for f, v in steps.items()}, version=version_of(seq))
                 seq += k
         a.flush(60)
+
+
+def int_actor(address: str, actor: int, n: int) -> None:
+    """Put int64 steps 0..n-1 in chunks of 100 over tcp."""
+    from rlink_ucx import Actor
+
+    with Actor(address, transport="tcp", actor_id=actor) as a:
+        for start in range(0, n, 100):
+            a.put_many({"x": np.arange(start, start + 100, dtype=np.int64)})
+        a.flush(30)

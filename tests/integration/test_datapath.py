@@ -13,7 +13,7 @@ import pytest
 import rlink_ucx
 from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
 from tests.conftest import STREAMING_TRANSPORTS, TRANSPORTS
-from tests.integration.procs import encoded_steps, stream_actor, version_of
+from tests.integration.procs import encoded_steps, int_actor, stream_actor, version_of
 
 SPAWN = mp.get_context("spawn")
 
@@ -192,3 +192,40 @@ def test_a_kept_batch_is_never_overwritten_by_later_fetches():
         assert kept["x"].tolist() == [0, 1, 2, 3] and view.tolist() == [1, 2, 3]
         assert later[-1] == [40, 41, 42, 43]
 
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "garbage",
+    [
+        b"\x00" * 56,  # bad magic
+        struct.pack("<4sHHIIQQQqQ", b"RLNK", 1, 0, 99, 1, 1, 0, 0, 0, 8),  # unknown schema id
+        struct.pack("<4sHHIIQQQqQ", b"RLNK", 1, 0, 1, 1, 1, 0, 10, 0, 2**40),  # oversized claim
+    ],
+    ids=["bad-magic", "unknown-schema", "oversized"],
+)
+def test_a_bad_data_frame_drops_only_that_actor_and_loses_nothing_accepted(garbage):
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=10)
+        bad = Actor(learner.address, transport="tcp", actor_id=1)
+        bad.put_many({"x": np.arange(10, dtype=np.int64)})
+        bad.flush(10)  # accepted: must survive what follows
+        good = SPAWN.Process(target=int_actor, args=(learner.address, 2, 2000))
+        good.start()
+        bad._conn.sender.sock.sendall(garbage)  # behind the library's back, on its data socket
+        deadline = time.monotonic() + 10
+        while not any(a["actor_id"] == 1 for a in learner.stats()["ended_actors"]):
+            assert time.monotonic() < deadline, "the learner did not drop the misbehaving actor"
+            time.sleep(0.05)
+        first = dataset.fetch(timeout=10)
+        assert first["x"].tolist() == list(range(10)) and first.actor_id.tolist() == [1] * 10
+        got = [dataset.fetch(timeout=30) for _ in range(200)]
+        assert [s for b in got for s in b.seq.tolist()] == list(range(2000))
+        assert [x for b in got for x in b["x"].tolist()] == list(range(2000))
+        assert join_all([good]) == [0]
+        ended = next(a for a in learner.stats()["ended_actors"] if a["actor_id"] == 1)
+        assert ended["state"] == "lost" and ended["protocol_errors"] == 1
+        with pytest.raises((rlink_ucx.ProtocolError, rlink_ucx.PeerLost)):
+            bad.put_many({"x": np.arange(10, dtype=np.int64)})
+            bad.flush(5)
+        bad.close()

@@ -208,6 +208,7 @@ class Actor:
         except Backpressure:
             with self._lock:
                 self._next_seq = frame.seq + frame.sent  # unsent steps were never put
+                conn.next_send_seq = self._next_seq
             raise
 
     def _check_value(self, f: _Field, step: Mapping[str, Any]) -> Any:
@@ -323,9 +324,10 @@ class Actor:
             with self._lock:
                 if self._current is fb and fb.n:
                     self._current = None
-                    with self._conn.changed:
-                        self._conn.outstanding += 1
-                    self._conn.submit(fb)
+                    # Through the loop's ready queue, like every other hand-off: an earlier full
+                    # frame handed off by the caller's thread may still be waiting there, and
+                    # frames must reach the wire in seq order.
+                    self._hand_off(fb)
         if not self._closed:
             self._io.loop.call_later(self.config.frame_linger, self._linger_tick)
 

@@ -93,6 +93,7 @@ class ActorConnection:
         self.credit_cv = threading.Condition()
         self.send_lock = threading.Lock()  # one frame on the wire at a time, from any thread
         self.outstanding = 0  # frames handed to the loop and not yet sent (guarded by changed)
+        self.next_send_seq = 0  # seq of the next step to go on the wire
         self.acked = 0  # learner holds every step with seq < acked
         self.sent_steps = 0
         self.sent_frames = 0
@@ -261,7 +262,8 @@ class ActorConnection:
 
     # --- sending frames ------------------------------------------------------------------------
     def submit(self, fb: FrameBuffer | BorrowedFrame) -> None:
-        """Queue a filled frame (loop thread)."""
+        """Queue a filled frame (loop thread). Frames arrive here in seq order (they all come
+        through the loop's FIFO ready queue); the sender checks that they leave that way."""
         self.queue.append(fb)
         self._wake.set()
 
@@ -273,6 +275,7 @@ class ActorConnection:
                              frame.version, k * step_bytes).pack()  # fmt: skip
         self.sender.send(header, frame.payload(frame.sent, frame.sent + k))
         frame.sent += k
+        self.next_send_seq = frame.seq + frame.sent
         self.sent_steps += k
         self.sent_frames += 1
         self.sent_bytes += k * step_bytes
@@ -313,6 +316,8 @@ class ActorConnection:
                 if self.error is not None:
                     return
                 frame = self.queue[0]
+                if frame.seq + frame.sent != self.next_send_seq:
+                    raise ProtocolError(f"internal: frame seq {frame.seq} queued, {self.next_send_seq} due")
                 while frame.sent < frame.n and not getattr(frame, "cancelled", False):
                     k = self._take_credit(frame.n - frame.sent)
                     if k == 0:

@@ -236,10 +236,10 @@ class UcxLearnerPlane:
         self._post_header(state)
 
     def _failed(self, state: _Receive, exc: BaseException) -> None:
+        first = not state.dead
         self._drop(state)
-        if not state.dead:
-            state.dead = True
-            err = exc if isinstance(exc, ProtocolError) else PeerLost(f"ucx receive failed: {exc}")
+        if first:
+            err = exc if isinstance(exc, ProtocolError) else PeerLost(f"ucx receive failed: {exc!r}")
             state.session.fail_threadsafe(err)
 
     def _drop(self, state: _Receive) -> None:

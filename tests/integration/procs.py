@@ -46,3 +46,16 @@ def int_actor(address: str, actor: int, n: int) -> None:
         for start in range(0, n, 100):
             a.put_many({"x": np.arange(start, start + 100, dtype=np.int64)})
         a.flush(30)
+
+
+def lingering_actor(address: str, transport: str, n: int) -> None:
+    """Tiny frames and a 1 ms linger: full-frame hand-offs race the linger tick constantly."""
+    from rlink_ucx import Actor, Config
+
+    config = Config(frame_bytes=2048, frame_linger=0.001)
+    with Actor(address, transport=transport, actor_id=9, config=config) as a:
+        for start in range(0, n, 50):
+            a.put_many({"x": np.arange(start, start + 50, dtype=np.int64)})
+            if start % 1000 == 0:
+                a.put({"x": np.int64(-1)})  # a lone step leaves a partial frame for the tick
+        a.flush(60)

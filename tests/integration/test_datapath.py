@@ -12,8 +12,8 @@ import pytest
 
 import rlink_ucx
 from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
-from tests.conftest import STREAMING_TRANSPORTS, TRANSPORTS
-from tests.integration.procs import encoded_steps, int_actor, stream_actor, version_of
+from tests.conftest import TRANSPORTS
+from tests.integration.procs import encoded_steps, int_actor, lingering_actor, stream_actor, version_of
 
 SPAWN = mp.get_context("spawn")
 
@@ -29,7 +29,7 @@ def join_all(procs, timeout=60):
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", STREAMING_TRANSPORTS)
+@pytest.mark.parametrize("transport", TRANSPORTS)
 def test_four_actors_every_step_exactly_once_bit_exact(transport):
     n_actors, n_steps, batch_size = 4, 10_000, 500
     with Learner("127.0.0.1:0", transport=transport) as learner:
@@ -229,3 +229,23 @@ def test_a_bad_data_frame_drops_only_that_actor_and_loses_nothing_accepted(garba
             bad.put_many({"x": np.arange(10, dtype=np.int64)})
             bad.flush(5)
         bad.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_frames_leave_in_order_when_linger_races_full_frames(transport):
+    n = 20_000
+    with Learner("127.0.0.1:0", transport=transport) as learner:
+        dataset = RLinkDataset(learner, batch_size=20)
+        proc = SPAWN.Process(target=lingering_actor, args=(learner.address, transport, n))
+        proc.start()
+        total = n + n // 1000
+        seqs, values = [], []
+        for _ in range(total // 20):
+            batch = dataset.fetch(timeout=30)
+            seqs += batch.seq.tolist()
+            values += batch["x"].tolist()
+        assert join_all([proc]) == [0]
+        assert learner.stats()["lost_actors"] == 0
+    assert seqs == list(range(total))
+    assert [v for v in values if v >= 0] == list(range(n)) and values.count(-1) == n // 1000

@@ -154,6 +154,19 @@ class Actor:
         if self._frame_steps == 1 and all(type(v) is np.ndarray and v.flags.c_contiguous for v in values):
             self._send_borrowed([v.reshape(1, *v.shape) for v in values], 1, version)
             return
+        v = self._policy_version if version is None else int(version)
+        with self._lock:  # fast path: room in the current frame (almost every call)
+            fb = self._current
+            if (fb is not None and fb.n < fb.capacity - 1 and (fb.version == v or not fb.n)
+                    and not self._closed and self._conn.error is None):  # fmt: skip
+                if not fb.n:
+                    fb.version = v
+                at = fb.n
+                for arr, value in zip(fb.typed, values):
+                    arr[at] = value
+                fb.n = at + 1
+                self._next_seq += 1
+                return
         self._append(1, version, lambda fb, at, src, k: _write_step(fb, at, values))
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:

@@ -172,7 +172,6 @@ class LearnerSession:
             self.ring.abandon(frame[1])
             self.stats.torn_frames += 1
 
-
     def fail_threadsafe(self, exc: BaseException) -> None:
         self.server.loop.call_soon_threadsafe(self.fail, exc)
 

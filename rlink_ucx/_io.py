@@ -93,6 +93,7 @@ class ControlConnection:
         self._writing = False
         self._reader: asyncio.Task[Any] | None = None  # the task that last waited in recv
         self.closed = False
+        self.handed_off = False  # the socket now belongs to a data-plane receiver
 
     async def _read_exact(self, n: int) -> bytes:
         buf = bytearray(n)

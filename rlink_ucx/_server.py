@@ -131,7 +131,7 @@ class LearnerServer:
             self._connections -= 1
             if session is not None:
                 session.close("control connection ended", lost=True)
-            elif not getattr(conn, "handed_off", False):
+            elif not conn.handed_off:
                 conn.close()
 
     async def _handshake(self, conn: ControlConnection) -> LearnerSession | None:
@@ -193,7 +193,7 @@ class LearnerServer:
         _auth.verify(_auth.data_proof(session.ticket, nonce, msg.session), msg.mac, "data connection")
         if session.transport != "tcp" or session.receiver is not None:
             raise ProtocolError("session already has its data plane")
-        conn.handed_off = True  # type: ignore[attr-defined]
+        conn.handed_off = True
         session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}")
         session.receiver.start()
         session.control.send(_wire.Ready("tcp"))

@@ -60,6 +60,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         self.timeout = timeout
         if self.device.type == "cuda":
             learner._request_pinned()
+        learner._hint_batch_size(batch_size)
         self._assembler: BatchAssembler | None = None
         self._lock = threading.Lock()
         self.batches = 0
@@ -82,7 +83,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
                 ring = self.learner._wait_ring(timeout)
                 if ring is None:
                     raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s: no actor has sent a schema yet")
-                if self.batch_size > ring.capacity - 2 * ring.max_frame_steps:
+                if self.batch_size > ring.capacity - ring.max_frame_steps:
                     raise ConfigError(
                         f"batch_size {self.batch_size} does not fit the learner buffer "
                         f"({ring.capacity} steps); raise Config.buffer_bytes"

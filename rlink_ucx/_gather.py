@@ -1,9 +1,10 @@
-"""Batch assembly: copy claimed ring pieces into batch tensors on the dataset's device.
+"""Batch assembly: turn claimed ring pieces into batch tensors on the dataset's device.
 
-On CPU the batch tensors come from a small pool of staging buffers, reused only once nothing
-outside the pool refers to them any more (so a batch the user kept is never overwritten). On
-CUDA the ring is pinned and pieces are copied with ``non_blocking=True`` on a side stream;
-the user's stream waits for that copy, and the ring space is released once it completed.
+On CPU, a batch that is exactly one ring chunk is lent without a copy (see ``StepRing``);
+otherwise pieces are copied into staging buffers from a small pool, reused only once nothing
+outside the pool refers to them (so a batch the user kept is never overwritten). On CUDA the
+ring is pinned and pieces are copied with ``non_blocking=True`` on a side stream; the user's
+stream waits for that copy, and the ring space is released once it completed.
 """
 
 from __future__ import annotations
@@ -24,19 +25,12 @@ class _Staging:
     """Host arrays for one batch; torch tensors made from them keep them referenced."""
 
     def __init__(self, ring: StepRing, batch_size: int):
-        self.arrays = []
-        for spec in ring.schema.fields:
-            host = np.empty(batch_size * spec.step_bytes, dtype=np.uint8)
-            self.arrays.append(host)
-        self.meta = np.empty((4, batch_size), dtype=np.int64)  # version, actor_id, seq, staleness
+        self.arrays = [np.empty(batch_size * spec.step_bytes, dtype=np.uint8) for spec in ring.schema.fields]
 
     def in_use(self) -> bool:
         # Each torch tensor (and every view of one) keeps its numpy base alive through its
         # storage; 3 = the list slot + the loop variable + getrefcount's own argument.
-        for arr in self.arrays:
-            if sys.getrefcount(arr) > 3:
-                return True
-        return sys.getrefcount(self.meta) > 3
+        return any(sys.getrefcount(arr) > 3 for arr in self.arrays)
 
 
 class BatchAssembler:
@@ -48,6 +42,8 @@ class BatchAssembler:
         self.batch_size = batch_size
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self.lends = ring.chunk_steps == batch_size and not self.cuda
+        self.lent_batches = 0
         self._pool: list[_Staging] = []
         self._pending: list[tuple[Any, int]] = []  # (CUDA event, take id) of copies in flight
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -61,11 +57,13 @@ class BatchAssembler:
             self.ring.release(take_id)
 
     def assemble(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
+        meta = self._meta(pieces, learner_version)
         if self.cuda:
-            return self._assemble_cuda(pieces, take_id, learner_version)
-        return self._assemble_cpu(pieces, take_id, learner_version)
+            return self._assemble_cuda(pieces, take_id, meta)
+        return self._assemble_cpu(pieces, take_id, meta)
 
-    def _meta_into(self, meta: np.ndarray, pieces: list[Piece], learner_version: int) -> None:
+    def _meta(self, pieces: list[Piece], learner_version: int) -> np.ndarray:
+        meta = np.empty((4, self.batch_size), dtype=np.int64)  # version, actor_id, seq, staleness
         i = 0
         for p in pieces:
             meta[0, i : i + p.count] = p.version
@@ -73,6 +71,7 @@ class BatchAssembler:
             meta[2, i : i + p.count] = np.arange(p.seq, p.seq + p.count)
             i += p.count
         np.subtract(learner_version, meta[0], out=meta[3])
+        return meta
 
     def _staging(self) -> _Staging:
         for staging in self._pool:
@@ -83,44 +82,46 @@ class BatchAssembler:
             self._pool.append(staging)
         return staging
 
-    def _assemble_cpu(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
+    def _batch(self, arrays: list[np.ndarray], meta_host: np.ndarray) -> Batch:
         torch = self.torch
-        staging = self._staging()
-        fields = {}
+        fields = {
+            spec.name: torch.from_numpy(host).view(dtype).view(self.batch_size, *spec.shape)
+            for spec, host, dtype in zip(self.ring.schema.fields, arrays, self._dtypes)
+        }
+        meta = torch.from_numpy(meta_host)
+        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
+
+    def _assemble_cpu(self, pieces: list[Piece], take_id: int, meta: np.ndarray) -> Batch:
         try:
-            for spec, host, dtype, ring_bytes in zip(self.ring.schema.fields, staging.arrays, self._dtypes,
-                                                     self.ring.host_bytes):  # fmt: skip
+            lent = self.ring.lend_chunk(pieces) if self.lends else None
+            if lent is not None:
+                self.lent_batches += 1
+                return self._batch(lent, meta)
+            staging = self._staging()
+            for f, (spec, host) in enumerate(zip(self.ring.schema.fields, staging.arrays)):
                 # numpy, not torch: torch's intra-op threads make CPU copies ~10x slower
                 # when the other cores are busy receiving (measured in docs/benchmarks.md).
                 sb = spec.step_bytes
                 i = 0
                 for p in pieces:
-                    host[i * sb : (i + p.count) * sb] = ring_bytes[p.start * sb : (p.start + p.count) * sb]
+                    host[i * sb : (i + p.count) * sb] = self.ring.piece_bytes(f, p)
                     i += p.count
-                fields[spec.name] = torch.from_numpy(host).view(dtype).view(self.batch_size, *spec.shape)
+            return self._batch(staging.arrays, meta)
         finally:
             self.ring.release(take_id)
-        self._meta_into(staging.meta, pieces, learner_version)
-        meta = torch.from_numpy(staging.meta)
-        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
 
-    @staticmethod
-    def _copy_pieces(out: Any, ring_view: Any, pieces: list[Piece]) -> None:
-        i = 0
-        for p in pieces:
-            out[i : i + p.count].copy_(ring_view[p.start : p.start + p.count], non_blocking=True)
-            i += p.count
-
-    def _assemble_cuda(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
+    def _assemble_cuda(self, pieces: list[Piece], take_id: int, meta_host: np.ndarray) -> Batch:
         torch = self.torch
         self.release_finished()
-        meta_host = np.empty((4, self.batch_size), dtype=np.int64)
-        self._meta_into(meta_host, pieces, learner_version)
         fields = {}
         with torch.cuda.stream(self._stream):
-            for spec, dtype, ring_view in zip(self.ring.schema.fields, self._dtypes, self.ring.views):
+            for f, (spec, dtype) in enumerate(zip(self.ring.schema.fields, self._dtypes)):
                 out = torch.empty((self.batch_size, *spec.shape), dtype=dtype, device=self.device)
-                self._copy_pieces(out, ring_view, pieces)
+                i = 0
+                for p in pieces:
+                    src = torch.from_numpy(self.ring.piece_bytes(f, p)).view(dtype).view(p.count, *spec.shape)
+                    out[i : i + p.count].copy_(src, non_blocking=True)
+                    i += p.count
                 fields[spec.name] = out
             meta = torch.from_numpy(meta_host).pin_memory().to(self.device, non_blocking=True)
             event = torch.cuda.Event()

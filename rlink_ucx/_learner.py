@@ -101,6 +101,12 @@ class Learner:
     def _request_pinned(self) -> None:
         self._server.pin_memory = True
 
+    def _hint_batch_size(self, batch_size: int) -> None:
+        """Size ring chunks to the batch so CPU batches can be lent without a copy (only
+        possible before the first actor's schema creates the ring)."""
+        if self._server.batch_steps is None:
+            self._server.batch_steps = batch_size
+
     def close(self) -> None:
         """Disconnect every actor and stop the I/O thread. Idempotent."""
         if self._closed:

@@ -40,6 +40,7 @@ class LearnerServer:
         self.ring: StepRing | None = None
         self.ring_ready = threading.Event()
         self.pin_memory = False
+        self.batch_steps: int | None = None  # the dataset's batch size: ring chunks match it
         self.version = 0
         self.rejected_connections = 0
         self.auth_failures = 0
@@ -61,8 +62,6 @@ class LearnerServer:
         self.port = sock.getsockname()[1]
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
-        if self.schema is not None:
-            self.negotiate_schema(self.schema)
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
@@ -217,7 +216,8 @@ class LearnerServer:
                     f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
                 )
             max_steps = max(1, self.config.frame_bytes // max(schema.step_bytes, 1))
-            self.ring = StepRing(schema, self.config.buffer_bytes, max_steps, pin_memory=self.pin_memory)
+            self.ring = StepRing(schema, self.config.buffer_bytes, max_steps, chunk_steps=self.batch_steps,
+                                 pin_memory=self.pin_memory)  # fmt: skip
             self.ring.on_space_freed = lambda: self.loop.call_soon_threadsafe(self.grant_credits)
             self.ring_ready.set()
             log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())

@@ -55,6 +55,8 @@ class LearnerSession:
         self.error: str | None = None
         self.stats = SessionStats()
         self._frame: tuple[FrameHeader, Segment] | None = None
+        self._landing: memoryview | None = None  # ucx frames that cross a ring chunk land here
+        self._scatter: list[list[memoryview]] | None = None  # ...and are copied here on commit
         self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
         self.low_water = 0  # wake the loop for more credit once credit falls to this
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
@@ -135,7 +137,24 @@ class LearnerSession:
         seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version)
         self.credit -= h.n_steps
         self._frame = (h, seg)
-        return ring.field_views(seg)
+        views = ring.field_views(seg)
+        if self.transport == "ucx" and any(len(v) > 1 for v in views):
+            # UCX receives each field as one message into one buffer; a frame that wraps or
+            # crosses a chunk lands in a scratch buffer and is scattered into the ring on commit.
+            self._scatter = views
+            landing = self._landing_for(h.payload_bytes)
+            out, offset = [], 0
+            for field_views in views:
+                size = sum(len(v) for v in field_views)
+                out.append(landing[offset : offset + size])
+                offset += size
+            return out
+        return [v for field_views in views for v in field_views]
+
+    def _landing_for(self, size: int) -> memoryview:
+        if self._landing is None or len(self._landing) < size:
+            self._landing = memoryview(bytearray(size))
+        return self._landing
 
     def end_threadsafe(self) -> None:
         """The frame is complete (any thread): commit now; wake the I/O loop only when a flush
@@ -149,12 +168,23 @@ class LearnerSession:
             assert self._frame is not None and self.ring is not None
             h, seg = self._frame
             self._frame = None
+            if self._scatter is not None:
+                self._scatter_landing()
             self.ring.commit(seg)
             self.next_seq = h.seq + h.n_steps
             self.stats.frames += 1
             self.stats.steps += h.n_steps
             self.stats.bytes += h.payload_bytes
             self.last_heard = time.monotonic()
+
+    def _scatter_landing(self) -> None:
+        assert self._landing is not None and self._scatter is not None
+        offset = 0
+        for field_views in self._scatter:
+            for view in field_views:
+                view[:] = self._landing[offset : offset + len(view)]
+                offset += len(view)
+        self._scatter = None
 
     def _after_frame(self) -> None:
         if self.state != "open":
@@ -168,6 +198,7 @@ class LearnerSession:
         """The receiver guarantees nothing more is written: a frame in progress is torn."""
         with self._lock:
             frame, self._frame = self._frame, None
+            self._scatter = None
         if frame is not None and self.ring is not None:
             self.ring.abandon(frame[1])
             self.stats.torn_frames += 1

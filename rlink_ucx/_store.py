@@ -1,21 +1,27 @@
 """The learner's bounded receive ring: frames land here straight from the socket or UCX.
 
-One :class:`StepRing` per schema holds ``capacity`` steps, one flat byte buffer per field.
-Frames reserve a contiguous *segment* when their header arrives, the transport writes the
-payload directly into the segment's field views (no intermediate copy), and the segment
-becomes READY when complete or DEAD when its sender vanished mid-frame (so a torn step is
-never yielded). The consumer takes READY steps in arrival order (FIFO, each step once) and
-releases the space afterwards, which lets the learner grant more credit.
+One :class:`StepRing` per schema holds ``capacity`` steps in ``capacity / chunk_steps``
+*chunks*; each chunk holds ``chunk_steps`` steps of every field as one flat byte buffer per
+field. Frames reserve a *segment* of consecutive ring positions when their header arrives
+(wrapping around the end like any ring), the transport writes the payload directly into the
+segment's views (no intermediate copy), and the segment becomes READY when complete or DEAD
+when its sender vanished mid-frame (so a torn step is never yielded). The consumer takes READY
+steps in arrival order (FIFO, each step once) and releases the space afterwards, which lets
+the learner grant more credit.
+
+When the chunk size equals the dataset's batch size, a batch that is exactly one chunk is
+*lent* to the caller without a copy: the chunk's buffers become the batch tensors and a pooled
+(or new) chunk takes their place in the ring, so a batch the user keeps never blocks the ring.
 
 Memory is bounded by construction: the learner only grants credits while
-``used + granted + max_frame_steps <= capacity``; the extra ``max_frame_steps`` absorbs the
-one wasted tail that a wrap-around can leave.
+``used + granted <= capacity``.
 """
 
 from __future__ import annotations
 
 import collections
 import enum
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +32,9 @@ import numpy as np
 from ._codec import Schema
 from ._errors import Closed, ProtocolError
 from ._errors import TimeoutError as RLinkTimeout
+
+_POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
+_MAX_CHUNKS = 256
 
 
 class SegState(enum.Enum):
@@ -49,7 +58,7 @@ class Segment:
 
 @dataclass(slots=True)
 class Piece:
-    """``count`` consecutive steps at ring position ``start``, all from one frame."""
+    """``count`` consecutive steps at ring position ``start``, from one frame and one chunk."""
 
     start: int
     count: int
@@ -69,30 +78,28 @@ class RingStats:
 
 
 class StepRing:
-    """A bounded FIFO of steps of one schema, written by the I/O thread, read by fetch()."""
+    """A bounded FIFO of steps of one schema, written by the I/O threads, read by fetch()."""
 
-    def __init__(self, schema: Schema, capacity_bytes: int, max_frame_steps: int, *, pin_memory: bool = False):
-        import torch
-
-        from ._torch_dtypes import torch_dtype
-
+    def __init__(self, schema: Schema, capacity_bytes: int, max_frame_steps: int, *,
+                 chunk_steps: int | None = None, pin_memory: bool = False):  # fmt: skip
         self.schema = schema
         self.step_bytes = max(schema.step_bytes, 1)
         self.max_frame_steps = max_frame_steps
-        self.capacity = max(capacity_bytes // self.step_bytes, 2 * max_frame_steps)
-        self._flat: list[torch.Tensor] = []
-        self.views: list[torch.Tensor] = []  # typed [capacity, *shape] views, for gathering
-        self._bytes: list[memoryview] = []  # raw byte views, for receiving into
-        self.host_bytes: list[np.ndarray] = []  # the same bytes as numpy, for CPU gathers
-        for spec in schema.fields:
-            flat = torch.empty(self.capacity * spec.step_bytes, dtype=torch.uint8, pin_memory=pin_memory)
-            self._flat.append(flat)
-            self.views.append(flat.view(torch_dtype(spec.dtype)).view(self.capacity, *spec.shape))
-            self.host_bytes.append(flat.numpy())
-            self._bytes.append(memoryview(self.host_bytes[-1]).cast("B"))
+        wanted = max(capacity_bytes // self.step_bytes, 2 * max_frame_steps)
+        chunk = max(1, chunk_steps or max_frame_steps)
+        if wanted // chunk > _MAX_CHUNKS:  # tiny batches: lending saves little, many chunks cost
+            chunk = max(max_frame_steps, -(-wanted // _MAX_CHUNKS))
+        self.chunk_steps = chunk
+        wanted = max(wanted, 2 * max_frame_steps + chunk)
+        self.capacity = max(2, -(-wanted // chunk)) * chunk
+        self._sizes = [spec.step_bytes for spec in schema.fields]
+        self._pin_memory = pin_memory
+        self.chunks: list[list[np.ndarray]] = [self._new_chunk() for _ in range(self.capacity // chunk)]
+        self._pool: list[list[np.ndarray]] = []  # spare chunks, ready to swap in
+        self._lent: list[list[np.ndarray]] = []  # chunks handed out as batches
         self._segments: collections.deque[Segment] = collections.deque()
         self._head = 0
-        self._used = 0  # steps held by live segments (waste included)
+        self._used = 0  # steps held by live segments
         self._granted = 0  # credit handed out but not yet used by a frame
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -101,10 +108,17 @@ class StepRing:
         self.stats = RingStats()
         self.on_space_freed: Callable[[], None] | None = None
 
+    def _new_chunk(self) -> list[np.ndarray]:
+        if self._pin_memory:
+            import torch
+
+            return [torch.empty(self.chunk_steps * sb, dtype=torch.uint8, pin_memory=True).numpy() for sb in self._sizes]
+        return [np.empty(self.chunk_steps * sb, dtype=np.uint8) for sb in self._sizes]
+
     # --- credit accounting (I/O thread) ---------------------------------------------------
     def grantable(self) -> int:
         with self._lock:
-            return max(0, self.capacity - self._used - self._granted - self.max_frame_steps)
+            return max(0, self.capacity - self._used - self._granted)
 
     def grant(self, steps: int) -> None:
         with self._lock:
@@ -131,43 +145,70 @@ class StepRing:
         with self._lock:
             if self._closed:
                 raise Closed("the learner is closed")
-            start = self._find_room(n)
-            if start is None:  # cannot happen while actors respect their credit
+            if self._used + n > self.capacity:  # cannot happen while actors respect their credit
                 raise ProtocolError("frame exceeds the credit granted to this actor")
-            seg = Segment(start, n, actor_id, seq, version)
+            if not self._segments:
+                self._head = 0  # an empty ring starts over at a chunk boundary
+            seg = Segment(self._head, n, actor_id, seq, version)
             self._segments.append(seg)
-            self._head = start + n
+            self._head = (self._head + n) % self.capacity
             self._used += n
             self._granted = max(0, self._granted - n)
             return seg
 
-    def _find_room(self, n: int) -> int | None:
-        if not self._segments:
-            self._head = 0
-            return 0 if n <= self.capacity else None
-        tail = self._segments[0].start
-        head = self._head
-        if head > tail:
-            if self.capacity - head >= n:
-                return head
-            if tail >= n:  # wrap: the unusable tail end becomes a dead "waste" segment
-                if self.capacity > head:
-                    waste = Segment(head, self.capacity - head, state=SegState.DEAD)
-                    self._segments.append(waste)
-                    self._used += waste.n
-                return 0
-            return None
-        if head < tail and tail - head >= n:
-            return head
-        return None
+    def _split(self, start: int, n: int) -> list[tuple[int, int, int]]:
+        """Ring positions ``[start, start + n)`` as ``(chunk, offset, count)`` runs."""
+        runs = []
+        pos = start % self.capacity
+        while n:
+            chunk, offset = divmod(pos, self.chunk_steps)
+            k = min(n, self.chunk_steps - offset)
+            runs.append((chunk, offset, k))
+            n -= k
+            pos = (pos + k) % self.capacity
+        return runs
 
-    def field_views(self, seg: Segment) -> list[memoryview]:
-        """Raw byte views of the segment, one per field, in schema order, to receive into."""
+    def field_views(self, seg: Segment) -> list[list[memoryview]]:
+        """Raw byte views of the segment: per field (schema order), one view per chunk run."""
+        runs = self._split(seg.start, seg.n)
         views = []
-        for spec, raw in zip(self.schema.fields, self._bytes):
-            sb = spec.step_bytes
-            views.append(raw[seg.start * sb : (seg.start + seg.n) * sb])
+        for f, sb in enumerate(self._sizes):
+            views.append([memoryview(self.chunks[c][f])[o * sb : (o + k) * sb] for c, o, k in runs])
         return views
+
+    def piece_bytes(self, field: int, piece: Piece) -> np.ndarray:
+        """The bytes of one field for a piece (which never crosses a chunk)."""
+        chunk, offset = divmod(piece.start, self.chunk_steps)
+        sb = self._sizes[field]
+        return self.chunks[chunk][field][offset * sb : (offset + piece.count) * sb]
+
+    def lend_chunk(self, pieces: list[Piece]) -> list[np.ndarray] | None:
+        """If ``pieces`` are exactly one whole chunk, hand its buffers out and put a spare
+        chunk in its place (the caller releases the take as usual); else None."""
+        if not pieces or pieces[0].start % self.chunk_steps or sum(p.count for p in pieces) != self.chunk_steps:
+            return None
+        for a, b in zip(pieces, pieces[1:]):
+            if a.start + a.count != b.start:
+                return None
+        chunk = pieces[0].start // self.chunk_steps
+        with self._lock:
+            self._reclaim()
+            spare = self._pool.pop() if self._pool else self._new_chunk()
+            lent, self.chunks[chunk] = self.chunks[chunk], spare
+            self._lent.append(lent)
+        return lent
+
+    def _reclaim(self) -> None:
+        """Move lent chunks nobody references any more back to the pool (lock held)."""
+        still = []
+        for arrays in self._lent:
+            # Tensors made from an array (and their views) keep it referenced through their
+            # storage; 3 = the list slot, the loop variable and getrefcount's argument.
+            if any(sys.getrefcount(a) > 3 for a in arrays):
+                still.append(arrays)
+            elif len(self._pool) < _POOL_CHUNKS:
+                self._pool.append(arrays)
+        self._lent = still
 
     def commit(self, seg: Segment) -> None:
         with self._ready:
@@ -217,7 +258,10 @@ class StepRing:
                     continue
                 k = min(need, seg.n - seg.consumed)
                 if k:
-                    pieces.append(Piece(seg.start + seg.consumed, k, seg.actor_id, seg.seq + seg.consumed, seg.version))
+                    seq = seg.seq + seg.consumed
+                    for chunk, offset, count in self._split(seg.start + seg.consumed, k):
+                        pieces.append(Piece(chunk * self.chunk_steps + offset, count, seg.actor_id, seq, seg.version))
+                        seq += count
                     seg.consumed += k
                     need -= k
                     if seg.consumed == seg.n:

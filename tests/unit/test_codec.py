@@ -25,7 +25,8 @@ def roundtrip(steps: dict, n: int) -> dict:
     fb.n = n
     ring = StepRing(schema, 1 << 20, n)
     seg = ring.reserve(n, actor_id=3, seq=100, version=7)
-    for dst, src in zip(ring.field_views(seg), fb.payload(0, n)):
+    for dsts, src in zip(ring.field_views(seg), fb.payload(0, n)):
+        (dst,) = dsts  # an empty ring: one contiguous run per field
         dst[:] = src
     ring.commit(seg)
     pieces, take = ring.take(n, timeout=1)

@@ -1,46 +1,51 @@
-"""The receive ring: FIFO, bounded, wrap-around, torn frames never yielded."""
+"""The receive ring: FIFO, bounded, wrap-around, torn frames never yielded, chunks lent."""
 
 import threading
 
+import numpy as np
 import pytest
 
 from rlink_ucx import Closed, TimeoutError
 from rlink_ucx._codec import Schema
+from rlink_ucx._gather import BatchAssembler
 from rlink_ucx._store import StepRing
 
 SCHEMA = Schema.from_spec({"x": ("int64", ())})
 
 
 def fill(ring, seg, first):
-    view = ring.field_views(seg)[0]
-    for i in range(seg.n):
-        view[i * 8 : (i + 1) * 8] = (first + i).to_bytes(8, "little", signed=True)
+    data = np.arange(first, first + seg.n, dtype=np.int64).view(np.uint8)
+    offset = 0
+    for view in ring.field_views(seg)[0]:
+        view[:] = data[offset : offset + len(view)]
+        offset += len(view)
     ring.commit(seg)
 
 
 def values(ring, pieces):
-    return [int(ring.views[0][p.start + i]) for p in pieces for i in range(p.count)]
+    return [int(x) for p in pieces for x in ring.piece_bytes(0, p).view(np.int64)]
 
 
-def test_fifo_across_wraparound_and_space_accounting():
-    ring = StepRing(SCHEMA, 16 * 8, max_frame_steps=4)
-    assert ring.capacity == 16
-    seen, nxt = [], 0
-    wraps = 0
-    for i in range(60):
+def test_fifo_across_wraparound_and_chunks():
+    ring = StepRing(SCHEMA, 16 * 8, max_frame_steps=3, chunk_steps=4)
+    assert ring.capacity == 16 and len(ring.chunks) == 4
+    seen, nxt, wraps = [], 0, 0
+    for i in range(80):
         if ring.grantable() >= 3:  # the learner's credit rule
             ring.grant(3)
             seg = ring.reserve(3, actor_id=1, seq=nxt, version=0)
-            wraps += seg.start == 0
+            wraps += seg.start + seg.n > ring.capacity
             fill(ring, seg, nxt)
             nxt += 3
         want = min(ring.ready_steps(), 1 + i % 3)
         if want:
             pieces, take = ring.take(want, timeout=1)
+            assert all(p.start // 4 == (p.start + p.count - 1) // 4 for p in pieces), "a piece crossed a chunk"
+            assert [p.seq for p in pieces] == sorted(p.seq for p in pieces)
             seen += values(ring, pieces)
             ring.release(take)
         assert ring.used <= ring.capacity
-    assert wraps > 3
+    assert wraps > 3, "frames should have wrapped around the end of the ring"
     pieces, take = ring.take(ring.ready_steps(), timeout=1)
     seen += values(ring, pieces)
     assert seen == list(range(nxt))
@@ -61,11 +66,39 @@ def test_torn_frame_is_skipped_and_its_space_freed():
     assert ring.used == 0 and ring.stats.torn_frames == 1
 
 
-def test_grantable_keeps_a_frame_of_slack():
-    ring = StepRing(SCHEMA, 32 * 8, max_frame_steps=8)
-    assert ring.grantable() == 32 - 8
+def test_grantable_is_what_is_left():
+    ring = StepRing(SCHEMA, 32 * 8, max_frame_steps=8, chunk_steps=8)
+    assert ring.grantable() == ring.capacity == 32
     ring.grant(20)
-    assert ring.grantable() == 4
+    assert ring.grantable() == 12
+
+
+def test_aligned_batches_are_lent_and_a_kept_batch_is_never_overwritten():
+    ring = StepRing(SCHEMA, 16 * 8, max_frame_steps=4, chunk_steps=4)
+    assembler = BatchAssembler(ring, 4, "cpu")
+    kept, nxt = [], 0
+    for _ in range(12):  # three passes over the ring's 4 chunks
+        ring.grant(4)
+        fill(ring, ring.reserve(4, 1, nxt, 0), nxt)
+        nxt += 4
+        pieces, take = ring.take(4, timeout=1)
+        kept.append(assembler.assemble(pieces, take, 0))
+    assert assembler.lent_batches == 12
+    assert [b["x"].tolist() for b in kept] == [list(range(i, i + 4)) for i in range(0, 48, 4)]
+    assert [b.seq.tolist() for b in kept][-1] == [44, 45, 46, 47]
+
+
+def test_misaligned_batches_are_copied():
+    ring = StepRing(SCHEMA, 16 * 8, max_frame_steps=3, chunk_steps=4)
+    assembler = BatchAssembler(ring, 4, "cpu")
+    ring.grant(6)
+    fill(ring, ring.reserve(3, 1, 0, 0), 0)
+    fill(ring, ring.reserve(3, 1, 3, 0), 3)
+    pieces, take = ring.take(2, timeout=1)  # leaves the front unaligned
+    ring.release(take)
+    pieces, take = ring.take(4, timeout=1)
+    batch = assembler.assemble(pieces, take, 0)
+    assert batch["x"].tolist() == [2, 3, 4, 5] and assembler.lent_batches == 0
 
 
 def test_close_wakes_a_waiting_consumer():

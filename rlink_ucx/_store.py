@@ -105,6 +105,7 @@ class StepRing:
         self._ready = threading.Condition(self._lock)
         self._closed = False
         self._takes = 0
+        self._waiting_for = 0  # steps the blocked consumer needs (0: nobody waits)
         self.stats = RingStats()
         self.on_space_freed: Callable[[], None] | None = None
 
@@ -216,7 +217,10 @@ class StepRing:
             self.stats.steps_in += seg.n
             self.stats.frames_in += 1
             self.stats.bytes_in += seg.n * self.schema.step_bytes
-            self._ready.notify_all()
+            # Wake the consumer only once its batch can be complete: one wake-up per batch,
+            # not per frame (each costs a thread switch and a GIL hand-off).
+            if self._waiting_for and self._ready_front() >= self._waiting_for:
+                self._ready.notify_all()
 
     def abandon(self, seg: Segment) -> None:
         """The frame will never complete (its sender died): never yield it."""
@@ -246,7 +250,11 @@ class StepRing:
                     raise RLinkTimeout(
                         f"fetch timed out after {timeout:.3g}s with {self._ready_front()} of {count} steps ready"
                     )
-                self._ready.wait(left)
+                self._waiting_for = count
+                try:
+                    self._ready.wait(left)
+                finally:
+                    self._waiting_for = 0
             self.stats.wait_seconds += time.monotonic() - started
             pieces = []
             need = count

@@ -20,7 +20,7 @@ from ._io import ControlConnection
 from ._session import LearnerSession
 from ._store import StepRing
 from ._version import __version__
-from .transport import choose, hostname, ucx_available
+from .transport import choose, ucx_available
 from .transport.tcp import TcpReceiver
 
 log = logging.getLogger(__name__)
@@ -155,9 +155,7 @@ class LearnerServer:
         return self._open_session(conn, hello)
 
     def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
-        same_host = hello.host == hostname()
-        transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx,
-                                   actor_ucx=hello.ucx, same_host=same_host)  # fmt: skip
+        transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx)
         if not transport:
             raise ProtocolError(f"no common data plane: {reason}")
         if hello.actor_id is not None:

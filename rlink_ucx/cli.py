@@ -19,7 +19,7 @@ def _info(args: argparse.Namespace) -> int:
     ucx = ucx_available()
     transports = ucx_probe.transports() if ucx else {}
     cuda = _cuda_state()
-    picked, reason = choose("auto", "auto", learner_ucx=ucx, actor_ucx=ucx, same_host=True)
+    picked, reason = choose("auto", "auto", learner_ucx=ucx, actor_ucx=ucx)
     report = {
         "rlink_ucx": __version__,
         "python": sys.version.split()[0],

@@ -21,8 +21,7 @@ def ucx_available() -> bool:
     return importlib.util.find_spec("ucxx") is not None
 
 
-def choose(learner_wants: str, actor_wants: str, *, learner_ucx: bool, actor_ucx: bool,
-           same_host: bool) -> tuple[str, str]:  # fmt: skip
+def choose(learner_wants: str, actor_wants: str, *, learner_ucx: bool, actor_ucx: bool) -> tuple[str, str]:
     """Pick a data plane for one actor; returns ``(transport, reason)`` or ``("", why_not)``."""
     wants = {learner_wants, actor_wants} - {"auto"}
     if len(wants) > 1:

@@ -1,0 +1,32 @@
+"""transport="auto" and explicit choices, decided per actor."""
+
+import pytest
+
+from rlink_ucx.transport import choose, ucx_probe
+
+
+@pytest.mark.parametrize(
+    "learner, actor, learner_ucx, actor_ucx, expected",
+    [
+        ("tcp", "auto", True, True, "tcp"),
+        ("auto", "tcp", True, True, "tcp"),
+        ("ucx", "auto", True, True, "ucx"),
+        ("auto", "ucx", True, True, "ucx"),
+        ("ucx", "auto", True, False, ""),  # the actor lacks ucxx: refused, with a reason
+        ("ucx", "tcp", True, True, ""),  # contradictory explicit choices
+        ("auto", "auto", False, True, "tcp"),
+    ],
+)
+def test_explicit_choices_and_missing_ucx(learner, actor, learner_ucx, actor_ucx, expected):
+    picked, reason = choose(learner, actor, learner_ucx=learner_ucx, actor_ucx=actor_ucx)
+    assert picked == expected and reason
+    if not expected:
+        assert "ucx" in reason
+
+
+def test_auto_picks_ucx_only_for_rdma_or_cuda(monkeypatch):
+    monkeypatch.setattr(ucx_probe, "transports", lambda: {"tcp": ["lo"], "sysv": ["memory"], "cma": ["memory"]})
+    assert choose("auto", "auto", learner_ucx=True, actor_ucx=True)[0] == "tcp"
+    monkeypatch.setattr(ucx_probe, "transports", lambda: {"tcp": ["lo"], "rc_mlx5": ["mlx5_0:1"]})
+    picked, reason = choose("auto", "auto", learner_ucx=True, actor_ucx=True)
+    assert picked == "ucx" and "rc_mlx5" in reason

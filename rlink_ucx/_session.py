@@ -160,7 +160,10 @@ class LearnerSession:
         """The frame is complete (any thread): commit now; wake the I/O loop only when a flush
         waits for it or credit runs low, so a stream of frames costs no loop round trips."""
         self._commit()
-        if self.next_seq >= self.ack_wanted or self.credit <= self.low_water:
+        # Credit can only be topped up where the ring has room; otherwise the consumer's next
+        # release triggers the grant.
+        needs_credit = self.credit <= self.low_water and self.ring is not None and self.ring.grantable() > 0
+        if self.next_seq >= self.ack_wanted or needs_credit:
             self.server.loop.call_soon_threadsafe(self._after_frame)
 
     def _commit(self) -> None:

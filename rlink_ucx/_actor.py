@@ -211,10 +211,11 @@ class Actor:
             if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
                 conn.send_direct(frame, deadline)
                 return
+            frame.done = done = threading.Event()
             self._hand_off(frame)
-            if not frame.done.wait(self.config.put_timeout):
+            if not done.wait(self.config.put_timeout):
                 frame.cancelled = True
-                frame.done.wait(self.config.frame_timeout + self.config.close_timeout)
+                done.wait(self.config.frame_timeout + self.config.close_timeout)
                 raise Backpressure(f"no credit from the learner for {self.config.put_timeout:.3g}s; "
                                    f"{frame.sent} of {count} steps were sent")  # fmt: skip
             self._check_open()

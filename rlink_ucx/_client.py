@@ -64,7 +64,7 @@ class BorrowedFrame:
         self.flat = [memoryview(a).cast("B") for a in arrays]
         self._sizes = [len(f) // n for f in self.flat]
         self.n, self.seq, self.version, self.sent = n, seq, version, 0
-        self.done = threading.Event()
+        self.done: threading.Event | None = None  # made when handed to the I/O thread
         self.cancelled = False
 
     def payload(self, start: int, stop: int) -> list[memoryview]:
@@ -235,7 +235,7 @@ class ActorConnection:
             self.error = exc
             log.warning("actor %s: %s", self.actor_id, exc)
         for frame in self.queue:
-            if isinstance(frame, BorrowedFrame):
+            if isinstance(frame, BorrowedFrame) and frame.done is not None:
                 frame.done.set()  # the caller raises self.error
         for fut in (self._ready, self._proposal):
             if fut is not None and not fut.done():
@@ -336,7 +336,7 @@ class ActorConnection:
                     if isinstance(frame, FrameBuffer):
                         self.free.append(frame)
                     self.changed.notify_all()
-                if isinstance(frame, BorrowedFrame):
+                if isinstance(frame, BorrowedFrame) and frame.done is not None:
                     frame.done.set()
         except asyncio.CancelledError:
             raise

@@ -19,6 +19,7 @@ from ._config import Config, resolve
 from ._errors import Backpressure, Closed, SchemaMismatch
 from ._errors import TimeoutError as RLinkTimeout
 from ._io import IOThread
+from ._subscriber import Subscriber
 from .transport import check_transport
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,7 @@ class Actor:
 
     def __init__(self, address: str, *, token: str | bytes | None = None, transport: str = "auto",
                  actor_id: int | None = None, config: Config | None = None,
-                 schema: dict[str, Any] | Schema | None = None):  # fmt: skip
+                 schema: dict[str, Any] | Schema | None = None, subscribe: bool = False):  # fmt: skip
         self.config = resolve(config)
         host, port = parse_address(address)
         check_transport(transport)
@@ -83,6 +84,7 @@ class Actor:
         self._fields: list[_Field] | None = None
         self._policy_version = 0
         self._frame_steps = 0  # steps per frame, known once the schema is negotiated
+        self._subscriber: Subscriber | None = None
         self._io = IOThread(name="rlink-actor-io")
         incarnation = time.time_ns() ^ (os.getpid() << 20)
         self._conn = ActorConnection(host, port, token=_auth.resolve_token(token), transport=transport,
@@ -103,6 +105,8 @@ class Actor:
         self._policy_version = self._conn.welcome.version
         self._direct = bool(getattr(self._conn.sender, "any_thread", False))  # send on the caller's thread?
         self._io.soon(self._linger_tick)
+        if subscribe:
+            self._subscribe()
         log.info("actor %s connected to %s via %s (%s)", self.actor_id, address, self.transport, self.transport_reason)
 
     # --- schema -----------------------------------------------------------------------------------
@@ -374,6 +378,42 @@ class Actor:
         if err is not None:
             raise type(err)(str(err)) from err
 
+    # --- weights ----------------------------------------------------------------------------------
+    def _subscribe(self) -> Subscriber:
+        with self._lock:
+            if self._subscriber is None:
+                self._check_open()
+                self._subscriber = Subscriber(self._conn, self._io, self.config)
+            return self._subscriber
+
+    def get_remote_model(self, timeout: float | None = None, *, latest: bool = True) -> tuple[dict[str, Any], int]:
+        """The newest published parameters and their version; sets :attr:`policy_version`.
+
+        The first call subscribes this actor: from then on a background thread keeps the newest
+        version ready, so later calls return at once when nothing changed. The tensors are
+        read-only views of a buffer that is never overwritten while you hold them.
+
+        Args:
+            timeout: seconds to wait (default ``Config.weights_timeout``).
+            latest: when False, return the newest version already here without waiting for a
+                newer one in flight (still waits if there is none yet).
+
+        Raises:
+            TimeoutError: no (or, with ``latest``, not the newest) version within ``timeout``.
+        """
+        state, version = self._subscribe().get(timeout, latest)
+        self._policy_version = version
+        return state, version
+
+    def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True) -> int:
+        """Copy the newest published parameters into ``module`` in place; returns the version."""
+        import torch
+
+        state, version = self.get_remote_model(timeout, latest=latest)
+        with torch.no_grad():
+            module.load_state_dict(state)
+        return version
+
     def stats(self) -> dict[str, Any]:
         """Counters: steps put and sent, frames, bytes, credit waits, acknowledgements."""
         c = self._conn
@@ -389,6 +429,8 @@ class Actor:
             "credit": c.credit,
             "credit_waits": c.credit_waits,
             "error": repr(c.error) if c.error else None,
+            "policy_version": self._policy_version,
+            "weights": dict(self._subscriber.stats, version=self._subscriber.have) if self._subscriber else None,
         }
 
     # --- lifecycle ---------------------------------------------------------------------------------
@@ -407,6 +449,8 @@ class Actor:
 
     def _shutdown(self) -> None:
         self._closed = True
+        if self._subscriber is not None:
+            self._subscriber.close()
         try:
             self._io.call(self._conn.close(), self.config.close_timeout, "actor close")
         except Exception:  # noqa: BLE001 - release resources even if the graceful path fails

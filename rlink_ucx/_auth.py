@@ -20,6 +20,7 @@ NONCE_BYTES = 32
 _ACTOR_LABEL = b"rlink-v1 actor"
 _LEARNER_LABEL = b"rlink-v1 learner"
 _DATA_LABEL = b"rlink-v1 data"
+_PULL_LABEL = b"rlink-v1 pull"
 
 
 def new_nonce() -> bytes:
@@ -40,6 +41,12 @@ def learner_proof(token: bytes, learner_nonce: bytes, actor_nonce: bytes) -> byt
 
 def data_proof(ticket: bytes, learner_nonce: bytes, session: int) -> bytes:
     return _mac(ticket, _DATA_LABEL, learner_nonce, str(session).encode())
+
+
+def pull_proof(ticket: bytes, learner_nonce: bytes, session: int) -> bytes:
+    """Proves a weights pull connection belongs to ``session`` (its own label: a data-connection
+    proof cannot be replayed as a pull, nor the other way round)."""
+    return _mac(ticket, _PULL_LABEL, learner_nonce, str(session).encode())
 
 
 def verify(expected: bytes, got: bytes, what: str) -> None:

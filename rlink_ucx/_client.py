@@ -109,6 +109,8 @@ class ActorConnection:
         self._proposal: asyncio.Future[_wire.Accept | _wire.Reject] | None = None
         self._tasks: list[asyncio.Task[Any]] = []
         self.closing = False
+        self.latest_version = 0  # the newest model version the learner announced
+        self.weights_listener: Any = None  # the Subscriber's deliver(), once subscribed
 
     # --- connecting -------------------------------------------------------------------------------
     async def _open(self) -> tuple[ControlConnection, _wire.Challenge]:
@@ -155,6 +157,7 @@ class ActorConnection:
                               _cuda_visible(), hostname(), os.getpid()))  # fmt: skip
         welcome = await self._expect(conn, _wire.Welcome)
         self.welcome = welcome
+        self.latest_version = welcome.version
         self.actor_id = welcome.actor_id
         self._tasks.append(self.loop.create_task(self._read_control()))
         if welcome.transport == "tcp":
@@ -203,6 +206,8 @@ class ActorConnection:
                         self.changed.notify_all()
                 elif isinstance(msg, _wire.Heartbeat):
                     pass
+                elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group)):
+                    self._on_weights(msg)
                 elif isinstance(msg, _wire.Ready):
                     if not self._ready.done():
                         self._ready.set_result(msg.transport)
@@ -220,6 +225,16 @@ class ActorConnection:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
             self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"control connection broke: {exc}"))
+
+    def _on_weights(self, msg: _wire.Version | _wire.Publish | _wire.Group) -> None:
+        if isinstance(msg, _wire.Version):
+            self.latest_version = max(self.latest_version, msg.version)
+        elif isinstance(msg, _wire.Publish):
+            self.latest_version = max(self.latest_version, msg.manifest.version)
+        if self.weights_listener is not None:
+            self.weights_listener(msg)
+        elif not isinstance(msg, _wire.Version):
+            raise ProtocolError(f"{type(msg).__name__} for an actor that did not subscribe to weights")
 
     async def _heartbeat(self) -> None:
         assert self.control is not None

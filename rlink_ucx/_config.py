@@ -38,6 +38,8 @@ class Config:
     heartbeat_timeout: float = 10.0
     frame_timeout: float = 10.0  # a started data frame must finish arriving within this
 
+    weights_timeout: float = 30.0  # building a fan-out group, one broadcast, one pull
+
     # --- actor-side coalescing ------------------------------------------------------------
     frame_bytes: int = 1 * MiB  # target payload per frame; small steps are coalesced to this
     frame_linger: float = 0.005  # a partly filled frame is sent after this many seconds
@@ -51,6 +53,11 @@ class Config:
     max_preauth_bytes: int = 512  # largest message read before authentication
     max_connections: int = 1024
     max_fields: int = 256
+    max_weights_bytes: int = 16 * 1024 * MiB  # largest published model an actor accepts
+    max_weights_tensors: int = 100_000
+
+    # --- weights ---------------------------------------------------------------------------
+    weights_bucket_bytes: int = 32 * MiB  # one collective per bucket
 
     # --- transport ------------------------------------------------------------------------
     ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md

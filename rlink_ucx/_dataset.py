@@ -29,6 +29,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         batch_size: steps per batch.
         device: ``"cpu"`` or ``"cuda:N"``; ``gpu_id=N`` is shorthand for ``"cuda:N"``.
         timeout: default seconds ``fetch`` waits (``Config.fetch_timeout`` if None).
+        max_staleness: drop (and count, see ``learner.stats()["staleness"]``) steps whose
+            behaviour version is more than this many versions behind ``learner.version``.
 
     Use it directly (``dataset.fetch()``, ``for batch in dataset``) or through
     ``DataLoader(dataset, batch_size=None, num_workers=0)``: batching is already done and the
@@ -44,7 +46,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
 
     def __init__(self, learner: Learner | None = None, *, batch_size: int = 256, device: str | torch.device = "cpu",
                  gpu_id: int | None = None, timeout: float | None = None, address: str | None = None,
-                 token: str | bytes | None = None, transport: str = "auto", config: Config | None = None):  # fmt: skip
+                 token: str | bytes | None = None, transport: str = "auto", config: Config | None = None,
+                 max_staleness: int | None = None):  # fmt: skip
         if batch_size <= 0:
             raise ConfigError("batch_size must be positive")
         if gpu_id is not None:
@@ -58,6 +61,9 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         self.learner = learner
         self.batch_size = batch_size
         self.timeout = timeout
+        if max_staleness is not None and max_staleness < 0:
+            raise ConfigError("max_staleness must be >= 0")
+        self.max_staleness = max_staleness
         if self.device.type == "cuda":
             learner._request_pinned()
         learner._hint_batch_size(batch_size)
@@ -89,8 +95,15 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
                         f"({ring.capacity} steps); raise Config.buffer_bytes"
                     )
                 assembler = self._assembler = BatchAssembler(ring, self.batch_size, self.device)
-            pieces, take_id = assembler.ring.take(self.batch_size, max(0.0, deadline - time.monotonic()))
-            batch = assembler.assemble(pieces, take_id, self.learner.version)
+            version = self.learner.version
+            min_version = 0 if self.max_staleness is None else version - self.max_staleness
+            ring = assembler.ring
+            pieces, take_id = ring.take(self.batch_size, max(0.0, deadline - time.monotonic()), min_version)
+            batch = assembler.assemble(pieces, take_id, version)
+            counts: dict[int, int] = {}
+            for p in pieces:
+                counts[version - p.version] = counts.get(version - p.version, 0) + p.count
+            self.learner._record_staleness(counts)
             self.batches += 1
             return batch
 

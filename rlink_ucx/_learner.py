@@ -9,7 +9,7 @@ from . import _auth
 from ._address import format_address, parse_address
 from ._codec import Schema
 from ._config import Config, resolve
-from ._errors import ConfigError
+from ._errors import Closed, ConfigError
 from ._io import IOThread
 from ._server import LearnerServer
 from .transport import check_transport
@@ -82,6 +82,26 @@ class Learner:
     def closed(self) -> bool:
         return self._closed
 
+    def publish(self, model_or_state_dict: Any, *, wait: bool = False, timeout: float | None = None) -> int:
+        """Publish new parameters to every subscribed actor; returns the new version.
+
+        The tensors are copied first, so training may modify them as soon as this returns; the
+        fan-out (torch.distributed broadcast in a group of its own, or pulls) runs in the
+        background. With ``wait=True``, also wait (up to ``timeout``, default
+        ``Config.weights_timeout``) until every live subscriber has the version; an actor that
+        does not confirm in time is dropped from the broadcast group and pulls instead.
+        """
+        self._check_open()
+        return self._server.publisher.publish(model_or_state_dict, wait=wait, timeout=timeout)
+
+    def wait_published(self, version: int | None = None, timeout: float | None = None) -> bool:
+        """Wait until every live subscriber has ``version`` (default: the newest); False on timeout."""
+        return self._server.publisher.wait(self.version if version is None else version, timeout)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise Closed("the learner is closed")
+
     def stats(self) -> dict[str, Any]:
         """Per-actor and total counters, buffer use and the data plane chosen for each actor."""
         if self._closed:
@@ -98,6 +118,9 @@ class Learner:
             return None
         return self._server.ring
 
+    def _record_staleness(self, counts: dict[int, int]) -> None:
+        self._server.record_staleness(counts)
+
     def _request_pinned(self) -> None:
         self._server.pin_memory = True
 
@@ -112,6 +135,7 @@ class Learner:
         if self._closed:
             return
         self._closed = True
+        self._server.publisher.close()
         try:
             self._io.call(self._server.stop(), self.config.close_timeout, "learner close")
         except Exception:  # noqa: BLE001 - close must release resources even if the graceful path fails

@@ -17,6 +17,7 @@ from ._codec import Schema
 from ._config import Config
 from ._errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch
 from ._io import ControlConnection
+from ._publisher import Publisher
 from ._session import LearnerSession
 from ._store import StepRing
 from ._version import __version__
@@ -52,6 +53,8 @@ class LearnerServer:
         self._connections = 0
         self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
         self.learner_ucx = ucx_available() and transport != "tcp"
+        self.publisher = Publisher(self)
+        self.staleness: dict[int, int] = {}  # staleness at fetch -> steps (see RLinkDataset)
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -110,6 +113,9 @@ class LearnerServer:
                 raise ProtocolError(f"handshake did not finish within {self.config.handshake_timeout}s") from exc
             if result is None:  # a data connection, now owned by its session
                 return
+            if isinstance(result, tuple):  # a weights pull
+                await self.publisher.serve_pull(conn, *result)
+                return
             session = result
             await session.serve()
         except AuthError as exc:
@@ -133,13 +139,15 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
-    async def _handshake(self, conn: ControlConnection) -> LearnerSession | None:
+    async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[LearnerSession, int] | None:
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         first = await conn.recv(self.config.max_preauth_bytes)
         if isinstance(first, _wire.Attach):
             self._attach_tcp(conn, first, nonce)
             return None
+        if isinstance(first, _wire.Pull):
+            return self.publisher.verify_pull(first, nonce), first.have
         if not isinstance(first, _wire.Login):
             raise ProtocolError(f"expected Login or Attach, got {type(first).__name__}")
         if first.proto != _wire.PROTOCOL_VERSION:
@@ -293,4 +301,21 @@ class LearnerServer:
                 "torn_frames": ring.stats.torn_frames if ring else 0,
             },
             "total": total,
+            "weights": self.publisher.snapshot_stats(),
+            "staleness": self.staleness_summary(),
+        }
+
+    def record_staleness(self, counts: dict[int, int]) -> None:
+        """Fetched steps by staleness (called by the dataset, under its lock)."""
+        for staleness, n in counts.items():
+            self.staleness[staleness] = self.staleness.get(staleness, 0) + n
+
+    def staleness_summary(self) -> dict[str, Any]:
+        hist = dict(sorted(self.staleness.items()))
+        n = sum(hist.values())
+        return {
+            "histogram": hist,
+            "mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+            "max": max(hist) if hist else 0,
+            "dropped": self.ring.stats.stale_dropped if self.ring else 0,
         }

@@ -59,6 +59,9 @@ class LearnerSession:
         self._scatter: list[list[memoryview]] | None = None  # ...and are copied here on commit
         self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
         self.low_water = 0  # wake the loop for more credit once credit falls to this
+        self.subscribed = False  # wants every published version
+        self.weights_sent = 0  # newest version announced or broadcast to it
+        self.weights_acked = 0  # newest version it confirmed complete and verified
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
         self._lock = threading.Lock()
 
@@ -75,6 +78,10 @@ class LearnerSession:
                 self._after_frame()
             elif isinstance(msg, _wire.Propose):
                 self._on_propose(msg)
+            elif isinstance(msg, _wire.Got):
+                self.server.publisher.on_got(self, msg.version)
+            elif isinstance(msg, _wire.Subscribe):
+                self.server.publisher.on_subscribe(self)
             elif isinstance(msg, _wire.Bye):
                 self.close("actor said goodbye: " + msg.reason[:200], lost=False)
                 return
@@ -256,4 +263,6 @@ class LearnerSession:
             "protocol_errors": self.stats.protocol_errors,
             "credit": self.credit,
             "next_seq": self.next_seq,
+            "subscribed": self.subscribed,
+            "weights_version": self.weights_acked,
         }

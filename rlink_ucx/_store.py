@@ -75,6 +75,7 @@ class RingStats:
     torn_frames: int = 0
     bytes_in: int = 0
     wait_seconds: float = 0.0
+    stale_dropped: int = 0  # steps dropped for being older than min_version
 
 
 class StepRing:
@@ -107,6 +108,7 @@ class StepRing:
         self._takes = 0
         self._waiting_for = 0  # steps the blocked consumer needs (0: nobody waits)
         self.stats = RingStats()
+        self.min_version = 0  # READY steps of an older behaviour version are dropped, not yielded
         self.on_space_freed: Callable[[], None] | None = None
 
     def _new_chunk(self) -> list[np.ndarray]:
@@ -212,15 +214,41 @@ class StepRing:
         self._lent = still
 
     def commit(self, seg: Segment) -> None:
+        dropped = False
         with self._ready:
             seg.state = SegState.READY
             self.stats.steps_in += seg.n
             self.stats.frames_in += 1
             self.stats.bytes_in += seg.n * self.schema.step_bytes
+            if seg.version < self.min_version:
+                self._drop(seg)
+                dropped = True
             # Wake the consumer only once its batch can be complete: one wake-up per batch,
             # not per frame (each costs a thread switch and a GIL hand-off).
             if self._waiting_for and self._ready_front() >= self._waiting_for:
                 self._ready.notify_all()
+        if dropped:
+            self._free_front()
+
+    def _drop(self, seg: Segment) -> None:
+        """Never yield the rest of ``seg`` (too stale); lock held. Its space is reused once no
+        take still copies from it: at once if no take touched it, else with the last take."""
+        self.stats.stale_dropped += seg.n - seg.consumed
+        if seg.consumed:
+            seg.taken_by = self._takes
+        else:
+            seg.released = True
+        seg.consumed = seg.n
+
+    def _drop_stale(self) -> bool:
+        dropped = False
+        for seg in self._segments:
+            if seg.state is SegState.PENDING:
+                break
+            if seg.state is SegState.READY and seg.consumed < seg.n and seg.version < self.min_version:
+                self._drop(seg)
+                dropped = True
+        return dropped
 
     def abandon(self, seg: Segment) -> None:
         """The frame will never complete (its sender died): never yield it."""
@@ -232,13 +260,20 @@ class StepRing:
         self._free_front()
 
     # --- consumer side (fetch) ----------------------------------------------------------------
-    def take(self, count: int, timeout: float) -> tuple[list[Piece], int]:
+    def take(self, count: int, timeout: float, min_version: int = 0) -> tuple[list[Piece], int]:
         """Wait until ``count`` steps are ready at the front, then claim them in FIFO order.
+        Steps of a behaviour version below ``min_version`` are dropped (and counted) instead.
 
         Returns the pieces and a take id; pass the id to :meth:`release` once copied out.
         """
         deadline = time.monotonic() + timeout
         started = time.monotonic()
+        if min_version > self.min_version:
+            with self._lock:
+                self.min_version = min_version
+                dropped = self._drop_stale()
+            if dropped:
+                self._free_front()
         with self._ready:
             while True:
                 if self._closed:
@@ -296,7 +331,7 @@ class StepRing:
             for seg in self._segments:
                 if seg.state is SegState.PENDING:
                     break
-                if seg.state is SegState.READY and not seg.taken_by:
+                if seg.state is SegState.READY and not seg.taken_by and not seg.released:
                     break  # FIFO: nothing after a not-fully-consumed segment was taken
                 if seg.taken_by and seg.taken_by <= take_id:
                     seg.released = True

@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Union
+from typing import Any, Union
 
 import msgspec
 
 from ._errors import ProtocolError
+from ._weights import Manifest
 
 PROTOCOL_VERSION = 1
 
@@ -112,6 +113,52 @@ class Ack(_Msg):
     next_seq: int  # every step with seq < next_seq is in the learner's buffer
 
 
+# --- weights ----------------------------------------------------------------------------------
+class Subscribe(_Msg):
+    """Actor -> learner: keep me up to date with every published version."""
+
+
+class Version(_Msg):
+    """Learner -> actor: ``version`` is the newest published version (pull it if needed)."""
+
+    version: int
+
+
+class Group(_Msg):
+    """Learner -> actor: join fan-out group ``generation`` as ``rank`` of ``world``."""
+
+    generation: int
+    rank: int
+    world: int
+    store_port: int
+    prefix: str
+    backend: str  # gloo | nccl
+    timeout: float
+
+
+class Publish(_Msg):
+    """Learner -> actor: ``manifest`` follows as one broadcast per bucket in ``generation``
+    (or, answering a Pull, as raw bytes on the same connection)."""
+
+    generation: int
+    manifest: Manifest
+
+
+class Got(_Msg):
+    """Actor -> learner: ``version`` arrived complete and verified."""
+
+    version: int
+
+
+class Pull(_Msg):
+    """Actor -> learner on a new connection: send me the newest version if newer than ``have``."""
+
+    proto: int
+    session: int
+    mac: bytes
+    have: int
+
+
 class Heartbeat(_Msg):
     pass
 
@@ -126,7 +173,8 @@ class Error(_Msg):
 
 
 Message = Union[
-    Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye, Error
+    Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye,
+    Error, Subscribe, Version, Group, Publish, Got, Pull,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -184,3 +232,24 @@ class FrameHeader:
         if proto != PROTOCOL_VERSION:
             raise ProtocolError(f"frame protocol version {proto} is not {PROTOCOL_VERSION}")
         return cls(schema_id, n_steps, actor_id, incarnation, seq, version, payload, flags)
+
+
+# --- blocking helpers (threads that own a socket outright, e.g. a weights pull) --------------
+def recv_exact_into(sock: Any, view: memoryview) -> None:
+    """Fill ``view`` from a blocking socket (its timeout bounds each wait)."""
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if k == 0:
+            raise EOFError("connection closed mid-message")
+        got += k
+
+
+def read_message(sock: Any, max_bytes: int) -> Message:
+    head = bytearray(LENGTH.size)
+    recv_exact_into(sock, memoryview(head))
+    (length,) = LENGTH.unpack(head)
+    check_length(length, max_bytes)
+    body = bytearray(length)
+    recv_exact_into(sock, memoryview(body))
+    return decode(body)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 
@@ -59,3 +61,111 @@ def lingering_actor(address: str, transport: str, n: int) -> None:
             if start % 1000 == 0:
                 a.put({"x": np.int64(-1)})  # a lone step leaves a partial frame for the tick
         a.flush(60)
+
+
+def model_state(version: int) -> dict:
+    """A small MLP's state dict whose values depend on ``version`` (float32 and bfloat16)."""
+    import torch
+
+    g = torch.Generator().manual_seed(version)
+    return {
+        "l1.weight": torch.randn(64, 8, generator=g),
+        "l1.bias": torch.randn(64, generator=g),
+        "l2.weight": torch.randn(2, 64, generator=g).to(torch.bfloat16),
+        "l2.bias": torch.full((2,), float(version)),
+        "steps": torch.tensor(version * 1000, dtype=torch.int64),
+    }
+
+
+def as_bytes(state: dict) -> dict:
+    """Tensors as raw bytes, to compare bit for bit across processes."""
+    import torch
+
+    out = {}
+    for k, t in state.items():
+        t = t.detach().cpu().contiguous()
+        out[k] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy().tobytes()
+    return out
+
+
+def weights_actor(address: str, results, until: int, transport: str = "tcp", config: dict | None = None) -> None:
+    """Subscribe, follow published versions until ``until``, report what was seen."""
+    from rlink_ucx import Actor, Config
+
+    with Actor(address, transport=transport, subscribe=True, config=Config(**(config or {}))) as a:
+        seen: list[int] = []
+        while not seen or seen[-1] < until:
+            state, version = a.get_remote_model(timeout=60, latest=False)
+            if not seen or seen[-1] != version:
+                seen.append(version)
+            time.sleep(0.005)
+        results.put({"actor_id": a.actor_id, "seen": seen, "state": as_bytes(state), "stats": a.stats()["weights"],
+                     "policy_version": a.policy_version})  # fmt: skip
+
+
+def late_actor(address: str, results) -> None:
+    """Connect after versions were published: one get must return the newest at once."""
+    import torch
+
+    from rlink_ucx import Actor
+
+    with Actor(address, transport="tcp") as a:
+        started = time.monotonic()
+        state, version = a.get_remote_model(timeout=30)
+        net = torch.nn.Module()
+        for k, t in state.items():  # a module with the same names, to exercise load_remote_model
+            net.register_buffer(k.replace(".", "_"), torch.zeros_like(t))
+        results.put({"version": version, "state": as_bytes(state), "seconds": time.monotonic() - started,
+                     "stats": a.stats()["weights"], "again": a.get_remote_model(timeout=1)[1]})  # fmt: skip
+
+
+def stamped_actor(address: str, per_version: int, versions: list) -> None:
+    """Put ``per_version`` int64 steps stamped with each version in ``versions``."""
+    from rlink_ucx import Actor
+
+    with Actor(address, transport="tcp") as a:
+        for v in versions:
+            a.put_many({"x": np.full(per_version, v, dtype=np.int64)}, version=v)
+        a.flush(30)
+
+
+def learner_in_default_group(results) -> None:
+    """A learner whose process already has its own default group publishes to one actor."""
+    import multiprocessing as mp
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    from rlink_ucx import Learner
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    world_before = dist.group.WORLD
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        q = mp.get_context("spawn").Queue()
+        p = mp.get_context("spawn").Process(target=weights_actor, args=(learner.address, q, 2))
+        p.start()
+        deadline = time.monotonic() + 60
+        while not any(a["subscribed"] for a in learner.stats()["actors"]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        learner.publish(model_state(1), wait=True, timeout=30)
+        learner.publish(model_state(2), wait=True, timeout=30)
+        report = q.get(timeout=60)
+        p.join(30)
+        stats = learner.stats()["weights"]
+    t = torch.ones(3)
+    dist.all_reduce(t)
+    results.put({
+        "report": report,
+        "expected": as_bytes(model_state(2)),
+        "initialized": dist.is_initialized(),
+        "same_world": dist.group.WORLD is world_before,
+        "world_size": dist.get_world_size(),
+        "backend": dist.get_backend(),
+        "all_reduce": t.tolist(),
+        "groups": stats["groups"],
+    })
+    dist.destroy_process_group()

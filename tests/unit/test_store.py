@@ -116,3 +116,24 @@ def test_close_wakes_a_waiting_consumer():
     ring.close()
     t.join(2)
     assert not t.is_alive() and len(errors) == 1
+
+
+def test_stale_frames_are_dropped_counted_and_their_space_freed():
+    ring = StepRing(SCHEMA, 64 * 8, max_frame_steps=4, chunk_steps=4)
+    for i, version in enumerate([1, 2, 3, 1, 3]):
+        ring.grant(4)
+        fill(ring, ring.reserve(4, 1, 4 * i, version), 4 * i)
+    first, take = ring.take(2, timeout=1)  # half of the version-1 frame, before any limit
+    assert values(ring, first) == [0, 1]
+    pieces, take2 = ring.take(8, timeout=1, min_version=3)
+    assert values(ring, pieces) == [8, 9, 10, 11, 16, 17, 18, 19]
+    assert {p.version for p in pieces} == {3}
+    assert ring.stats.stale_dropped == 2 + 4 + 4
+    ring.release(take2)
+    assert ring.used == 0, "dropped and released steps must give their space back"
+    ring.grant(4)
+    late = ring.reserve(4, 1, 20, 2)  # stale on arrival: dropped at commit, never waited for
+    fill(ring, late, 20)
+    assert ring.stats.stale_dropped == 14 and ring.used == 0
+    with pytest.raises(TimeoutError):
+        ring.take(1, timeout=0.05, min_version=3)

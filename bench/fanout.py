@@ -1,0 +1,8 @@
+"""Parameter fan-out: learner.publish vs a plain broadcast; see rlink_ucx/_bench_fanout.py."""
+
+import sys
+
+from rlink_ucx._bench_fanout import main
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,177 @@
+"""Parameter fan-out: ``learner.publish`` of a state dict vs one plain broadcast, in one run.
+
+- ``plain-broadcast``: a gloo process group of the root and N receiver processes; the root
+  broadcasts one flat tensor of the same total size. Time: from the root's call until the last
+  receiver's broadcast returned (CLOCK_MONOTONIC is shared by every process on a host).
+- ``rlink-publish``: a Learner and N subscribed actor processes; ``publish(state, wait=True)``
+  returns once every actor has the version, verified. Time: that call, snapshot included.
+
+The state dict is ``tensors`` float32 tensors adding up to ``size_mb`` MiB. Repetitions alternate
+between the two systems, so drift on a noisy machine hits both alike; medians are reported.
+
+Usage: python bench/fanout.py [--size-mb 100] [--subscribers 3] [--reps 5] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import time
+from typing import Any
+
+
+def _state(size_mb: int, tensors: int) -> dict[str, Any]:
+    import torch
+
+    per = size_mb * (1 << 20) // 4 // tensors
+    return {f"layer{i}.weight": torch.full((per,), float(i)) for i in range(tensors)}
+
+
+# --- plain broadcast --------------------------------------------------------------------------
+def _plain_receiver(port: int, rank: int, world: int, numel: int, reps: int, results: Any) -> None:
+    import torch
+    import torch.distributed as dist
+
+    from ._group import connect_store, new_group
+
+    group = new_group(connect_store("127.0.0.1", port, 60), "plain/", rank, world, backend="gloo",
+                      hostname="127.0.0.1", timeout=60)  # fmt: skip
+    flat = torch.empty(numel)
+    for _ in range(reps + 1):
+        group.broadcast(torch.zeros(1), 0).wait()  # start together
+        group.broadcast(flat, 0).wait()
+        results.put((rank, time.monotonic()))
+    del dist
+
+
+class PlainBroadcast:
+    def __init__(self, numel: int, subscribers: int, reps: int):
+        import torch
+
+        from ._group import new_group, serve_store
+
+        store, port = serve_store("127.0.0.1", 60)
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        world = subscribers + 1
+        self.procs = [ctx.Process(target=_plain_receiver, args=(port, r, world, numel, reps, self.results))
+                      for r in range(1, world)]  # fmt: skip
+        for p in self.procs:
+            p.start()
+        self.group = new_group(store, "plain/", 0, world, backend="gloo", hostname="127.0.0.1", timeout=60)
+        self.flat = torch.ones(numel)
+        self.subscribers = subscribers
+        self.store = store
+
+    def once(self) -> float:
+        import torch
+
+        self.group.broadcast(torch.zeros(1), 0).wait()
+        started = time.monotonic()
+        self.group.broadcast(self.flat, 0).wait()
+        ends = [self.results.get(timeout=60)[1] for _ in range(self.subscribers)]
+        return max(ends) - started
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.join(30)
+
+
+# --- rlink publish ------------------------------------------------------------------------------
+def _subscriber(address: str, until: int, results: Any) -> None:
+    from . import Actor
+
+    with Actor(address, transport="tcp", subscribe=True) as actor:
+        while actor.get_remote_model(timeout=120, latest=False)[1] < until:
+            time.sleep(0.01)
+        results.put(actor.stats()["weights"])
+
+
+class RlinkPublish:
+    def __init__(self, subscribers: int, reps: int):
+        from . import Learner
+
+        self.learner = Learner("127.0.0.1:0", transport="tcp")
+        ctx = mp.get_context("spawn")
+        self.results = ctx.Queue()
+        self.procs = [ctx.Process(target=_subscriber, args=(self.learner.address, reps + 1, self.results))
+                      for _ in range(subscribers)]  # fmt: skip
+        for p in self.procs:
+            p.start()
+        deadline = time.monotonic() + 120
+        while sum(a["subscribed"] for a in self.learner.stats()["actors"]) < subscribers:
+            if time.monotonic() > deadline:
+                raise RuntimeError("subscribers did not connect")
+            time.sleep(0.05)
+
+    def once(self, state: dict[str, Any]) -> float:
+        started = time.monotonic()
+        version = self.learner.publish(state, wait=True, timeout=120)
+        elapsed = time.monotonic() - started
+        if not self.learner.wait_published(version, 0):
+            raise RuntimeError(f"version {version} did not reach every subscriber")
+        return elapsed
+
+    def close(self) -> dict[str, Any]:
+        reports = [self.results.get(timeout=60) for _ in self.procs]
+        for p in self.procs:
+            p.join(30)
+        stats = self.learner.stats()["weights"]
+        self.learner.close()
+        return {"learner": stats, "actors": reports}
+
+
+def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 25) -> dict[str, Any]:
+    state = _state(size_mb, tensors)
+    numel = sum(t.numel() for t in state.values())
+    plain = PlainBroadcast(numel, subscribers, reps)
+    rlink = RlinkPublish(subscribers, reps)
+    times: dict[str, list[float]] = {"plain-broadcast": [], "rlink-publish": []}
+    try:
+        plain.once()  # warm-up: connections, first-touch page faults
+        rlink.once(state)
+        for _ in range(reps):
+            times["plain-broadcast"].append(plain.once())
+            times["rlink-publish"].append(rlink.once(state))
+    finally:
+        plain.close()
+        detail = rlink.close()
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {
+        "size_mb": size_mb,
+        "subscribers": subscribers,
+        "tensors": tensors,
+        "reps": reps,
+        "seconds": times,
+        "median_seconds": med,
+        "ratio": med["rlink-publish"] / med["plain-broadcast"],
+        "detail": detail,
+        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--size-mb", type=int, default=100)
+    parser.add_argument("--subscribers", type=int, default=3)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--tensors", type=int, default=25)
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args(argv)
+    out = run(args.size_mb, args.subscribers, args.reps, args.tensors)
+    for name, values in out["seconds"].items():
+        print(f"{name:16s} median {statistics.median(values) * 1e3:8.1f} ms   "
+              f"min {min(values) * 1e3:8.1f}   max {max(values) * 1e3:8.1f}")  # fmt: skip
+    print(f"rlink / plain = {out['ratio']:.2f}  (target <= 1.25)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,64 @@
+"""torch.distributed process groups for the weight fan-out, kept apart from the user's own.
+
+Every group is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore``
+over the learner's private ``TCPStore``: ``init_process_group`` and the default group are never
+touched, so a training script that already runs under torchrun/DDP keeps its group as it is.
+The store listens on the learner's own bind address (a socket we bind, handed to the store), and
+its keys live under a random per-learner prefix sent only over the authenticated control channel.
+"""
+
+from __future__ import annotations
+
+import datetime
+import socket
+from typing import Any
+
+__all__ = ["broadcast", "connect_store", "new_group", "serve_store"]
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
+
+
+def serve_store(host: str, timeout: float) -> tuple[Any, int]:
+    """A ``TCPStore`` server listening on ``host`` (port chosen by the OS)."""
+    import torch.distributed as dist
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.create_server((host, 0), family=family, backlog=128)
+    port = sock.getsockname()[1]
+    store = dist.TCPStore(host, port, is_master=True, master_listen_fd=sock.detach(), timeout=_delta(timeout),
+                          wait_for_workers=False)  # fmt: skip
+    return store, port
+
+
+def connect_store(host: str, port: int, timeout: float) -> Any:
+    import torch.distributed as dist
+
+    return dist.TCPStore(host, port, is_master=False, timeout=_delta(timeout), wait_for_workers=False)
+
+
+def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, hostname: str, timeout: float) -> Any:
+    """A process group of ``world`` ranks on ``store`` under ``prefix``; blocks until every rank
+    joined, or raises once ``timeout`` passed."""
+    import torch.distributed as dist
+
+    prefixed = dist.PrefixStore(prefix, store)
+    if backend == "nccl":
+        opts = dist.ProcessGroupNCCL.Options()
+        opts._timeout = _delta(timeout)
+        return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
+    opts = dist.ProcessGroupGloo._Options()
+    opts._timeout = _delta(timeout)
+    opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
+    return dist.ProcessGroupGloo(prefixed, rank, world, opts)
+
+
+def broadcast(group: Any, tensors: list[Any], timeout: float, on_done: Any = None) -> None:
+    """Broadcast each tensor from rank 0, one collective per tensor, all in flight at once;
+    ``on_done(i)`` runs as each completes (a receiver verifies bucket i while later ones arrive)."""
+    works = [group.broadcast(t, 0) for t in tensors]
+    for i, work in enumerate(works):
+        work.wait(_delta(timeout))
+        if on_done is not None:
+            on_done(i)

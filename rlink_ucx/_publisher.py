@@ -1,0 +1,264 @@
+"""The learner's weight fan-out: snapshots, process-group generations, broadcasts and pulls.
+
+``publish`` copies the parameters into a flat buffer and returns; a fan-out thread then
+broadcasts the newest version (older pending ones are skipped: actors only want the newest)
+to every subscribed actor that is caught up, in a torch.distributed group made for exactly
+those actors. An actor that is new, slow, frozen or failed a broadcast is left out of the
+group and pulls the version over its own authenticated connection instead; once it has caught
+up it joins the next generation. Every step is bounded by ``Config.weights_timeout``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from . import _auth, _wire
+from ._errors import AuthError, Closed
+from ._group import broadcast, new_group, serve_store
+from ._weights import BufferPool, Snapshot, checksums, snapshot, state_dict_of
+
+if TYPE_CHECKING:
+    from ._server import LearnerServer
+    from ._session import LearnerSession
+
+log = logging.getLogger(__name__)
+
+
+class Publisher:
+    def __init__(self, server: LearnerServer):
+        self.server = server
+        self.config = server.config
+        self.loop = server.loop
+        self.latest: Snapshot | None = None
+        self._pool = BufferPool()
+        self._publish_lock = threading.Lock()  # one snapshot at a time
+        self._cv = threading.Condition()  # guards latest/_fanned; signals acks
+        self._fanned = 0  # newest version whose fan-out has ended
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._group: Any = None
+        self._group_key: tuple[Any, ...] = ()
+        self._generation = 0
+        self._store: Any = None
+        self._store_port = 0
+        self._prefix = secrets.token_hex(16)  # store keys are unguessable from outside
+        self.stats: dict[str, Any] = {
+            "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "groups": 0,
+            "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None,
+        }  # fmt: skip
+
+    # --- training thread ----------------------------------------------------------------------
+    def publish(self, obj: Any, *, wait: bool, timeout: float | None) -> int:
+        state = state_dict_of(obj)
+        with self._publish_lock:
+            if self._closed:
+                raise Closed("the learner is closed")
+            version = self.server.version + 1
+            snap = snapshot(state, version, self.config.weights_bucket_bytes, self._pool)
+            with self._cv:
+                self.latest = snap
+                self.server.version = version
+                self.stats["published"] += 1
+                self._cv.notify_all()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rlink-publisher", daemon=True)
+                self._thread.start()
+        if wait:
+            self.wait(version, timeout)
+        return version
+
+    def wait(self, version: int, timeout: float | None) -> bool:
+        """Until ``version`` (or newer) is fanned out and every live subscriber has it; False
+        when ``timeout`` passed first (a slow or frozen actor: it will pull later)."""
+        deadline = time.monotonic() + (self.config.weights_timeout if timeout is None else timeout)
+        with self._cv:
+            while not self._closed:
+                if self._fanned >= version and all(s.weights_acked >= version for s in self._subscribers()):
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(min(left, 0.25))
+        return False
+
+    def _subscribers(self) -> list[LearnerSession]:
+        return [s for s in list(self.server.sessions.values()) if s.state == "open" and s.subscribed]
+
+    # --- loop thread --------------------------------------------------------------------------
+    def on_got(self, session: LearnerSession, version: int) -> None:
+        with self._cv:
+            session.weights_acked = max(session.weights_acked, version)
+            self._cv.notify_all()
+
+    def on_subscribe(self, session: LearnerSession) -> None:
+        session.subscribed = True
+        # The actor pulls the current version right away; until it acknowledges it, it stays
+        # out of the broadcast group.
+        session.weights_sent = self.server.version
+        with self._cv:
+            self._cv.notify_all()
+
+    async def serve_pull(self, conn: Any, session: LearnerSession, have: int) -> None:
+        """Answer a pull: the newest version's manifest and bytes, or Version if none is newer."""
+        snap = self.latest
+        if snap is None or snap.version <= have:
+            await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Version(self.server.version)))
+            return
+        host = await self.loop.run_in_executor(None, self._host_copy, snap) if snap.device != "cpu" else snap
+        async with asyncio.timeout(self.config.weights_timeout):
+            await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Publish(0, host.manifest)))
+            await self.loop.sock_sendall(conn.sock, memoryview(host.flat))
+        session.weights_sent = max(session.weights_sent, host.version)
+        self.stats["pulls_served"] += 1
+        self.stats["pull_bytes"] += host.manifest.total_bytes
+
+    def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> LearnerSession:
+        session = self.server.sessions.get(msg.session)
+        if session is None or session.state != "open":
+            raise AuthError("weights pull for an unknown session")
+        _auth.verify(_auth.pull_proof(session.ticket, nonce, msg.session), msg.mac, "weights pull")
+        return session
+
+    # --- fan-out thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._closed and (self.latest is None or self.latest.version <= self._fanned):
+                    self._cv.wait()
+                if self._closed:
+                    break
+                snap = self.latest
+                assert snap is not None
+                self.stats["skipped_versions"] += max(0, snap.version - self._fanned - 1)
+            started = time.monotonic()
+            try:
+                self._fan_out(snap)
+            except Exception as exc:  # noqa: BLE001 - the fan-out thread must outlive any one failure
+                log.exception("fan-out of version %d failed", snap.version)
+                self.stats["last_error"] = repr(exc)
+            with self._cv:
+                self._fanned = snap.version
+                self.stats["fanouts"] += 1
+                self.stats["last_fanout_seconds"] = round(time.monotonic() - started, 6)
+                self._cv.notify_all()
+        self._drop_group()
+
+    def _fan_out(self, snap: Snapshot) -> None:
+        timeout = self.config.weights_timeout
+        sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
+        subscribed = [s for s in sessions if s.subscribed]
+        caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent]
+        backend = "nccl" if snap.device != "cpu" and caught_up and all(s.hello.cuda for s in caught_up) else "gloo"
+        source = snap if backend == "nccl" else self._host_copy(snap)
+        members: list[LearnerSession] = []
+        if caught_up:
+            try:
+                self._ensure_group(caught_up, backend)
+                members = caught_up
+            except Exception as exc:  # noqa: BLE001 - a member that never joined: everyone pulls
+                self._failed(f"building fan-out group {self._generation} failed: {exc}")
+        for s in subscribed:
+            s.weights_sent = snap.version
+        others = [s for s in sessions if s not in members]
+        self._send(members, _wire.Publish(self._generation, source.manifest))
+        self._send(others, _wire.Version(snap.version))
+        if not members:
+            return
+        buckets = [source.bucket(a, b) for a, b in source.manifest.buckets()]
+        try:
+            broadcast(self._group, buckets, timeout)
+        except Exception as exc:  # noqa: BLE001 - a member died or froze mid-broadcast
+            self._failed(f"broadcast of version {snap.version} failed: {exc}")
+            self._send([s for s in members if s.state == "open"], _wire.Version(snap.version))
+            return
+        # Wait (bounded) until the members verified it: "published" means received, and an
+        # actor that does not confirm in time is left out of the next group (it will pull).
+        deadline = time.monotonic() + timeout
+        with self._cv:
+            while any(s.state == "open" and s.weights_acked < snap.version for s in members):
+                left = deadline - time.monotonic()
+                if left <= 0 or self._closed:
+                    break
+                self._cv.wait(min(left, 0.25))
+
+    def _ensure_group(self, members: list[LearnerSession], backend: str) -> None:
+        key = (tuple(s.id for s in members), backend)
+        if self._group is not None and key == self._group_key:
+            return
+        self._drop_group()
+        timeout = self.config.weights_timeout
+        if self._store is None:
+            self._store, self._store_port = serve_store(self.server.host, timeout)
+        self._generation += 1
+        prefix = f"{self._prefix}/{self._generation}/"
+        world = len(members) + 1
+        for rank, s in enumerate(members, 1):
+            self._send([s], _wire.Group(self._generation, rank, world, self._store_port, prefix, backend, timeout))
+        hostname = _local_address(members[0], self.server.host)
+        log.info("fan-out group %d: %s ranks over %s", self._generation, world, backend)
+        self._group = new_group(self._store, prefix, 0, world, backend=backend, hostname=hostname, timeout=timeout)
+        self._group_key = key
+        self.stats["groups"] += 1
+
+    def _failed(self, why: str) -> None:
+        log.warning("%s; the actors concerned pull the version instead", why)
+        self.stats["fanout_failures"] += 1
+        self.stats["last_error"] = why[:500]
+        self._drop_group()
+
+    def _drop_group(self) -> None:
+        self._group, self._group_key = None, ()
+
+    def _send(self, sessions: list[LearnerSession], msg: Any) -> None:
+        for s in sessions:
+            try:
+                self.loop.call_soon_threadsafe(s.control.send, msg)
+            except RuntimeError:  # the loop has stopped: the learner is closing
+                return
+
+    def _host_copy(self, snap: Snapshot) -> Snapshot:
+        """A host copy of a CUDA snapshot, for gloo and pulls (made once per version)."""
+        if snap.device == "cpu":
+            return snap
+        cached = snap.host
+        if cached is None:
+            flat = np.ascontiguousarray(snap.flat.cpu().numpy())
+            from msgspec.structs import replace
+
+            manifest = replace(snap.manifest, checksum="xxh3", checksums=checksums(flat, snap.manifest.buckets(), "xxh3"))
+            cached = Snapshot(manifest, flat, "cpu")
+            snap.host = cached
+        return cached
+
+    # --- reporting and shutdown ------------------------------------------------------------------
+    def snapshot_stats(self) -> dict[str, Any]:
+        return {
+            **self.stats,
+            "version": self.server.version,
+            "fanned_out": self._fanned,
+            "generation": self._generation,
+            "group_size": len(self._group_key[0]) if self._group_key else 0,
+            "model_bytes": self.latest.manifest.total_bytes if self.latest else 0,
+        }
+
+    def close(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        if self._thread is not None:
+            self._thread.join(self.config.close_timeout)
+
+
+def _local_address(session: LearnerSession, fallback: str) -> str:
+    """The learner's address on the interface this actor reached it through (for gloo)."""
+    try:
+        return str(session.control.sock.getsockname()[0])
+    except OSError:
+        return fallback

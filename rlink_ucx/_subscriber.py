@@ -1,0 +1,196 @@
+"""The actor's side of the weight fan-out: keeps the newest version ready, double-buffered.
+
+A background thread joins the learner's broadcast groups and receives each version into a
+buffer nobody else is reading, or pulls it over an authenticated connection of its own when it
+is not in a group (just subscribed, slow, or a broadcast failed). Only a complete version whose
+every bucket matched its checksum is exposed, so ``get_remote_model`` never sees a half-written
+one, and costs no network round trip when nothing changed.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+from . import _auth, _wire
+from ._errors import Closed, ProtocolError
+from ._errors import TimeoutError as RLinkTimeout
+from ._group import broadcast, connect_store, new_group
+from ._weights import BufferPool, Snapshot
+
+if TYPE_CHECKING:
+    from ._client import ActorConnection
+    from ._config import Config
+    from ._io import IOThread
+
+log = logging.getLogger(__name__)
+
+_PULL = object()  # event: pull now, whatever the announced version
+
+
+class Subscriber:
+    def __init__(self, conn: ActorConnection, io: IOThread, config: Config):
+        self.conn = conn
+        self.io = io
+        self.config = config
+        self.ready: Snapshot | None = None
+        self._tensors: dict[str, Any] | None = None  # views of ``ready``, made on first use
+        self._pool = BufferPool()
+        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._cv = threading.Condition()
+        self._closed = False
+        self._group: Any = None
+        self._generation = 0
+        self._backend = "gloo"
+        self._stores: dict[int, Any] = {}
+        self.stats: dict[str, Any] = {"broadcasts": 0, "pulls": 0, "failures": 0, "last_error": None}
+        conn.weights_listener = self.deliver
+        self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
+        self._thread.start()
+        io.soon(self._send, _wire.Subscribe())
+        self._events.put(_PULL)
+
+    @property
+    def have(self) -> int:
+        return self.ready.version if self.ready is not None else 0
+
+    # --- I/O loop: control messages from the learner ----------------------------------------
+    def deliver(self, msg: Any) -> None:
+        with self._cv:
+            self._cv.notify_all()  # conn.latest_version moved: waiters re-check
+        self._events.put(msg)
+
+    def _send(self, msg: Any) -> None:
+        if self.conn.control is not None:
+            self.conn.control.send(msg)
+
+    # --- caller's thread ----------------------------------------------------------------------
+    def get(self, timeout: float | None, latest: bool) -> tuple[dict[str, Any], int]:
+        """The newest complete version (waiting for it up to ``timeout``)."""
+        limit = self.config.weights_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        with self._cv:
+            while True:
+                ready = self.ready
+                if ready is not None and (not latest or ready.version >= self.conn.latest_version):
+                    break
+                if self._closed:
+                    raise Closed("the actor is closed")
+                if self.conn.error is not None:
+                    raise type(self.conn.error)(str(self.conn.error)) from self.conn.error
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    newest = self.conn.latest_version
+                    raise RLinkTimeout(
+                        f"no weights within {limit:.3g}s: the learner has version {newest}, this actor "
+                        f"{self.have or 'none'}" + ("" if newest else " (nothing published yet)")
+                    )
+                self._cv.wait(min(left, 0.25))
+            if self._tensors is None:
+                self._tensors = ready.tensors()
+            return dict(self._tensors), ready.version
+
+    # --- weights thread -----------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._closed:
+            try:
+                msg = self._events.get(timeout=0.25)
+            except queue.Empty:
+                continue
+            try:
+                if msg is _PULL or (isinstance(msg, _wire.Version) and msg.version > self.have):
+                    self._pull()
+                elif isinstance(msg, _wire.Group):
+                    self._join(msg)
+                elif isinstance(msg, _wire.Publish):
+                    self._receive(msg)
+            except Exception as exc:  # noqa: BLE001 - logged and counted; the next version retries
+                self._group = None
+                self.stats["failures"] += 1
+                self.stats["last_error"] = repr(exc)[:500]
+                if not self._closed:
+                    log.warning("actor %s: weights update failed: %s", self.conn.actor_id, exc)
+                    if self.conn.latest_version > self.have and not isinstance(msg, _wire.Version):
+                        self._events.put(_PULL)
+                    elif isinstance(msg, _wire.Version):
+                        time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken pull
+                        self._events.put(_PULL)
+        self._group = None
+
+    def _expose(self, snap: Snapshot) -> None:
+        with self._cv:
+            if self.ready is None or snap.version > self.ready.version:
+                self.ready, self._tensors = snap, None
+            self._cv.notify_all()
+        self.io.soon(self._send, _wire.Got(snap.version))
+
+    def _check(self, manifest: Any) -> None:
+        manifest.validate(max_bytes=self.config.max_weights_bytes, max_entries=self.config.max_weights_tensors)
+
+    def _pull(self) -> None:
+        """Fetch the newest version over a connection of our own (authenticated by the
+        session's ticket), unless it is no newer than what we have."""
+        welcome = self.conn.welcome
+        assert welcome is not None
+        sock = socket.create_connection((self.conn.host, self.conn.port), timeout=self.config.connect_timeout)
+        try:
+            sock.settimeout(self.config.weights_timeout)
+            challenge = _wire.read_message(sock, self.config.max_preauth_bytes)
+            if not isinstance(challenge, _wire.Challenge):
+                raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
+            mac = _auth.pull_proof(welcome.ticket, challenge.nonce, welcome.session)
+            sock.sendall(_wire.encode(_wire.Pull(_wire.PROTOCOL_VERSION, welcome.session, mac, self.have)))
+            reply = _wire.read_message(sock, self.config.max_control_bytes)
+            if isinstance(reply, _wire.Version):
+                return  # nothing newer than what we have
+            if isinstance(reply, _wire.Error):
+                raise ProtocolError(f"learner refused the weights pull: {reply.text}")
+            if not isinstance(reply, _wire.Publish):
+                raise ProtocolError(f"expected Publish, got {type(reply).__name__}")
+            self._check(reply.manifest)
+            flat = self._pool.get(reply.manifest.total_bytes)
+            _wire.recv_exact_into(sock, memoryview(flat))
+            snap = Snapshot(reply.manifest, flat, "cpu")
+            snap.verify()
+        finally:
+            sock.close()
+        self.stats["pulls"] += 1
+        self._expose(snap)
+
+    def _join(self, msg: _wire.Group) -> None:
+        self._group = None
+        store = self._stores.get(msg.store_port)
+        if store is None:
+            store = self._stores[msg.store_port] = connect_store(self.conn.host, msg.store_port, msg.timeout)
+        assert self.conn.control is not None
+        hostname = str(self.conn.control.sock.getsockname()[0])
+        self._group = new_group(store, msg.prefix, msg.rank, msg.world, backend=msg.backend, hostname=hostname,
+                                timeout=msg.timeout)  # fmt: skip
+        self._generation, self._backend = msg.generation, msg.backend
+
+    def _receive(self, msg: _wire.Publish) -> None:
+        manifest = msg.manifest
+        self._check(manifest)
+        if self._group is None or msg.generation != self._generation:
+            raise ProtocolError(f"broadcast for group {msg.generation}, which this actor is not in")
+        if self._backend == "nccl":
+            import torch
+
+            flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=torch.device("cuda"))
+            snap = Snapshot(manifest, flat, str(flat.device))
+        else:
+            snap = Snapshot(manifest, self._pool.get(manifest.total_bytes), "cpu")
+        buckets = [snap.bucket(a, b) for a, b in manifest.buckets()]
+        broadcast(self._group, buckets, self.config.weights_timeout, on_done=snap.verify)
+        self.stats["broadcasts"] += 1
+        self._expose(snap)
+
+    def close(self) -> None:
+        self._closed = True
+        with self._cv:
+            self._cv.notify_all()
+        self._thread.join(self.config.close_timeout)

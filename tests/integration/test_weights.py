@@ -1,0 +1,135 @@
+"""Weights: learner.publish() fans out through torch.distributed (gloo here) and pulls."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from rlink_ucx import Config, Learner, RLinkDataset
+from tests.integration.procs import as_bytes, late_actor, learner_in_default_group, model_state, stamped_actor, weights_actor
+from tests.integration.test_datapath import join_all
+
+SPAWN = mp.get_context("spawn")
+
+
+def wait_subscribed(learner: Learner, n: int, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while sum(a["subscribed"] for a in learner.stats()["actors"]) < n:
+        assert time.monotonic() < deadline, f"only {learner.stats()['connected_actors']} actors subscribed"
+        time.sleep(0.05)
+
+
+def start_followers(learner: Learner, n: int, until: int, config: dict | None = None):
+    results = SPAWN.Queue()
+    procs = [SPAWN.Process(target=weights_actor, args=(learner.address, results, until, "tcp", config)) for _ in range(n)]
+    for p in procs:
+        p.start()
+    wait_subscribed(learner, n)
+    return procs, results
+
+
+@pytest.mark.timeout(180)
+def test_three_actors_get_every_version_bit_identical_and_monotonic():
+    with Learner("127.0.0.1:0", transport="tcp", config=Config(weights_timeout=30)) as learner:
+        procs, results = start_followers(learner, 3, until=5)
+        for v in range(1, 6):
+            assert learner.publish(model_state(v), wait=True, timeout=60) == v
+            assert all(a["weights_version"] == v for a in learner.stats()["actors"])
+        reports = [results.get(timeout=60) for _ in procs]
+        assert join_all(procs) == [0, 0, 0]
+        stats = learner.stats()["weights"]
+    expected = as_bytes(model_state(5))
+    for r in reports:
+        assert r["seen"][-1] == 5 and r["seen"] == sorted(set(r["seen"])), r["seen"]
+        assert r["state"] == expected
+        assert r["policy_version"] == 5
+        assert r["stats"]["broadcasts"] >= 1, "the torch.distributed path was never used"
+        assert r["stats"]["failures"] == 0
+    assert stats["fanouts"] == 5 and stats["fanout_failures"] == 0 and stats["groups"] == 1
+
+
+@pytest.mark.timeout(120)
+def test_an_actor_that_connects_after_version_3_pulls_it_at_once():
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        for v in (1, 2, 3):
+            learner.publish(model_state(v))
+        results = SPAWN.Queue()
+        p = SPAWN.Process(target=late_actor, args=(learner.address, results))
+        p.start()
+        report = results.get(timeout=60)
+        assert join_all([p]) == [0]
+        served = learner.stats()["weights"]["pulls_served"]
+    assert report["version"] == 3 and report["again"] == 3
+    assert report["state"] == as_bytes(model_state(3))
+    assert report["stats"]["pulls"] == 1 and report["stats"]["broadcasts"] == 0
+    assert served == 1
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["SIGKILL", "SIGSTOP"])
+def test_a_dead_or_frozen_subscriber_does_not_hang_publish(fault):
+    timeout = 3.0
+    config = Config(weights_timeout=timeout, heartbeat_timeout=30)
+    with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
+        procs, results = start_followers(learner, 3, until=3)
+        assert learner.publish(model_state(1), wait=True, timeout=60) == 1
+        victim = procs[0]
+        os.kill(victim.pid, getattr(signal, fault))
+        try:
+            started = time.monotonic()
+            learner.publish(model_state(2), wait=True, timeout=timeout)
+            first = time.monotonic() - started
+            started = time.monotonic()
+            learner.publish(model_state(3), wait=True, timeout=timeout)
+            second = time.monotonic() - started
+            reports = [results.get(timeout=60) for _ in procs[1:]]
+            actors = {a["pid"]: a for a in learner.stats()["actors"]}
+        finally:
+            victim.kill()
+        assert join_all(procs[1:]) == [0, 0]
+    print(f"publish after {fault}: {first:.2f}s, next: {second:.2f}s")
+    assert first < timeout + 1.5 and second < timeout + 1.5, (first, second)
+    for r in reports:
+        assert r["seen"][-1] == 3 and r["state"] == as_bytes(model_state(3))
+    if fault == "SIGSTOP":  # still connected (heartbeat timeout not reached), left behind
+        assert actors[victim.pid]["weights_version"] == 1
+    else:
+        assert victim.pid not in actors
+
+
+@pytest.mark.timeout(120)
+def test_a_learner_inside_its_own_default_group_publishes_and_leaves_it_untouched():
+    results = SPAWN.Queue()
+    p = SPAWN.Process(target=learner_in_default_group, args=(results,))
+    p.start()
+    out = results.get(timeout=100)
+    assert join_all([p]) == [0]
+    assert out["report"]["seen"][-1] == 2 and out["report"]["state"] == out["expected"]
+    assert out["report"]["stats"]["broadcasts"] >= 1
+    assert out["initialized"] and out["same_world"] and out["world_size"] == 1 and out["backend"] == "gloo"
+    assert out["all_reduce"] == [1.0, 1.0, 1.0]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("max_staleness", [None, 2])
+def test_staleness_is_counted_and_old_steps_are_dropped(max_staleness):
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        for v in range(1, 6):
+            learner.publish(model_state(v))
+        dataset = RLinkDataset(learner, batch_size=50, max_staleness=max_staleness)
+        p = SPAWN.Process(target=stamped_actor, args=(learner.address, 100, [1, 2, 3, 4, 5]))
+        p.start()
+        kept = 500 if max_staleness is None else 300
+        versions = np.concatenate([dataset.fetch(timeout=60).version.numpy() for _ in range(kept // 50)])
+        assert join_all([p]) == [0]
+        staleness = learner.stats()["staleness"]
+    assert sorted(set(versions.tolist())) == ([1, 2, 3, 4, 5] if max_staleness is None else [3, 4, 5])
+    expected = {4: 100, 3: 100, 2: 100, 1: 100, 0: 100} if max_staleness is None else {2: 100, 1: 100, 0: 100}
+    assert staleness["histogram"] == expected
+    assert staleness["dropped"] == (0 if max_staleness is None else 200)
+    assert staleness["max"] == max(expected)

@@ -161,9 +161,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = run until Ctrl-C)")
     p.add_argument("--log-every", type=float, default=5.0)
     sub.add_parser("bench", help="throughput vs a raw socket (see `rlink bench -- --help`)", add_help=False)
+    sub.add_parser("demo", help="train PPO on CartPole with actor processes (see `rlink demo --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "learner" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    if args.command == "demo":
+        from .demo import main as demo_main
+
+        return demo_main(rest)
     if args.command != "bench" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     handlers: dict[str, Any] = {"info": _info, "doctor": _info, "smoke": _smoke, "learner": _learner}

@@ -1,0 +1,44 @@
+"""Learner: trains PPO on trajectories streamed by actor.py processes, publishes the policy.
+
+    python examples/learner.py --address 127.0.0.1:8443            # then start actors
+    RLINK_TOKEN=secret python examples/learner.py --address 0.0.0.0:8443   # across hosts
+"""
+
+import argparse
+import collections
+
+import numpy as np
+
+from rlink_ucx import Config, Learner, RLinkDataset
+from rlink_ucx.demo.policy import ActorCritic
+from rlink_ucx.demo.ppo import PPO, PPOConfig
+
+parser = argparse.ArgumentParser()
+parser.add_argument("--address", default="127.0.0.1:8443")
+parser.add_argument("--token", default=None, help="shared secret (or set RLINK_TOKEN)")
+parser.add_argument("--device", default="cpu")
+parser.add_argument("--batch", type=int, default=16, help="trajectories per update")
+parser.add_argument("--target-return", type=float, default=475.0)
+args = parser.parse_args()
+
+# CartPole: obs float32[4], 2 actions. Small buffers keep the actors' policy lag low.
+model = ActorCritic(4, ("discrete", 2)).to(args.device)
+ppo = PPO(model, PPOConfig())
+config = Config(buffer_bytes=64 << 10, actor_window_bytes=16 << 10, frame_bytes=8 << 10)
+with Learner(args.address, token=args.token, config=config) as learner:
+    learner.publish(model)  # version 1: actors wait for it before they start
+    print(f"learner on {learner.address}; start actors with: python examples/actor.py --address {learner.address}")
+    dataset = RLinkDataset(learner, batch_size=args.batch, device=args.device)
+    returns = collections.deque(maxlen=100)
+    for update, batch in enumerate(dataset):  # batches are already on args.device
+        returns.extend(batch["ep_return"][batch["done"]].tolist())
+        ppo.update(batch)  # PPO's clipped ratio corrects for batch.staleness (policy lag)
+        learner.publish(model)  # returns at once; actors receive it in the background
+        if update % 50 == 0:
+            s = learner.stats()
+            print(f"update {update}: {s['total']['steps'] * 32:,} env steps, mean return "
+                  f"{np.mean(returns) if returns else 0:.1f}, lag {s['staleness']['mean']:.2f}, "
+                  f"{s['connected_actors']} actors")
+        if len(returns) == 100 and np.mean(returns) >= args.target_return:
+            print(f"solved: mean return {np.mean(returns):.1f} over the last 100 episodes")
+            break

@@ -206,7 +206,7 @@ class ActorConnection:
                         self.changed.notify_all()
                 elif isinstance(msg, _wire.Heartbeat):
                     pass
-                elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group)):
+                elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed)):
                     self._on_weights(msg)
                 elif isinstance(msg, _wire.Ready):
                     if not self._ready.done():
@@ -226,7 +226,7 @@ class ActorConnection:
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
             self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"control connection broke: {exc}"))
 
-    def _on_weights(self, msg: _wire.Version | _wire.Publish | _wire.Group) -> None:
+    def _on_weights(self, msg: _wire.Version | _wire.Publish | _wire.Group | _wire.Sealed) -> None:
         if isinstance(msg, _wire.Version):
             self.latest_version = max(self.latest_version, msg.version)
         elif isinstance(msg, _wire.Publish):

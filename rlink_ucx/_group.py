@@ -13,7 +13,7 @@ import datetime
 import socket
 from typing import Any
 
-__all__ = ["broadcast", "connect_store", "new_group", "serve_store"]
+__all__ = ["broadcast", "connect_store", "new_group", "serve_store", "wait_all"]
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -56,8 +56,11 @@ def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, h
 
 def broadcast(group: Any, tensors: list[Any], timeout: float, on_done: Any = None) -> None:
     """Broadcast each tensor from rank 0, one collective per tensor, all in flight at once;
-    ``on_done(i)`` runs as each completes (a receiver verifies bucket i while later ones arrive)."""
-    works = [group.broadcast(t, 0) for t in tensors]
+    ``on_done(i)`` runs as each completes (a receiver checksums bucket i while later ones arrive)."""
+    wait_all([group.broadcast(t, 0) for t in tensors], timeout, on_done)
+
+
+def wait_all(works: list[Any], timeout: float, on_done: Any = None) -> None:
     for i, work in enumerate(works):
         work.wait(_delta(timeout))
         if on_done is not None:

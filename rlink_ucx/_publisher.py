@@ -21,8 +21,9 @@ import numpy as np
 
 from . import _auth, _wire
 from ._errors import AuthError, Closed
-from ._group import broadcast, new_group, serve_store
-from ._weights import BufferPool, Snapshot, checksums, snapshot, state_dict_of
+from ._group import new_group, serve_store, wait_all
+from .transport import hostname
+from ._weights import BufferPool, Snapshot, begin_snapshot, checksums, fill, state_dict_of
 
 if TYPE_CHECKING:
     from ._server import LearnerServer
@@ -36,7 +37,8 @@ class Publisher:
         self.server = server
         self.config = server.config
         self.loop = server.loop
-        self.latest: Snapshot | None = None
+        self.latest: Snapshot | None = None  # the newest complete version (served to pulls)
+        self.pending: Snapshot | None = None  # the newest version, possibly still being copied
         self._pool = BufferPool()
         self._publish_lock = threading.Lock()  # one snapshot at a time
         self._cv = threading.Condition()  # guards latest/_fanned; signals acks
@@ -61,15 +63,19 @@ class Publisher:
             if self._closed:
                 raise Closed("the learner is closed")
             version = self.server.version + 1
-            snap = snapshot(state, version, self.config.weights_bucket_bytes, self._pool)
+            snap = begin_snapshot(state, version, self.config.weights_bucket_bytes, self._pool)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="rlink-publisher", daemon=True)
+                self._thread.start()
+            with self._cv:  # the fan-out starts now and sends each bucket as soon as it is copied
+                self.pending = snap
+                self._cv.notify_all()
+            fill(snap, state)
             with self._cv:
                 self.latest = snap
                 self.server.version = version
                 self.stats["published"] += 1
                 self._cv.notify_all()
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="rlink-publisher", daemon=True)
-                self._thread.start()
         if wait:
             self.wait(version, timeout)
         return version
@@ -97,8 +103,9 @@ class Publisher:
             session.weights_acked = max(session.weights_acked, version)
             self._cv.notify_all()
 
-    def on_subscribe(self, session: LearnerSession) -> None:
+    def on_subscribe(self, session: LearnerSession, msg: _wire.Subscribe) -> None:
         session.subscribed = True
+        session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
         # The actor pulls the current version right away; until it acknowledges it, it stays
         # out of the broadcast group.
         session.weights_sent = self.server.version
@@ -130,11 +137,11 @@ class Publisher:
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._closed and (self.latest is None or self.latest.version <= self._fanned):
+                while not self._closed and (self.pending is None or self.pending.version <= self._fanned):
                     self._cv.wait()
                 if self._closed:
                     break
-                snap = self.latest
+                snap = self.pending
                 assert snap is not None
                 self.stats["skipped_versions"] += max(0, snap.version - self._fanned - 1)
             started = time.monotonic()
@@ -155,8 +162,8 @@ class Publisher:
         sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
         subscribed = [s for s in sessions if s.subscribed]
         caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent]
-        backend = "nccl" if snap.device != "cpu" and caught_up and all(s.hello.cuda for s in caught_up) else "gloo"
-        source = snap if backend == "nccl" else self._host_copy(snap)
+        backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
+        source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
         members: list[LearnerSession] = []
         if caught_up:
             try:
@@ -168,15 +175,16 @@ class Publisher:
             s.weights_sent = snap.version
         others = [s for s in sessions if s not in members]
         self._send(members, _wire.Publish(self._generation, source.manifest))
-        self._send(others, _wire.Version(snap.version))
+        if members:
+            try:
+                self._stream(source, members, timeout)
+            except Exception as exc:  # noqa: BLE001 - a member died or froze mid-broadcast
+                self._failed(f"broadcast of version {snap.version} failed: {exc}")
+                others += [s for s in members if s.state == "open"]
+                members = []
+        snap.wait_ready(len(snap.manifest.buckets()) + 1, timeout)
+        self._send(others, _wire.Version(snap.version))  # once complete: they pull it
         if not members:
-            return
-        buckets = [source.bucket(a, b) for a, b in source.manifest.buckets()]
-        try:
-            broadcast(self._group, buckets, timeout)
-        except Exception as exc:  # noqa: BLE001 - a member died or froze mid-broadcast
-            self._failed(f"broadcast of version {snap.version} failed: {exc}")
-            self._send([s for s in members if s.state == "open"], _wire.Version(snap.version))
             return
         # Wait (bounded) until the members verified it: "published" means received, and an
         # actor that does not confirm in time is left out of the next group (it will pull).
@@ -187,6 +195,18 @@ class Publisher:
                 if left <= 0 or self._closed:
                     break
                 self._cv.wait(min(left, 0.25))
+
+    def _stream(self, source: Snapshot, members: list[LearnerSession], timeout: float) -> None:
+        """Broadcast each bucket as soon as it is copied; send the checksums once sealed."""
+        works = []
+        unsealed = not source.manifest.checksums
+        for i, (a, b) in enumerate(source.manifest.buckets()):
+            source.wait_ready(i + 1, timeout)
+            works.append(self._group.broadcast(source.bucket(a, b), 0))
+        if unsealed:
+            source.wait_ready(len(works) + 1, timeout)
+            self._send(members, _wire.Sealed(source.version, source.manifest.checksums))
+        wait_all(works, timeout)
 
     def _ensure_group(self, members: list[LearnerSession], backend: str) -> None:
         key = (tuple(s.id for s in members), backend)
@@ -254,6 +274,23 @@ class Publisher:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(self.config.close_timeout)
+
+
+def _distinct_gpus(device: str, members: list[LearnerSession]) -> bool:
+    """NCCL needs one GPU per rank: every member on CUDA, none sharing a GPU with another rank."""
+    seen = {(_host_key(None), device)}
+    for s in members:
+        if s.cuda_device is None:
+            return False
+        key = (_host_key(s), f"cuda:{s.cuda_device}")
+        if key in seen:
+            return False
+        seen.add(key)
+    return True
+
+
+def _host_key(session: LearnerSession | None) -> str:
+    return session.hello.host if session is not None else hostname()
 
 
 def _local_address(session: LearnerSession, fallback: str) -> str:

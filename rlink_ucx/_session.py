@@ -60,6 +60,7 @@ class LearnerSession:
         self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
         self.low_water = 0  # wake the loop for more credit once credit falls to this
         self.subscribed = False  # wants every published version
+        self.cuda_device: int | None = None  # where it receives weights (NCCL needs distinct GPUs)
         self.weights_sent = 0  # newest version announced or broadcast to it
         self.weights_acked = 0  # newest version it confirmed complete and verified
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
@@ -81,7 +82,7 @@ class LearnerSession:
             elif isinstance(msg, _wire.Got):
                 self.server.publisher.on_got(self, msg.version)
             elif isinstance(msg, _wire.Subscribe):
-                self.server.publisher.on_subscribe(self)
+                self.server.publisher.on_subscribe(self, msg)
             elif isinstance(msg, _wire.Bye):
                 self.close("actor said goodbye: " + msg.reason[:200], lost=False)
                 return

@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import logging
 import queue
+import sys
 import socket
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
+import msgspec
+
 from . import _auth, _wire
 from ._errors import Closed, ProtocolError
 from ._errors import TimeoutError as RLinkTimeout
 from ._group import broadcast, connect_store, new_group
-from ._weights import BufferPool, Snapshot
+from ._weights import BufferPool, Snapshot, checksum
 
 if TYPE_CHECKING:
     from ._client import ActorConnection
@@ -51,7 +54,7 @@ class Subscriber:
         conn.weights_listener = self.deliver
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
-        io.soon(self._send, _wire.Subscribe())
+        io.soon(self._send, _wire.Subscribe(_cuda_device()))
         self._events.put(_PULL)
 
     @property
@@ -181,16 +184,40 @@ class Subscriber:
             import torch
 
             flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=torch.device("cuda"))
-            snap = Snapshot(manifest, flat, str(flat.device))
         else:
-            snap = Snapshot(manifest, self._pool.get(manifest.total_bytes), "cpu")
-        buckets = [snap.bucket(a, b) for a, b in manifest.buckets()]
-        broadcast(self._group, buckets, self.config.weights_timeout, on_done=snap.verify)
+            flat = self._pool.get(manifest.total_bytes)
+        buckets = manifest.buckets()
+        sums: list[int] = []
+        receiving = Snapshot(manifest, flat, "cpu" if self._backend == "gloo" else str(flat.device))
+        broadcast(self._group, [receiving.bucket(a, b) for a, b in buckets], self.config.weights_timeout,
+                  on_done=lambda i: sums.append(checksum(flat, *buckets[i], manifest.checksum)))  # fmt: skip
+        expected = manifest.checksums or self._await_sealed(manifest.version)
+        bad = [i for i, (want, got) in enumerate(zip(expected, sums)) if want != got]
+        if bad or len(expected) != len(sums):
+            raise ProtocolError(f"weights version {manifest.version}: checksum mismatch in buckets {bad}")
         self.stats["broadcasts"] += 1
-        self._expose(snap)
+        self._expose(Snapshot(msgspec.structs.replace(manifest, checksums=expected), flat, receiving.device))
+
+    def _await_sealed(self, version: int) -> list[int]:
+        """The checksums of a version whose buckets were streamed while being copied."""
+        try:
+            msg = self._events.get(timeout=self.config.weights_timeout)
+        except queue.Empty:
+            raise ProtocolError(f"no checksums for weights version {version}") from None
+        if not isinstance(msg, _wire.Sealed) or msg.version != version:
+            raise ProtocolError(f"expected the checksums of version {version}, got {type(msg).__name__}")
+        return list(msg.checksums)
 
     def close(self) -> None:
         self._closed = True
         with self._cv:
             self._cv.notify_all()
         self._thread.join(self.config.close_timeout)
+
+
+def _cuda_device() -> int:
+    """The current CUDA device if torch (already imported) sees one, else -1."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return -1
+    return int(torch.cuda.current_device())

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import sys
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -42,7 +43,7 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
     entries: list[Entry]
     total_bytes: int
     bucket_bytes: int
-    checksums: list[int]  # one per bucket
+    checksums: list[int]  # one per bucket; empty while streaming (they follow in a Sealed message)
     checksum: str  # "xxh3" (host buffers) or "sum64" (device buffers, computed on the GPU)
 
     def buckets(self) -> list[tuple[int, int]]:
@@ -58,7 +59,7 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
             raise ProtocolError("weights manifest has a bad bucket size or version")
         if len(self.entries) > max_entries:
             raise ProtocolError(f"weights manifest lists {len(self.entries)} tensors; limit {max_entries}")
-        if self.checksum not in ("xxh3", "sum64") or len(self.checksums) != len(self.buckets()):
+        if self.checksum not in ("xxh3", "sum64") or len(self.checksums) not in (0, len(self.buckets())):
             raise ProtocolError("weights manifest checksums do not match its buckets")
         names = set()
         for e in self.entries:
@@ -130,14 +131,18 @@ def checksums(flat: Any, buckets: list[tuple[int, int]], kind: str) -> list[int]
 
 
 class Snapshot:
-    """One published version: the flat buffer (host ``np.uint8`` or a CUDA ``torch.uint8``
-    tensor) and its manifest."""
+    """One version: the flat buffer (host ``np.uint8`` or a CUDA ``torch.uint8`` tensor) and its
+    manifest. A snapshot being written (:func:`begin_snapshot`) becomes readable bucket by
+    bucket, so the fan-out can send bucket 0 while later ones are still being copied."""
 
-    __slots__ = ("manifest", "flat", "device", "host")
+    __slots__ = ("manifest", "flat", "device", "host", "ready", "sealed", "_cv")
 
-    def __init__(self, manifest: Manifest, flat: Any, device: str):
+    def __init__(self, manifest: Manifest, flat: Any, device: str, *, sealed: bool = True):
         self.manifest, self.flat, self.device = manifest, flat, device
         self.host: Snapshot | None = None  # a CUDA snapshot's host copy, made on demand
+        self.sealed = sealed  # every bucket copied and the checksums in the manifest
+        self.ready = len(manifest.buckets()) if sealed else 0  # buckets copied so far
+        self._cv = threading.Condition()
 
     @property
     def version(self) -> int:
@@ -150,6 +155,12 @@ class Snapshot:
         if isinstance(self.flat, np.ndarray):
             return torch.from_numpy(self.flat[start:stop])
         return self.flat[start:stop]
+
+    def wait_ready(self, buckets: int, timeout: float) -> None:
+        """Until the first ``buckets`` buckets are copied (``len(buckets())`` + 1: sealed)."""
+        with self._cv:
+            if not self._cv.wait_for(lambda: self.ready >= buckets or self.sealed, timeout):
+                raise RLinkError(f"weights version {self.version}: snapshot not written within {timeout:.3g}s")
 
     def verify(self, index: int | None = None) -> None:
         """Check one bucket (or all) against the manifest."""
@@ -208,27 +219,55 @@ class BufferPool:
         return buf
 
 
-def snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:
-    """Copy ``state`` into a flat buffer (so training may go on at once) and checksum it."""
+def begin_snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:
+    """An empty snapshot laid out for ``state`` (every dtype checked); fill it with :func:`fill`."""
     entries, total = layout(state)
     devices = {str(t.device) for t in state.values()}
-    cuda = [d for d in devices if d.startswith("cuda")]
-    if cuda and len(devices) == 1:
+    if len(devices) == 1 and next(iter(devices)).startswith("cuda"):
         import torch
 
-        flat = torch.empty(total, dtype=torch.uint8, device=cuda[0])
-        with torch.no_grad():
-            for e, t in zip(entries, state.values()):
-                flat[e.offset : e.offset + e.nbytes()].view(t.dtype).view(t.shape).copy_(t)
-        kind, device = "sum64", cuda[0]
+        flat, kind, device = torch.empty(total, dtype=torch.uint8, device=next(iter(devices))), "sum64", next(iter(devices))
     else:
-        flat = pool.get(total)
-        for e, t in zip(entries, state.values()):
-            dst = flat[e.offset : e.offset + e.nbytes()]
-            src = _np(t.cpu())
-            dst.view(src.dtype).reshape(src.shape)[...] = src
-        kind, device = "xxh3", "cpu"
-    bucket_bytes = max(ALIGN, bucket_bytes)
-    manifest = Manifest(version, entries, total, bucket_bytes, [], kind)
-    sums = checksums(flat, manifest.buckets(), kind)
-    return Snapshot(msgspec.structs.replace(manifest, checksums=sums), flat, device)
+        flat, kind, device = pool.get(total), "xxh3", "cpu"
+    manifest = Manifest(version, entries, total, max(ALIGN, bucket_bytes), [], kind)
+    return Snapshot(manifest, flat, device, sealed=False)
+
+
+def fill(snap: Snapshot, state: Mapping[str, Any]) -> None:
+    """Copy ``state`` into ``snap`` in bucket-sized pieces; each bucket is checksummed and
+    released to readers as soon as it is complete; finally the snapshot is sealed."""
+    buckets = snap.manifest.buckets()
+    sums: list[int] = []
+
+    def release_upto(done: int) -> None:
+        while len(sums) < len(buckets) and buckets[len(sums)][1] <= done:
+            sums.append(checksum(snap.flat, *buckets[len(sums)], snap.manifest.checksum))
+            with snap._cv:
+                snap.ready = len(sums)
+                snap._cv.notify_all()
+
+    on_device = not isinstance(snap.flat, np.ndarray)
+    for e, t in zip(snap.manifest.entries, state.values()):
+        if on_device:
+            src = t.detach().contiguous().reshape(-1).view(snap.flat.dtype)
+        else:
+            src = _np(t.cpu()).reshape(-1).view(np.uint8)  # reshape copies only a non-contiguous tensor
+        at = 0
+        while at < len(src):
+            stop = min(len(src), (e.offset + at) // snap.manifest.bucket_bytes * snap.manifest.bucket_bytes
+                       + snap.manifest.bucket_bytes - e.offset)  # fmt: skip
+            snap.flat[e.offset + at : e.offset + stop] = src[at:stop]
+            at = stop
+            release_upto(e.offset + at)
+    release_upto(snap.manifest.total_bytes)
+    with snap._cv:
+        snap.manifest = msgspec.structs.replace(snap.manifest, checksums=sums)
+        snap.sealed = True
+        snap._cv.notify_all()
+
+
+def snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:
+    """Copy ``state`` into a flat buffer (so training may go on at once) and checksum it."""
+    snap = begin_snapshot(state, version, bucket_bytes, pool)
+    fill(snap, state)
+    return snap

@@ -117,6 +117,8 @@ class Ack(_Msg):
 class Subscribe(_Msg):
     """Actor -> learner: keep me up to date with every published version."""
 
+    cuda_device: int  # the CUDA device weights may land on (NCCL), or -1
+
 
 class Version(_Msg):
     """Learner -> actor: ``version`` is the newest published version (pull it if needed)."""
@@ -142,6 +144,14 @@ class Publish(_Msg):
 
     generation: int
     manifest: Manifest
+
+
+class Sealed(_Msg):
+    """Learner -> actor: the checksums of a version whose Publish was sent while it was still
+    being copied (the broadcast of early buckets overlaps the copy of later ones)."""
+
+    version: int
+    checksums: list[int]
 
 
 class Got(_Msg):
@@ -174,7 +184,7 @@ class Error(_Msg):
 
 Message = Union[
     Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye,
-    Error, Subscribe, Version, Group, Publish, Got, Pull,
+    Error, Subscribe, Version, Group, Publish, Sealed, Got, Pull,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import math
 import multiprocessing as mp
 import os
 import signal

@@ -23,6 +23,7 @@ from ._errors import (
     ProtocolError,
     RLinkError,
     SchemaMismatch,
+    Superseded,
     TimeoutError,
 )
 from ._learner import Learner
@@ -45,6 +46,7 @@ __all__ = [
     "RLinkError",
     "Schema",
     "SchemaMismatch",
+    "Superseded",
     "TimeoutError",
     "__version__",
 ]

@@ -84,9 +84,13 @@ class Actor:
         self._fields: list[_Field] | None = None
         self._policy_version = 0
         self._frame_steps = 0  # steps per frame, known once the schema is negotiated
+        self._max_buffers = self.config.frame_buffers  # frame buffers allowed (resending keeps more)
         self._subscriber: Subscriber | None = None
         self._io = IOThread(name="rlink-actor-io")
-        incarnation = time.time_ns() ^ (os.getpid() << 20)
+        # Increases with every restart of an actor id: the learner lets a newer incarnation
+        # replace an older one, never the reverse (the old process would otherwise reconnect
+        # and push the new one out, back and forth).
+        incarnation = time.time_ns()
         self._conn = ActorConnection(host, port, token=_auth.resolve_token(token), transport=transport,
                                      actor_id=actor_id, incarnation=incarnation & (2**63 - 1),
                                      config=self.config, loop=self._io.loop)  # fmt: skip
@@ -123,6 +127,9 @@ class Actor:
         capacity = max(1, min(reply.max_steps, self.config.frame_bytes // max(schema.step_bytes, 1)))
         self._conn.schema, self._conn.schema_id = schema, reply.schema_id
         self._conn.free = [FrameBuffer(schema, capacity) for _ in range(self.config.frame_buffers)]
+        self._conn.buffers = self.config.frame_buffers
+        self._max_buffers = max(self.config.frame_buffers,
+                                self.config.resend_buffer_bytes // max(1, capacity * schema.step_bytes))  # fmt: skip
         self._fields = [_Field(i, spec) for i, spec in enumerate(schema.fields)]
         self._frame_steps = capacity
 
@@ -155,7 +162,9 @@ class Actor:
         values = [self._check_value(f, step) for f in fields]
         if len(step) != len(fields):
             self._raise_extra(step, fields)
-        if self._frame_steps == 1 and all(type(v) is np.ndarray and v.flags.c_contiguous for v in values):
+        if self._frame_steps == 1 and not self._conn.resend and all(
+            type(v) is np.ndarray and v.flags.c_contiguous for v in values
+        ):
             self._send_borrowed([v.reshape(1, *v.shape) for v in values], 1, version)
             return
         v = self._policy_version if version is None else int(version)
@@ -193,7 +202,7 @@ class Actor:
             arrays.append(arr)
         if count == 0:
             return
-        if count >= self._frame_steps and all(a.flags.c_contiguous for a in arrays):
+        if count >= self._frame_steps and not self._conn.resend and all(a.flags.c_contiguous for a in arrays):
             self._send_borrowed(arrays, count, version)
             return
         self._append(count, version, lambda fb, at, src, k: _write_chunk(fb, at, arrays, src, k))
@@ -292,13 +301,19 @@ class Actor:
 
     def _dispatch(self, fb: FrameBuffer, version: int) -> None:
         """Send a full frame. With nothing queued and credit at hand, send it on this thread
-        and keep the (cache-warm) buffer; otherwise hand it to the I/O thread."""
+        (and reuse the cache-warm buffer unless it must be kept for resending); otherwise hand
+        it to the I/O thread."""
         conn = self._conn
         with conn.changed:
             idle = conn.outstanding == 0 and self._direct
         if idle and conn.take_all_credit(fb.n):
             with conn.send_lock:
+                if conn.resend:  # kept until acknowledged; if the send fails, resent after reconnecting
+                    with conn.changed:
+                        conn.inflight.append(fb)
                 conn.send_part_or_fail(fb, fb.n)
+            if conn.resend:
+                return
             with self._lock:
                 if self._current is None:
                     fb.reset(self._next_seq, version)
@@ -315,6 +330,11 @@ class Actor:
         conn = self._conn
         with conn.changed:
             while not conn.free:
+                if conn.buffers < self._max_buffers:  # room to keep more frames for resending
+                    conn.buffers += 1
+                    return FrameBuffer(self._conn.schema, self._frame_steps)
+                if conn.inflight:  # every buffer waits for an acknowledgement: ask for one now
+                    self._io.soon(conn.sync, conn.inflight[-1].seq + conn.inflight[-1].sent)
                 self._check_open()
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -428,6 +448,9 @@ class Actor:
             "bytes_sent": c.sent_bytes,
             "credit": c.credit,
             "credit_waits": c.credit_waits,
+            "reconnects": c.reconnects,
+            "steps_lost": c.steps_lost,
+            "connected": c.connected,
             "error": repr(c.error) if c.error else None,
             "policy_version": self._policy_version,
             "weights": dict(self._subscriber.stats, version=self._subscriber.have) if self._subscriber else None,

@@ -6,6 +6,7 @@ import asyncio
 import collections
 import logging
 import os
+import random
 import socket
 import threading
 import time
@@ -14,7 +15,8 @@ from typing import Any
 from . import _auth, _wire
 from ._codec import Schema
 from ._config import Config
-from ._errors import AuthError, Backpressure, ConnectError, PeerLost, ProtocolError, RLinkError
+from ._errors import (AuthError, Backpressure, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch,
+                      Superseded)
 from ._io import ControlConnection
 from ._version import __version__
 from ._wire import FrameHeader
@@ -102,6 +104,16 @@ class ActorConnection:
         self.last_heard = time.monotonic()
         self.queue: collections.deque[FrameBuffer | BorrowedFrame] = collections.deque()
         self.free: list[FrameBuffer] = []
+        # Sent but not yet acknowledged, in seq order: kept for resending after a reconnect.
+        self.inflight: collections.deque[FrameBuffer] = collections.deque()
+        self.resend = config.resend_buffer_bytes > 0
+        self.max_frame_steps = 1 << 62  # the learner's per-frame limit (from Accept)
+        self.connected = False  # handshake done and data plane ready; False while reconnecting
+        self.reconnecting = False
+        self.subscription: Any = None  # the Subscribe message to repeat after a reconnect
+        self.reconnects = 0
+        self.buffers = 0  # frame buffers allocated (the actor allocates more while resending needs them)
+        self.steps_lost = 0  # sent, unacknowledged and not kept for resending when a link broke
         self.changed = threading.Condition()  # signals free buffers, acks and errors to callers
         self._wake = asyncio.Event()
         self._credit_event = asyncio.Event()
@@ -137,6 +149,8 @@ class ActorConnection:
                 await self._connect()
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise ConnectError(f"handshake with {self.host}:{self.port} timed out") from exc
+        except Superseded:
+            raise
         except PeerLost as exc:
             raise ConnectError(f"learner at {self.host}:{self.port} closed the connection during setup: {exc}") from exc
 
@@ -167,13 +181,18 @@ class ActorConnection:
 
             self.sender = await UcxActorPlane.connect(self.loop, welcome, self.incarnation, self.config)
         await self._ready
+        if self.schema is not None:  # a reconnect: the new session needs the schema again
+            await self._renegotiate()
+        self._requeue(welcome.resume_seq)
         self._tasks.append(self.loop.create_task(self._heartbeat()))
         self._tasks.append(self.loop.create_task(self._send_loop()))
+        self.connected = True
 
     async def _expect(self, conn: ControlConnection, kind: type) -> Any:
         msg = await conn.recv(self.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
-            raise (AuthError if msg.kind == "auth" else ConnectError)(f"learner refused: {msg.text}")
+            kind = {"auth": AuthError, "superseded": Superseded}.get(msg.kind, ConnectError)
+            raise kind(f"learner refused: {msg.text}")
         if not isinstance(msg, kind):
             raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
         return msg
@@ -197,13 +216,9 @@ class ActorConnection:
                         self.credit_cv.notify_all()
                     self._credit_event.set()
                     if msg.acked > self.acked:
-                        with self.changed:
-                            self.acked = msg.acked
-                            self.changed.notify_all()
+                        self._acknowledged(msg.acked)
                 elif isinstance(msg, _wire.Ack):
-                    with self.changed:
-                        self.acked = msg.next_seq
-                        self.changed.notify_all()
+                    self._acknowledged(msg.next_seq)
                 elif isinstance(msg, _wire.Heartbeat):
                     pass
                 elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed)):
@@ -226,6 +241,14 @@ class ActorConnection:
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
             self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"control connection broke: {exc}"))
 
+    def _acknowledged(self, seq: int) -> None:
+        """The learner holds every step below ``seq``: frames entirely below it are done."""
+        with self.changed:
+            self.acked = max(self.acked, seq)
+            while self.inflight and self.inflight[0].seq + self.inflight[0].n <= self.acked:
+                self.free.append(self.inflight.popleft())
+            self.changed.notify_all()
+
     def _on_weights(self, msg: _wire.Version | _wire.Publish | _wire.Group | _wire.Sealed) -> None:
         if isinstance(msg, _wire.Version):
             self.latest_version = max(self.latest_version, msg.version)
@@ -246,9 +269,28 @@ class ActorConnection:
             self.control.send(_wire.Heartbeat())
 
     def fail(self, exc: RLinkError) -> None:
-        if self.error is None and not self.closing:
-            self.error = exc
-            log.warning("actor %s: %s", self.actor_id, exc)
+        """The connection broke (any task on the loop): reconnect if it was up and the error
+        is one a reconnect can cure, else record ``exc`` for every caller."""
+        if self.closing or self.error is not None:
+            return
+        if self.reconnecting:  # a reconnect attempt failed: let it notice at once
+            for fut in (self._ready, self._proposal):
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # retrieved here: the attempt sees it through await
+            return
+        if self.connected and self.config.reconnect_timeout > 0 and not isinstance(exc, (AuthError, SchemaMismatch)):
+            self.connected = False
+            self.reconnecting = True
+            log.warning("actor %s: %s; reconnecting", self.actor_id, exc)
+            self._tasks.append(self.loop.create_task(self._reconnect(exc)))
+            return
+        self._fail_for_good(exc)
+
+    def _fail_for_good(self, exc: RLinkError) -> None:
+        self.connected = False
+        self.error = exc
+        log.warning("actor %s: %s", self.actor_id, exc)
         for frame in self.queue:
             if isinstance(frame, BorrowedFrame) and frame.done is not None:
                 frame.done.set()  # the caller raises self.error
@@ -261,6 +303,103 @@ class ActorConnection:
             self.credit_cv.notify_all()
         self._wake.set()
         self._credit_event.set()
+
+    # --- reconnecting ----------------------------------------------------------------------------
+    async def _reconnect(self, cause: RLinkError) -> None:
+        """Retry the learner with backoff and jitter until ``reconnect_timeout``; then resume
+        the stream where the learner says it stopped (resending what it lacks)."""
+        self._teardown()
+        deadline = time.monotonic() + self.config.reconnect_timeout
+        delay, last = 0.05, cause
+        while not self.closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            await asyncio.sleep(min(left, delay * (0.5 + random.random())))
+            delay = min(2 * delay, 2.0)
+            try:
+                await self.connect()
+            except (AuthError, SchemaMismatch, Superseded) as exc:
+                last = exc
+                break
+            except (RLinkError, OSError) as exc:
+                last = exc if isinstance(exc, RLinkError) else PeerLost(str(exc))
+                self._teardown()
+                continue
+            self.reconnects += 1
+            self.reconnecting = False
+            log.info("actor %s reconnected (resuming at seq %d)", self.actor_id, self.next_send_seq)
+            if self.subscription is not None and self.control is not None:
+                self.control.send(self.subscription)
+            with self.changed:
+                self.changed.notify_all()
+            with self.credit_cv:
+                self.credit_cv.notify_all()
+            return
+        self.reconnecting = False
+        if not self.closing:
+            if isinstance(last, (AuthError, SchemaMismatch, Superseded)):
+                self._fail_for_good(last)
+            else:
+                self._fail_for_good(PeerLost(f"learner unreachable for {self.config.reconnect_timeout:.3g}s: {last}"))
+
+    def _teardown(self) -> None:
+        """Drop the broken connection (not the frames: they are resent)."""
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        self._tasks = [t for t in self._tasks if t is current]
+        if self.sender is not None:
+            self.sender.close()
+            self.sender = None
+        if self.control is not None:
+            self.control.close()
+            self.control = None
+        with self.credit_cv:
+            self.credit = 0
+        self._ready = self.loop.create_future()
+        self._proposal = None
+
+    async def _renegotiate(self) -> None:
+        assert self.schema is not None
+        reply = await self.propose(self.schema)
+        if isinstance(reply, _wire.Reject):
+            raise SchemaMismatch(f"after reconnecting, the learner rejected the schema: {reply.reason}")
+        self.schema_id, self.max_frame_steps = reply.schema_id, reply.max_steps
+
+    def _requeue(self, resume: int) -> None:
+        """Put every unacknowledged frame back in the queue, from where the learner stopped
+        (``resume``; -1: a learner that never saw this stream gets everything unacknowledged)."""
+        with self.changed:
+            frames = [*self.inflight, *self.queue]
+            self.outstanding += len(self.inflight)  # queued again
+            self.inflight.clear()
+            self.queue.clear()
+            if resume >= 0 and resume > self.acked:
+                self.acked = resume
+            start = self.next_send_seq
+            for fb in frames:
+                fb.sent = min(fb.n, max(0, resume - fb.seq)) if resume >= 0 else 0
+                if fb.sent == fb.n:  # the learner has all of it
+                    self._finished(fb)
+                else:
+                    self.queue.append(fb)
+            if self.queue:
+                start = self.queue[0].seq + self.queue[0].sent
+            if resume >= 0 and start > resume:
+                self.steps_lost += start - resume  # sent once, never acknowledged, not kept
+            self.next_send_seq = start
+            self.changed.notify_all()
+        self._wake.set()
+
+    def _finished(self, frame: FrameBuffer | BorrowedFrame) -> None:
+        """A frame leaves the queue for good (changed lock held)."""
+        self.outstanding -= 1
+        if isinstance(frame, FrameBuffer):
+            self.free.append(frame)
+        elif frame.done is not None:
+            frame.done.set()
 
     async def propose(self, schema: Schema) -> _wire.Accept | _wire.Reject:
         assert self.control is not None
@@ -298,20 +437,22 @@ class ActorConnection:
     def take_all_credit(self, n: int) -> bool:
         """Take ``n`` steps of credit if all are available now (any thread)."""
         with self.credit_cv:
-            if self.credit < n or self.error is not None:
+            if self.credit < n or self.error is not None or not self.connected or n > self.max_frame_steps:
                 return False
             self.credit -= n
             return True
 
-    def send_part_or_fail(self, frame: FrameBuffer | BorrowedFrame, k: int) -> None:
-        """``_send_part`` from a caller's thread: failures are recorded and raised as PeerLost."""
+    def send_part_or_fail(self, frame: FrameBuffer | BorrowedFrame, k: int) -> bool:
+        """``_send_part`` from a caller's thread. A failure starts a reconnect; it is raised as
+        PeerLost only for a frame that is not kept for resending. Returns whether it was sent."""
         try:
             self._send_part(frame, k)
-        except RLinkError:
-            raise
+            return True
         except Exception as exc:  # noqa: BLE001 - translated and recorded for later calls too
-            err = PeerLost(f"data connection broke: {exc}")
+            err = exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}")
             self.loop.call_soon_threadsafe(self.fail, err)
+            if self.resend and isinstance(frame, FrameBuffer):
+                return False
             raise err from exc
 
     def _take_credit(self, want: int) -> int:
@@ -334,7 +475,7 @@ class ActorConnection:
                 if frame.seq + frame.sent != self.next_send_seq:
                     raise ProtocolError(f"internal: frame seq {frame.seq} queued, {self.next_send_seq} due")
                 while frame.sent < frame.n and not getattr(frame, "cancelled", False):
-                    k = self._take_credit(frame.n - frame.sent)
+                    k = self._take_credit(min(frame.n - frame.sent, self.max_frame_steps))
                     if k == 0:
                         if self.error is not None:
                             return
@@ -347,12 +488,12 @@ class ActorConnection:
                         self._send_part(frame, k)
                 self.queue.popleft()
                 with self.changed:
-                    self.outstanding -= 1
-                    if isinstance(frame, FrameBuffer):
-                        self.free.append(frame)
+                    if self.resend and isinstance(frame, FrameBuffer) and not getattr(frame, "cancelled", False):
+                        self.outstanding -= 1
+                        self.inflight.append(frame)  # kept until acknowledged
+                    else:
+                        self._finished(frame)
                     self.changed.notify_all()
-                if isinstance(frame, BorrowedFrame) and frame.done is not None:
-                    frame.done.set()
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
@@ -365,7 +506,7 @@ class ActorConnection:
         """
         while frame.sent < frame.n:
             with self.credit_cv:
-                while self.credit <= 0:
+                while self.credit <= 0 or not self.connected:
                     if self.error is not None:
                         raise self.error
                     left = deadline - time.monotonic()
@@ -375,7 +516,7 @@ class ActorConnection:
                         )
                     self.credit_waits += 1
                     self.credit_cv.wait(min(left, 0.5))
-                k = min(frame.n - frame.sent, self.credit)
+                k = min(frame.n - frame.sent, self.credit, self.max_frame_steps)
                 self.credit -= k
             with self.send_lock:
                 self.send_part_or_fail(frame, k)

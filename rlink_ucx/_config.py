@@ -19,6 +19,9 @@ KiB = 1024
 MiB = 1024 * KiB
 
 
+_MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes"}  # 0 switches the feature off
+
+
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Timeouts (seconds), memory caps (bytes) and data-plane knobs.
@@ -37,6 +40,7 @@ class Config:
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0
     frame_timeout: float = 10.0  # a started data frame must finish arriving within this
+    reconnect_timeout: float = 60.0  # an actor retries a lost learner this long (0: never)
 
     weights_timeout: float = 30.0  # building a fan-out group, one broadcast, one pull
 
@@ -44,6 +48,10 @@ class Config:
     frame_bytes: int = 1 * MiB  # target payload per frame; small steps are coalesced to this
     frame_linger: float = 0.005  # a partly filled frame is sent after this many seconds
     frame_buffers: int = 4  # frames an actor can fill while earlier ones are in flight
+    # Frames sent but not yet acknowledged are kept (up to this many bytes) and resent after a
+    # reconnect; past it, put waits for acknowledgements. 0: send large puts straight from the
+    # caller's memory (no copy) and count what a broken connection loses instead.
+    resend_buffer_bytes: int = 32 * MiB
 
     # --- learner-side caps ----------------------------------------------------------------
     buffer_bytes: int = 64 * MiB  # the learner's receive ring (per schema), never exceeded
@@ -65,7 +73,7 @@ class Config:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, (int, float)) and value <= 0:
+            if isinstance(value, (int, float)) and (value < 0 or (value == 0 and field.name not in _MAY_BE_ZERO)):
                 raise ConfigError(f"Config.{field.name} must be > 0, got {value!r}")
         if self.frame_bytes > self.max_frame_bytes:
             raise ConfigError("Config.frame_bytes must not exceed Config.max_frame_bytes")

@@ -50,6 +50,10 @@ class PeerLost(RLinkError, ConnectionError):
     """The peer broke the connection or stopped answering heartbeats (the peer's doing)."""
 
 
+class Superseded(PeerLost):
+    """A newer incarnation of this actor id connected to the learner: this one is retired."""
+
+
 class Backpressure(RLinkError):
     """The learner granted no credit for longer than the put timeout."""
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import collections
 import itertools
 import logging
 import os
@@ -15,7 +16,7 @@ from typing import Any
 from . import _auth, _wire
 from ._codec import Schema
 from ._config import Config
-from ._errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch
+from ._errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ._io import ControlConnection
 from ._publisher import Publisher
 from ._session import LearnerSession
@@ -45,6 +46,10 @@ class LearnerServer:
         self.version = 0
         self.rejected_connections = 0
         self.auth_failures = 0
+        # Where each (actor id, incarnation) stopped: a reconnecting actor resumes there, and
+        # what it resends below it is recognised as a duplicate.
+        self.resume: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self.incarnations: dict[int, int] = {}  # newest incarnation seen per actor id
         self._ids = itertools.count(1)
         self._auto_actor_ids = itertools.count(1)
         self._rotation = 0
@@ -122,6 +127,9 @@ class LearnerServer:
             self.auth_failures += 1
             log.warning("refused %s: %s", peer, exc)
             conn.send(_wire.Error("auth", str(exc)))
+        except Superseded as exc:
+            log.warning("refused %s: %s", peer, exc)
+            conn.send(_wire.Error("superseded", str(exc)))
         except (ProtocolError, SchemaMismatch) as exc:
             log.warning("dropped %s: %s", peer, exc)
             conn.send(_wire.Error("protocol", str(exc)[:500]))
@@ -168,11 +176,19 @@ class LearnerServer:
             raise ProtocolError(f"no common data plane: {reason}")
         if hello.actor_id is not None:
             actor_id = hello.actor_id
+            newest = self.incarnations.get(actor_id, -1)
+            if hello.incarnation < newest:
+                raise Superseded(f"actor id {actor_id}: incarnation {hello.incarnation} was superseded by {newest}")
+            self.incarnations[actor_id] = hello.incarnation
+            while len(self.incarnations) > 100_000:
+                self.incarnations.pop(next(iter(self.incarnations)))
             for other in list(self.sessions.values()):
                 if other.actor_id == actor_id:
-                    if other.incarnation == hello.incarnation:
-                        raise ProtocolError(f"actor id {actor_id} (incarnation {hello.incarnation}) is already connected")
-                    other.close(f"replaced by incarnation {hello.incarnation}", lost=True)
+                    # The same incarnation reconnecting (its old connection may not look dead
+                    # yet), or a restarted actor: either way the old session ends here, and
+                    # nothing more from its connections is accepted.
+                    why = "reconnected" if other.incarnation == hello.incarnation else f"replaced by incarnation {hello.incarnation}"
+                    other.close(why, lost=True)
         else:
             in_use = {s.actor_id for s in self.sessions.values()}
             actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
@@ -181,10 +197,14 @@ class LearnerServer:
             ucx_address = self._ucx_plane().address
         session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
                                  secrets.token_bytes(32))  # fmt: skip
+        resume = self.resume.pop((actor_id, hello.incarnation), None)
+        session.next_seq = resume  # None: the first frame says where this stream starts
+        session.resumed = resume is not None
         self.sessions[session.id] = session
         conn.send(_wire.Welcome(
             session.id, actor_id, self.version, transport, reason, session.ticket, ucx_address,
             self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
+            -1 if resume is None else resume,
         ))  # fmt: skip
         log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
         if transport == "ucx":
@@ -270,6 +290,10 @@ class LearnerServer:
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
         if self.sessions.pop(session.id, None) is None:
             return
+        if session.next_seq is not None:
+            self.resume[(session.actor_id, session.incarnation)] = session.next_seq
+            while len(self.resume) > 10_000:
+                self.resume.popitem(last=False)
         self.ended.append(session.describe())
         del self.ended[:-1000]
         if self.ring is not None:
@@ -279,7 +303,8 @@ class LearnerServer:
     def snapshot(self) -> dict[str, Any]:
         ring = self.ring
         actors = [s.describe() for s in self.sessions.values()]
-        total = {k: sum(a[k] + 0 for a in actors + self.ended) for k in ("frames", "steps", "bytes", "torn_frames")}
+        total = {k: sum(a[k] + 0 for a in actors + self.ended)
+                 for k in ("frames", "steps", "bytes", "torn_frames", "duplicate_steps", "lost_steps")}  # fmt: skip
         return {
             "address": f"{self.host}:{self.port}",
             "version": self.version,

@@ -29,6 +29,8 @@ class SessionStats:
     bytes: int = 0
     torn_frames: int = 0
     protocol_errors: int = 0
+    duplicate_steps: int = 0  # resent after a reconnect but already delivered: dropped
+    lost_steps: int = 0  # a resumed stream started past where it stopped (the actor kept no copy)
 
 
 class LearnerSession:
@@ -49,12 +51,13 @@ class LearnerSession:
         self.schema_id: int | None = None
         self.ring: StepRing | None = None
         self.credit = 0  # steps granted to this actor and not yet used
-        self.next_seq = 0
+        self.next_seq: int | None = 0  # None until the first frame of a stream resumed elsewhere
+        self.resumed = False  # set by the server: next_seq is where an earlier session of this stream stopped
         self.last_heard = time.monotonic()
         self.state = "open"
         self.error: str | None = None
         self.stats = SessionStats()
-        self._frame: tuple[FrameHeader, Segment] | None = None
+        self._frame: tuple[FrameHeader, Segment | None] | None = None  # None segment: a duplicate
         self._landing: memoryview | None = None  # ucx frames that cross a ring chunk land here
         self._scatter: list[list[memoryview]] | None = None  # ...and are copied here on commit
         self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
@@ -116,7 +119,7 @@ class LearnerSession:
         with self._lock:
             self.credit += steps
             self.low_water = low_water
-        self.control.send(_wire.Credit(steps, self.next_seq))
+        self.control.send(_wire.Credit(steps, self.next_seq or 0))
 
     # --- FrameSink ------------------------------------------------------------------------------
     def begin(self, header: bytes) -> list[memoryview]:
@@ -140,6 +143,19 @@ class LearnerSession:
             raise ProtocolError(f"payload {h.payload_bytes} bytes does not match {h.n_steps} steps of the schema")
         if h.n_steps > self.credit:
             raise ProtocolError(f"frame of {h.n_steps} steps exceeds the {self.credit} steps of credit granted")
+        resumed, self.resumed = self.resumed, False
+        if self.next_seq is None:  # a stream this learner never saw starts wherever it is
+            self.next_seq = h.seq
+        elif resumed and h.seq > self.next_seq:
+            # Resuming after a reconnect, past where the last session stopped: steps the actor
+            # could not keep for resending (counted, never silent).
+            self.stats.lost_steps += h.seq - self.next_seq
+            self.next_seq = h.seq
+        if h.seq + h.n_steps <= self.next_seq:  # resent, but already delivered: drop it
+            self.credit -= h.n_steps
+            ring.revoke(h.n_steps)
+            self._frame = (h, None)
+            return self._scratch(h.payload_bytes, h.n_steps, ring)
         if h.seq != self.next_seq:
             raise ProtocolError(f"frame seq {h.seq}, expected {self.next_seq}")
         seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version)
@@ -159,6 +175,14 @@ class LearnerSession:
             return out
         return [v for field_views in views for v in field_views]
 
+    def _scratch(self, size: int, n_steps: int, ring: StepRing) -> list[memoryview]:
+        """Views the payload of a duplicate frame is received into and forgotten."""
+        landing, out, offset = self._landing_for(size), [], 0
+        for spec in ring.schema.fields:
+            out.append(landing[offset : offset + n_steps * spec.step_bytes])
+            offset += n_steps * spec.step_bytes
+        return out
+
     def _landing_for(self, size: int) -> memoryview:
         if self._landing is None or len(self._landing) < size:
             self._landing = memoryview(bytearray(size))
@@ -171,7 +195,7 @@ class LearnerSession:
         # Credit can only be topped up where the ring has room; otherwise the consumer's next
         # release triggers the grant.
         needs_credit = self.credit <= self.low_water and self.ring is not None and self.ring.grantable() > 0
-        if self.next_seq >= self.ack_wanted or needs_credit:
+        if (self.next_seq or 0) >= self.ack_wanted or needs_credit:
             self.server.loop.call_soon_threadsafe(self._after_frame)
 
     def _commit(self) -> None:
@@ -179,6 +203,13 @@ class LearnerSession:
             assert self._frame is not None and self.ring is not None
             h, seg = self._frame
             self._frame = None
+            if seg is None:
+                self.stats.duplicate_steps += h.n_steps
+                return
+            if self.state != "open":  # replaced by a reconnect meanwhile: its resume point is fixed
+                self._scatter = None
+                self.ring.abandon(seg)
+                return
             if self._scatter is not None:
                 self._scatter_landing()
             self.ring.commit(seg)
@@ -200,7 +231,7 @@ class LearnerSession:
     def _after_frame(self) -> None:
         if self.state != "open":
             return
-        if self.next_seq >= self.ack_wanted:
+        if self.next_seq is not None and self.next_seq >= self.ack_wanted:
             self.ack_wanted = 1 << 62
             self.control.send(_wire.Ack(self.next_seq))
         self.server.grant_credits()
@@ -210,7 +241,7 @@ class LearnerSession:
         with self._lock:
             frame, self._frame = self._frame, None
             self._scatter = None
-        if frame is not None and self.ring is not None:
+        if frame is not None and frame[1] is not None and self.ring is not None:
             self.ring.abandon(frame[1])
             self.stats.torn_frames += 1
 
@@ -235,10 +266,10 @@ class LearnerSession:
     def close(self, reason: str, *, lost: bool) -> None:
         if self.state != "open":
             return
-        self.state = "lost" if lost else "closed"
-        self.error = reason if lost else None
-        with self._lock:
+        with self._lock:  # after this, no frame commits: next_seq is where a reconnect resumes
+            self.state = "lost" if lost else "closed"
             credit, self.credit = self.credit, 0
+        self.error = reason if lost else None
         if self.ring is not None and credit:
             self.ring.revoke(credit)
         if self.receiver is not None:
@@ -261,6 +292,8 @@ class LearnerSession:
             "steps": self.stats.steps,
             "bytes": self.stats.bytes,
             "torn_frames": self.stats.torn_frames,
+            "duplicate_steps": self.stats.duplicate_steps,
+            "lost_steps": self.stats.lost_steps,
             "protocol_errors": self.stats.protocol_errors,
             "credit": self.credit,
             "next_seq": self.next_seq,

@@ -54,7 +54,8 @@ class Subscriber:
         conn.weights_listener = self.deliver
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
-        io.soon(self._send, _wire.Subscribe(_cuda_device()))
+        conn.subscription = _wire.Subscribe(_cuda_device())  # repeated after a reconnect
+        io.soon(self._send, conn.subscription)
         self._events.put(_PULL)
 
     @property

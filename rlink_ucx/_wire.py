@@ -77,6 +77,7 @@ class Welcome(_Msg):
     max_frame_bytes: int
     heartbeat_interval: float
     heartbeat_timeout: float
+    resume_seq: int  # this (actor, incarnation) already delivered every seq below this; -1: unknown
 
 
 class Propose(_Msg):

@@ -88,8 +88,11 @@ def as_bytes(state: dict) -> dict:
     return out
 
 
-def weights_actor(address: str, results, until: int, transport: str = "tcp", config: dict | None = None) -> None:
-    """Subscribe, follow published versions until ``until``, report what was seen."""
+def weights_actor(address: str, results, until: int, transport: str = "tcp", config: dict | None = None,
+                  leave=None) -> None:  # fmt: skip
+    """Subscribe, follow published versions until ``until``, report what was seen, and stay
+    (a member leaving in the middle of another member's broadcast would break it) until
+    ``leave`` is set."""
     from rlink_ucx import Actor, Config
 
     with Actor(address, transport=transport, subscribe=True, config=Config(**(config or {}))) as a:
@@ -101,6 +104,8 @@ def weights_actor(address: str, results, until: int, transport: str = "tcp", con
             time.sleep(0.005)
         results.put({"actor_id": a.actor_id, "seen": seen, "state": as_bytes(state), "stats": a.stats()["weights"],
                      "policy_version": a.policy_version})  # fmt: skip
+        if leave is not None:
+            leave.wait(60)
 
 
 def late_actor(address: str, results) -> None:

@@ -80,7 +80,7 @@ def test_negotiation_absent_rejects_frames():
 
 
 def test_control_messages_roundtrip_and_reject_garbage():
-    msg = _wire.Welcome(1, 2, 3, "tcp", "why", b"t", None, 10, 1.0, 2.0)
+    msg = _wire.Welcome(1, 2, 3, "tcp", "why", b"t", None, 10, 1.0, 2.0, -1)
     raw = _wire.encode(msg)
     (length,) = struct.unpack("<I", raw[:4])
     assert length == len(raw) - 4

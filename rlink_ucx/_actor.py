@@ -84,6 +84,8 @@ class Actor:
         self._policy_version = 0
         self._frame_steps = 0  # steps per frame, known once the schema is negotiated
         self._max_buffers = self.config.frame_buffers  # frame buffers allowed (resending keeps more)
+        # Large puts go out zero-copy from the caller's memory unless they must be kept for resending.
+        self._copy_large = self.config.resend_buffer_bytes > 0 and self.config.resend_large_puts
         self._subscriber: Subscriber | None = None
         self._io = IOThread(name="rlink-actor-io")
         # Increases with every restart of an actor id: the learner lets a newer incarnation
@@ -161,7 +163,7 @@ class Actor:
         values = [self._check_value(f, step) for f in fields]
         if len(step) != len(fields):
             self._raise_extra(step, fields)
-        if self._frame_steps == 1 and not self._conn.resend and all(
+        if self._frame_steps == 1 and not self._copy_large and all(
             type(v) is np.ndarray and v.flags.c_contiguous for v in values
         ):
             self._send_borrowed([v.reshape(1, *v.shape) for v in values], 1, version)
@@ -201,7 +203,7 @@ class Actor:
             arrays.append(arr)
         if count == 0:
             return
-        if count >= self._frame_steps and not self._conn.resend and all(a.flags.c_contiguous for a in arrays):
+        if count >= self._frame_steps and not self._copy_large and all(a.flags.c_contiguous for a in arrays):
             self._send_borrowed(arrays, count, version)
             return
         self._append(count, version, lambda fb, at, src, k: _write_chunk(fb, at, arrays, src, k))

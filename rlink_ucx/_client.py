@@ -15,7 +15,7 @@ from typing import Any
 from . import _auth, _wire
 from ._codec import Schema
 from ._config import Config
-from ._errors import (AuthError, Backpressure, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch,
+from ._errors import (AuthError, Backpressure, Closed, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch,
                       Superseded)
 from ._io import ControlConnection
 from ._version import __version__
@@ -379,16 +379,18 @@ class ActorConnection:
             if resume >= 0 and resume > self.acked:
                 self.acked = resume
             start = self.next_send_seq
+            base = resume if resume >= 0 else self.acked  # a new learner: from what the old one lacked
             for fb in frames:
-                fb.sent = min(fb.n, max(0, resume - fb.seq)) if resume >= 0 else 0
+                fb.sent = min(fb.n, max(0, base - fb.seq))
                 if fb.sent == fb.n:  # the learner has all of it
                     self._finished(fb)
                 else:
                     self.queue.append(fb)
             if self.queue:
                 start = self.queue[0].seq + self.queue[0].sent
-            if resume >= 0 and start > resume:
-                self.steps_lost += start - resume  # sent once, never acknowledged, not kept
+            known = max(self.acked, resume)
+            if start > known:
+                self.steps_lost += start - known  # sent once, never acknowledged, not kept
             self.next_send_seq = start
             self.changed.notify_all()
         self._wake.set()
@@ -509,6 +511,8 @@ class ActorConnection:
                 while self.credit <= 0 or not self.connected:
                     if self.error is not None:
                         raise self.error
+                    if self.closing:
+                        raise Closed("the actor is closed")
                     left = deadline - time.monotonic()
                     if left <= 0:
                         raise Backpressure(
@@ -524,6 +528,11 @@ class ActorConnection:
     # --- closing -----------------------------------------------------------------------------------
     async def close(self) -> None:
         self.closing = True
+        for frame in self.queue:  # callers waiting on a large put: they raise Closed
+            if isinstance(frame, BorrowedFrame) and frame.done is not None:
+                frame.done.set()
+        with self.credit_cv:
+            self.credit_cv.notify_all()
         if self.control is not None and self.error is None:
             self.control.send(_wire.Bye("actor closing"))
         for task in self._tasks:

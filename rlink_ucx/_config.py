@@ -19,7 +19,7 @@ KiB = 1024
 MiB = 1024 * KiB
 
 
-_MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes"}  # 0 switches the feature off
+_MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts"}  # 0 switches the feature off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +49,13 @@ class Config:
     frame_linger: float = 0.005  # a partly filled frame is sent after this many seconds
     frame_buffers: int = 4  # frames an actor can fill while earlier ones are in flight
     # Frames sent but not yet acknowledged are kept (up to this many bytes) and resent after a
-    # reconnect; past it, put waits for acknowledgements. 0: send large puts straight from the
-    # caller's memory (no copy) and count what a broken connection loses instead.
+    # reconnect; past it, put waits for acknowledgements (0: keep nothing). Small steps are
+    # kept for free (their frame buffers wait for the acknowledgement); a put of a frame or
+    # more is sent straight from the caller's memory and kept only with resend_large_puts,
+    # which costs a copy (docs/reliability.md has the numbers). What a broken connection
+    # loses unkept is counted on both sides, never silent.
     resend_buffer_bytes: int = 32 * MiB
+    resend_large_puts: bool = False
 
     # --- learner-side caps ----------------------------------------------------------------
     buffer_bytes: int = 64 * MiB  # the learner's receive ring (per schema), never exceeded
@@ -89,6 +93,9 @@ class Config:
                 continue
             kind = type(field.default)
             try:
+                if kind is bool:
+                    values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                    continue
                 values[field.name] = kind(float(raw)) if kind is int else kind(raw)
             except ValueError as exc:
                 raise ConfigError(f"RLINK_{field.name.upper()}={raw!r} is not a {kind.__name__}") from exc

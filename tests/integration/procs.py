@@ -192,11 +192,13 @@ def restartable_learner(port: int, deliveries, batch: int = 20) -> None:
             deliveries.put(("steps", list(zip(b.actor_id.tolist(), b.seq.tolist(), b["x"].tolist()))))
 
 
-def steady_actor(address: str, actor: int, n: int, chunk: int, results) -> None:
-    """Stream x = seq in chunks, slowly enough to be caught mid-stream by a learner restart."""
+def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: bool = False) -> None:
+    """Stream x = seq in chunks, slowly enough to be caught mid-stream by a learner restart.
+    ``large``: each chunk is a whole frame (sent zero-copy, kept for resending by copy)."""
     from rlink_ucx import Actor, Config
 
-    config = Config(reconnect_timeout=60, frame_bytes=chunk * 8)
+    frame = chunk * 8 if large else chunk * 8 * 4
+    config = Config(reconnect_timeout=60, frame_bytes=frame, resend_large_puts=large)
     with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
         for start in range(0, n, chunk):
             a.put_many({"x": np.arange(start, start + chunk, dtype=np.int64)})

@@ -38,6 +38,11 @@ def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def is_run(values: list, start: int, stop: int) -> bool:
+    """``values`` is exactly start, start + 1, ..., stop - 1 (compared without a huge assert diff)."""
+    return len(values) == stop - start and all(v == start + i for i, v in enumerate(values))
+
+
 def wait_for(predicate, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not predicate():
@@ -46,13 +51,15 @@ def wait_for(predicate, timeout: float, what: str) -> None:
 
 
 @pytest.mark.timeout(180)
-def test_learner_killed_and_restarted_on_the_same_port_actors_reconnect_and_resend():
+@pytest.mark.parametrize("large", [False, True], ids=["coalesced-steps", "large-puts-kept"])
+def test_learner_killed_and_restarted_on_the_same_port_actors_reconnect_and_resend(large):
     port, n, chunk = free_port(), 6000, 20
     first_q, second_q, results = SPAWN.Queue(), SPAWN.Queue(), SPAWN.Queue()
     first = SPAWN.Process(target=restartable_learner, args=(port, first_q))
     first.start()
     assert first_q.get(timeout=60)[0] == "ready"
-    actors = [SPAWN.Process(target=steady_actor, args=(f"127.0.0.1:{port}", a, n, chunk, results)) for a in (1, 2)]
+    actors = [SPAWN.Process(target=steady_actor, args=(f"127.0.0.1:{port}", a, n, chunk, results, large))
+              for a in (1, 2)]  # fmt: skip
     for p in actors:
         p.start()
     before: list = []
@@ -85,7 +92,7 @@ def test_learner_killed_and_restarted_on_the_same_port_actors_reconnect_and_rese
     assert all(x == s for _, s, x in after)
     for a in (1, 2):
         seqs = sorted(s for b, s, _ in after if b == a)
-        assert seqs == list(range(seqs[0], n)), f"actor {a}: gap in what the new learner delivered"
+        assert is_run(seqs, seqs[0], n), f"actor {a}: gap in what the new learner delivered"
         delivered_before = {s for b, s, _ in before if b == a}
         # Whatever the old learner did not deliver was resent, unless it was acknowledged
         # (buffered) by the old learner when it died: those are the only steps that may be lost.
@@ -373,7 +380,7 @@ def test_a_slow_consumer_keeps_the_learner_within_its_cap_and_actors_see_backpre
     assert all(r["backpressure"] > 0 for r in reports), reports
     for r in reports:  # each actor's stream arrives in order, without gaps or repeats
         got = seqs[r["actor_id"]]
-        assert got == list(range(len(got))) and len(got) == r["steps_acked"], (r["actor_id"], len(got), r["steps_acked"])
+        assert is_run(got, 0, len(got)) and len(got) == r["steps_acked"], (r["actor_id"], len(got), r["steps_acked"])
 
 
 @pytest.mark.timeout(120)
@@ -406,5 +413,5 @@ def test_a_frozen_actor_is_declared_lost_by_heartbeat_and_resumes_after_sigcont(
     # It came back by itself (reconnect, same incarnation) and nothing was lost or repeated.
     assert report["reconnects"] >= 1 and report["steps_lost"] == 0, report
     everything = sorted(seqs)
-    assert everything == list(range(everything[0], everything[0] + len(everything)))
+    assert is_run(everything, everything[0], everything[0] + len(everything)), "gaps or repeats"
     assert stats["total"]["duplicate_steps"] >= 0 and stats["connected_actors"] == 0

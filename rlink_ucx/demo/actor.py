@@ -17,11 +17,16 @@ def make_envs(env_id: str, n_envs: int) -> Any:
 
 def run_actor(address: str, token: str | None, transport: str, env_id: str, n_envs: int, unroll: int, seed: int,
               stop: Any, reports: Any) -> None:  # fmt: skip
+    import signal
+
     import torch
 
     from .. import Actor
     from .policy import ActorCritic, space_spec
 
+    # Ctrl-C reaches the whole process group: the learner process handles it and stops the
+    # actors through ``stop``, so they flush and report instead of dying mid-frame.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     torch.set_num_threads(1)
     envs = make_envs(env_id, n_envs)
     kind, n = space_spec(envs.single_action_space)

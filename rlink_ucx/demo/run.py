@@ -111,8 +111,14 @@ def main(argv: list[str] | None = None) -> int:
                          args=(learner.address, token, args.transport, args.env, args.envs_per_actor, args.unroll,
                                args.seed + 1000 * (i + 1), stop, reports))
              for i in range(args.actors)]  # fmt: skip
-    for p in procs:
-        p.start()
+    # Children inherit an ignored SIGINT through exec, so Ctrl-C during their start-up does not
+    # kill them either: the learner stops them through ``stop``.
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        for p in procs:
+            p.start()
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
     progress = Progress(plain=args.plain)
     returns: collections.deque[float] = collections.deque(maxlen=100)

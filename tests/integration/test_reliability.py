@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded, _wire
-from tests.integration.procs import big_frame_actor, pressing_actor, restartable_learner, steady_actor
+from tests.integration.procs import big_frame_actor, pressing_actor, proxied_actor, restartable_learner, steady_actor
 from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")
@@ -415,3 +415,50 @@ def test_a_frozen_actor_is_declared_lost_by_heartbeat_and_resumes_after_sigcont(
     everything = sorted(seqs)
     assert is_run(everything, everything[0], everything[0] + len(everything)), "gaps or repeats"
     assert stats["total"]["duplicate_steps"] >= 0 and stats["connected_actors"] == 0
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("fault", ["delay", "blackhole", "duplicate", "truncate"])
+def test_a_misbehaving_network_never_duplicates_never_hangs_and_loses_nothing_kept(fault):
+    from tests.integration.faultproxy import FaultProxy
+
+    n = 40_000
+    config = Config(heartbeat_interval=0.2, heartbeat_timeout=1.5, frame_timeout=2)
+    with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
+        host, port = learner.address.rsplit(":", 1)
+        proxy = FaultProxy((host, int(port)))
+        dataset = RLinkDataset(learner, batch_size=100)
+        results = SPAWN.Queue()
+        actor = SPAWN.Process(target=proxied_actor, args=(proxy.address, n, results))
+        actor.start()
+        seqs: list = []
+        try:
+            wait_for(lambda: learner.stats()["total"]["steps"] > 5000, 60, "no data through the proxy")
+            proxy.set(fault, delay=0.02 if fault == "delay" else 0.0)
+            if fault in ("delay", "blackhole"):
+                time.sleep(3.0)  # longer than the heartbeat timeout
+                proxy.set(None)
+            deadline = time.monotonic() + 120
+            while len(seqs) < n:
+                assert time.monotonic() < deadline, f"stuck at {len(seqs)} of {n} steps"
+                try:
+                    b = dataset.fetch(timeout=1)
+                except Exception:  # noqa: BLE001 - TimeoutError while the link recovers
+                    continue
+                assert (b["x"] == b.seq).all()
+                seqs += b.seq.tolist()
+            report = results.get(timeout=60)
+            assert join_all([actor]) == [0]
+        finally:
+            actor.kill()
+            proxy.close()
+        stats = learner.stats()
+    assert is_run(sorted(seqs), 0, n) and len(set(seqs)) == n, "a step was duplicated or lost"
+    assert report["steps_lost"] == 0, report
+    if fault in ("blackhole", "truncate"):
+        assert report["reconnects"] >= 1, report
+    if fault == "duplicate":  # a whole frame repeated is dropped as a duplicate; a torn one resets the link
+        assert report["reconnects"] >= 1 or stats["total"]["duplicate_steps"] > 0, (report, stats["total"])
+    if fault in ("duplicate", "truncate"):
+        assert proxy.events, "the fault was never injected"
+    assert stats["total"]["lost_steps"] == 0

@@ -53,7 +53,7 @@ class Publisher:
         self._prefix = secrets.token_hex(16)  # store keys are unguessable from outside
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "groups": 0,
-            "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None,
+            "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None, "backend": None,
         }  # fmt: skip
 
     # --- training thread ----------------------------------------------------------------------
@@ -227,6 +227,7 @@ class Publisher:
         self._group = new_group(self._store, prefix, 0, world, backend=backend, hostname=hostname, timeout=timeout)
         self._group_key = key
         self.stats["groups"] += 1
+        self.stats["backend"] = backend
 
     def _failed(self, why: str) -> None:
         log.warning("%s; the actors concerned pull the version instead", why)

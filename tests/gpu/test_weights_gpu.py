@@ -1,0 +1,59 @@
+"""Publishing CUDA parameters: NCCL when every rank has a GPU of its own, gloo otherwise.
+Skipped without CUDA (CI has none); run on a GPU machine with ``pytest tests/gpu``."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+from rlink_ucx import Learner  # noqa: E402
+from tests.integration.procs import as_bytes  # noqa: E402
+
+
+def _cuda_subscriber(address: str, device: int, results, leave) -> None:
+    import torch
+
+    from rlink_ucx import Actor
+
+    torch.cuda.set_device(device)
+    with Actor(address, transport="tcp", subscribe=True) as actor:
+        while actor.get_remote_model(timeout=120, latest=False)[1] < 3:
+            pass
+        state, version = actor.get_remote_model(timeout=60)
+        results.put({"version": version, "state": as_bytes(state), "devices": sorted({str(t.device) for t in state.values()}),
+                     "stats": actor.stats()["weights"]})  # fmt: skip
+        leave.wait(60)
+
+
+def cuda_state(version: int) -> dict:
+    g = torch.Generator(device="cuda:0").manual_seed(version)
+    return {"w": torch.randn(1 << 20, device="cuda:0", generator=g), "b": torch.full((7,), float(version), device="cuda:0")}
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(180)
+def test_cuda_parameters_reach_actors_bit_identical():
+    n_gpus = torch.cuda.device_count()
+    devices = [1] if n_gpus > 1 else [0]  # an actor on its own GPU makes the fan-out NCCL
+    ctx = mp.get_context("spawn")
+    results, leave = ctx.Queue(), ctx.Event()
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        procs = [ctx.Process(target=_cuda_subscriber, args=(learner.address, d, results, leave)) for d in devices]
+        for p in procs:
+            p.start()
+        for v in (1, 2, 3):
+            assert learner.publish(cuda_state(v), wait=True, timeout=120) == v
+        reports = [results.get(timeout=120) for _ in procs]
+        leave.set()
+        for p in procs:
+            p.join(60)
+        stats = learner.stats()["weights"]
+    expected = as_bytes(cuda_state(3))
+    for r in reports:
+        assert r["version"] == 3 and r["state"] == expected
+        assert r["stats"]["failures"] == 0
+    assert stats["backend"] == ("nccl" if n_gpus > 1 else "gloo"), stats

@@ -39,6 +39,7 @@ class Publisher:
         self.loop = server.loop
         self.latest: Snapshot | None = None  # the newest complete version (served to pulls)
         self.pending: Snapshot | None = None  # the newest version, possibly still being copied
+        self.latest_device = "cpu"
         self._pool = BufferPool()
         self._publish_lock = threading.Lock()  # one snapshot at a time
         self._cv = threading.Condition()  # guards latest/_fanned; signals acks
@@ -164,6 +165,7 @@ class Publisher:
         caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent]
         backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
         source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
+        self.latest_device = snap.device
         members: list[LearnerSession] = []
         if caught_up:
             try:
@@ -223,6 +225,10 @@ class Publisher:
         for rank, s in enumerate(members, 1):
             self._send([s], _wire.Group(self._generation, rank, world, self._store_port, prefix, backend, timeout))
         hostname = _local_address(members[0], self.server.host)
+        if backend == "nccl":  # the current CUDA device is per thread: use the snapshot's
+            import torch
+
+            torch.cuda.set_device(torch.device(self.latest_device))
         log.info("fan-out group %d: %s ranks over %s", self._generation, world, backend)
         self._group = new_group(self._store, prefix, 0, world, backend=backend, hostname=hostname, timeout=timeout)
         self._group_key = key

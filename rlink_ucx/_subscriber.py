@@ -54,7 +54,8 @@ class Subscriber:
         conn.weights_listener = self.deliver
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
-        conn.subscription = _wire.Subscribe(_cuda_device())  # repeated after a reconnect
+        self._device = _cuda_device()  # the caller's GPU: NCCL receives land there
+        conn.subscription = _wire.Subscribe(self._device)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
         self._events.put(_PULL)
 
@@ -100,6 +101,10 @@ class Subscriber:
 
     # --- weights thread -----------------------------------------------------------------------
     def _run(self) -> None:
+        if self._device >= 0:  # the current CUDA device is per thread: NCCL must use the caller's
+            import torch
+
+            torch.cuda.set_device(self._device)
         while not self._closed:
             try:
                 msg = self._events.get(timeout=0.25)
@@ -184,7 +189,7 @@ class Subscriber:
         if self._backend == "nccl":
             import torch
 
-            flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=torch.device("cuda"))
+            flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=torch.device("cuda", self._device))
         else:
             flat = self._pool.get(manifest.total_bytes)
         buckets = manifest.buckets()

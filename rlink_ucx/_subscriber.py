@@ -52,9 +52,9 @@ class Subscriber:
         self._stores: dict[int, Any] = {}
         self.stats: dict[str, Any] = {"broadcasts": 0, "pulls": 0, "failures": 0, "last_error": None}
         conn.weights_listener = self.deliver
+        self._device = _cuda_device()  # the caller's GPU: NCCL receives land there
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
-        self._device = _cuda_device()  # the caller's GPU: NCCL receives land there
         conn.subscription = _wire.Subscribe(self._device)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
         self._events.put(_PULL)

@@ -136,7 +136,7 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from ._bench import main as bench_main
+    from ._bench_suite import main as bench_main
 
     return bench_main(rest)
 
@@ -160,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = run until Ctrl-C)")
     p.add_argument("--log-every", type=float, default=5.0)
-    sub.add_parser("bench", help="throughput vs a raw socket (see `rlink bench -- --help`)", add_help=False)
+    sub.add_parser("bench", help="rlink vs the physical limits and its peers (see `rlink bench --help`)", add_help=False)
     sub.add_parser("demo", help="train PPO on CartPole with actor processes (see `rlink demo --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "learner" else logging.WARNING,

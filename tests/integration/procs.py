@@ -253,3 +253,44 @@ def proxied_actor(address: str, n: int, results) -> None:
             time.sleep(0.005)  # about 2 s of streaming: the faults land mid-stream
         a.flush(60)
         results.put(a.stats())
+
+
+def netns_learner(address: str, token: str, n: int, progress_path: str, result_path: str) -> None:
+    """A learner on a non-loopback address (another network namespace): collect ``n`` steps."""
+    import json
+
+    from rlink_ucx import Config, Learner, RLinkDataset
+    from rlink_ucx import TimeoutError as RLinkTimeout
+
+    config = Config(heartbeat_interval=0.2, heartbeat_timeout=1.5)
+    seqs: list[int] = []
+    with Learner(address, token=token, transport="tcp", config=config) as learner:
+        dataset = RLinkDataset(learner, batch_size=100)
+        deadline = time.monotonic() + 90
+        while len(seqs) < n and time.monotonic() < deadline:
+            try:
+                seqs += dataset.fetch(timeout=0.5).seq.tolist()
+            except RLinkTimeout:
+                pass
+            with open(progress_path, "w") as f:
+                f.write(str(len(seqs)))
+        stats = learner.stats()
+    with open(result_path, "w") as f:
+        json.dump({"seqs": seqs, "total": stats["total"], "ended": stats["ended_actors"],
+                   "address": stats["address"]}, f)  # fmt: skip
+
+
+def netns_actor(address: str, token: str, n: int, result_path: str) -> None:
+    import json
+
+    from rlink_ucx import Actor, Config
+
+    config = Config(heartbeat_interval=0.2, heartbeat_timeout=1.5, reconnect_timeout=60, frame_bytes=32 << 10)
+    with Actor(address, token=token, transport="tcp", actor_id=4, config=config) as a:
+        for start in range(0, n, 100):
+            a.put_many({"x": np.arange(start, start + 100, dtype=np.int64)})
+            time.sleep(0.005)
+        a.flush(60)
+        stats = a.stats()
+    with open(result_path, "w") as f:
+        json.dump(stats, f)

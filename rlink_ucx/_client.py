@@ -201,7 +201,9 @@ class ActorConnection:
         data, challenge = await self._open()
         data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
                                _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session)))  # fmt: skip
-        self.sender = TcpSender(data.sock, self.loop, self.config.frame_timeout)
+        # A send that makes no progress for a heartbeat timeout means a frozen or vanished
+        # learner; the blocking send holds the I/O thread, so the heartbeat could not tell.
+        self.sender = TcpSender(data.sock, self.loop, min(self.config.frame_timeout, self.config.heartbeat_timeout))
 
     # --- control messages ----------------------------------------------------------------------
     async def _read_control(self) -> None:

@@ -462,3 +462,36 @@ def test_a_misbehaving_network_never_duplicates_never_hangs_and_loses_nothing_ke
     if fault in ("duplicate", "truncate"):
         assert proxy.events, "the fault was never injected"
     assert stats["total"]["lost_steps"] == 0
+
+
+@pytest.mark.timeout(180)
+def test_a_frozen_learner_is_detected_and_the_stream_resumes_exactly_once_after_sigcont(monkeypatch):
+    monkeypatch.setenv("RLINK_HEARTBEAT_INTERVAL", "0.2")  # inherited by the spawned processes
+    monkeypatch.setenv("RLINK_HEARTBEAT_TIMEOUT", "1.5")
+    port, n, chunk = free_port(), 12_000, 20
+    deliveries, results = SPAWN.Queue(), SPAWN.Queue()
+    learner = SPAWN.Process(target=restartable_learner, args=(port, deliveries))
+    learner.start()
+    assert deliveries.get(timeout=60)[0] == "ready"
+    actor = SPAWN.Process(target=steady_actor, args=(f"127.0.0.1:{port}", 1, n, chunk, results))
+    actor.start()
+    got: list = []
+    try:
+        while len(got) < 1500:
+            got += deliveries.get(timeout=60)[1]
+        os.kill(learner.pid, signal.SIGSTOP)
+        time.sleep(3.0)  # twice the heartbeat timeout: the actor gives up on this connection
+        os.kill(learner.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 120
+        while not got or max(s for _, s, _ in got) < n - 1:
+            assert time.monotonic() < deadline, f"stuck at {len(got)} steps"
+            got += deliveries.get(timeout=60)[1]
+        stats = results.get(timeout=60)
+        assert join_all([actor]) == [0]
+    finally:
+        os.kill(learner.pid, signal.SIGCONT)
+        learner.kill()
+        actor.kill()
+    seqs = sorted(s for _, s, _ in got)
+    assert is_run(seqs, 0, n), "one learner lifetime: every step exactly once"
+    assert stats["reconnects"] >= 1 and stats["steps_lost"] == 0, stats

@@ -198,7 +198,7 @@ def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: b
     from rlink_ucx import Actor, Config
 
     frame = chunk * 8 if large else chunk * 8 * 4
-    config = Config(reconnect_timeout=60, frame_bytes=frame, resend_large_puts=large)
+    config = Config.from_env(reconnect_timeout=60, frame_bytes=frame, resend_large_puts=large)  # RLINK_* too
     with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
         for start in range(0, n, chunk):
             a.put_many({"x": np.arange(start, start + chunk, dtype=np.int64)})

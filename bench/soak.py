@@ -1,0 +1,190 @@
+"""Soak: 1 learner, 3 actors, random actor kills, learner pauses and link cuts, for minutes.
+
+Every actor streams steps ``x = [incarnation, seq]`` through a fault proxy of its own; the
+learner process checks each (actor, incarnation) stream arrives in order with no repeats and
+reports its memory, threads and file descriptors. At the end, per stream:
+``put = delivered + lost``, where "lost" is what a killed actor took with it (put into its
+buffers, not yet delivered) plus what an actor reported lost (``steps_lost``).
+
+Usage: python bench/soak.py [--minutes 10] [--json soak.json]   (not part of CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import random
+import signal
+import socket
+import sys
+import time
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+HEARTBEAT = {"RLINK_HEARTBEAT_INTERVAL": "0.2", "RLINK_HEARTBEAT_TIMEOUT": "1.5"}
+
+
+def learner_main(port: int, reports, drain) -> None:
+    from rlink_ucx import Learner, RLinkDataset
+    from rlink_ucx import TimeoutError as RLinkTimeout
+
+    expected: dict[tuple[int, int], int] = {}
+    errors: list[str] = []
+    with Learner(f"127.0.0.1:{port}", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=200)
+        tail = RLinkDataset(learner, batch_size=50)  # actors put 50 at a time: drains every stream
+        reports.put(("ready", None))
+        last = 0.0
+        while True:
+            try:
+                b = (tail if drain.is_set() else dataset).fetch(timeout=0.5)
+                for a, x in zip(b.actor_id.tolist(), b["x"].tolist()):
+                    key = (a, x[0])
+                    if x[1] != expected.get(key, 0) and len(errors) < 20:
+                        errors.append(f"actor {a} incarnation {x[0]}: seq {x[1]}, expected {expected.get(key, 0)}")
+                    expected[key] = x[1] + 1
+            except RLinkTimeout:
+                pass
+            if time.monotonic() - last > 2:
+                last = time.monotonic()
+                with open("/proc/self/statm") as f:
+                    rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+                t = learner.stats()["total"]
+                reports.put(("stats", {"delivered": {f"{a}/{i}": n for (a, i), n in expected.items()}, "errors": errors,
+                                       "rss": rss, "threads": len(os.listdir("/proc/self/task")),
+                                       "fds": len(os.listdir("/proc/self/fd")), "duplicate_steps": t["duplicate_steps"],
+                                       "lost_steps": t["lost_steps"], "time": time.monotonic()}))  # fmt: skip
+
+
+def actor_main(address: str, actor: int, incarnation: int, put_count, stop, results) -> None:
+    from rlink_ucx import Actor, Config
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    config = Config.from_env(reconnect_timeout=120, frame_bytes=16 << 10, put_timeout=120)
+    with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
+        seq = 0
+        while not stop.is_set():
+            chunk = np.empty((50, 2), np.int64)
+            chunk[:, 0] = incarnation
+            chunk[:, 1] = np.arange(seq, seq + 50)
+            a.put_many({"x": chunk})
+            seq += 50
+            put_count.value = seq
+            time.sleep(0.002)
+        a.flush(120)
+        results.put((actor, incarnation, a.stats()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    from tests.integration.faultproxy import FaultProxy
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--minutes", type=float, default=10.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    os.environ.update(HEARTBEAT)
+    rng = random.Random(args.seed)
+    ctx = mp.get_context("spawn")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    reports, results, stop, drain = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
+    learner = ctx.Process(target=learner_main, args=(port, reports, drain))
+    learner.start()
+    assert reports.get(timeout=60)[0] == "ready"
+    proxies = {a: FaultProxy(("127.0.0.1", port)) for a in (1, 2, 3)}
+    actors: dict[int, tuple] = {}
+    put: dict[str, int] = {}
+    killed: list[str] = []
+    events: list[tuple[float, str]] = []
+
+    def start(a: int, inc: int) -> None:
+        counter = ctx.Value("q", 0)
+        p = ctx.Process(target=actor_main, args=(proxies[a].address, a, inc, counter, stop, results))
+        p.start()
+        actors[a] = (p, inc, counter)
+
+    for a in (1, 2, 3):
+        start(a, 0)
+    started = time.monotonic()
+    stats_log: list[dict] = []
+    while time.monotonic() - started < args.minutes * 60:
+        time.sleep(rng.uniform(3, 8))
+        while not reports.empty():
+            kind, value = reports.get()
+            if kind == "stats":
+                stats_log.append(value)
+        event = rng.choice(["kill", "pause", "cut"])
+        a = rng.choice([1, 2, 3])
+        t = round(time.monotonic() - started, 1)
+        if event == "kill":
+            p, inc, counter = actors[a]
+            os.kill(p.pid, signal.SIGKILL)
+            p.join(10)
+            put[f"{a}/{inc}"] = counter.value
+            killed.append(f"{a}/{inc}")
+            start(a, inc + 1)
+        elif event == "pause":
+            os.kill(learner.pid, signal.SIGSTOP)
+            time.sleep(rng.uniform(0.5, 3.0))
+            os.kill(learner.pid, signal.SIGCONT)
+        else:
+            proxies[a].set("blackhole")
+            time.sleep(rng.uniform(0.5, 3.0))
+            proxies[a].set(None)
+        events.append((t, f"{event} {a}" if event != "pause" else "pause learner"))
+        print(f"[soak] {t:7.1f}s {events[-1][1]}", flush=True)
+    stop.set()
+    finals = {}
+    for a, (p, inc, counter) in actors.items():
+        actor, incarnation, stats = results.get(timeout=180)
+        finals[f"{actor}/{incarnation}"] = stats
+    for a, (p, inc, counter) in actors.items():
+        p.join(60)
+        put[f"{a}/{inc}"] = counter.value
+    drain.set()  # the last steps of each stream may not fill a whole batch of 200
+    deadline = time.monotonic() + 30
+    last = None
+    while time.monotonic() < deadline:
+        kind, value = reports.get(timeout=10)
+        if kind == "stats":
+            last = value
+            if all(last["delivered"].get(k, 0) == put[k] for k in finals):
+                break
+    learner.kill()
+    for proxy in proxies.values():
+        proxy.close()
+    assert last is not None
+    stats_log.append(last)
+    rows, ok = [], not last["errors"]
+    for key in sorted(put):
+        delivered = last["delivered"].get(key, 0)
+        reported = finals[key]["steps_lost"] if key in finals else 0
+        lost_in_kill = put[key] - delivered - reported if key in killed else 0
+        balanced = put[key] == delivered + reported + lost_in_kill and lost_in_kill >= 0
+        ok &= balanced
+        rows.append({"stream": key, "put": put[key], "delivered": delivered, "reported_lost": reported,
+                     "lost_in_kill": lost_in_kill, "killed": key in killed, "balanced": balanced})  # fmt: skip
+    warm = next((s for s in stats_log if s["time"] - stats_log[0]["time"] > 30), stats_log[0])
+    growth = {"rss_mb": (last["rss"] - warm["rss"]) / 2**20, "threads": last["threads"] - warm["threads"],
+              "fds": last["fds"] - warm["fds"]}  # fmt: skip
+    out = {"minutes": args.minutes, "events": events, "streams": rows, "order_errors": last["errors"],
+           "duplicate_steps_dropped": last["duplicate_steps"], "growth_after_warmup": growth, "ok": ok}  # fmt: skip
+    for r in rows:
+        print(f"[soak] {r['stream']:>5}: put {r['put']:>9,}  delivered {r['delivered']:>9,}  reported lost "
+              f"{r['reported_lost']:>5}  lost in kill {r['lost_in_kill']:>5}  {'ok' if r['balanced'] else 'UNBALANCED'}")
+    print(f"[soak] order errors: {len(last['errors'])}; duplicates dropped by the learner: {last['duplicate_steps']}; "
+          f"growth after warm-up: {growth}; {'OK' if ok else 'FAILED'}")  # fmt: skip
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -127,6 +127,7 @@ class Actor:
             raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")
         capacity = max(1, min(reply.max_steps, self.config.frame_bytes // max(schema.step_bytes, 1)))
         self._conn.schema, self._conn.schema_id = schema, reply.schema_id
+        self._conn.max_frame_steps = reply.max_steps  # no wire frame may carry more
         self._conn.free = [FrameBuffer(schema, capacity) for _ in range(self.config.frame_buffers)]
         self._conn.buffers = self.config.frame_buffers
         self._max_buffers = max(self.config.frame_buffers,

@@ -144,14 +144,16 @@ class Recorder:
         rates = []
         for i in range(timing.reps):
             lo, hi = np.searchsorted(t, [start + i * span, start + (i + 1) * span])
-            if hi - lo >= 2 and t[hi - 1] > t[lo]:
-                # steps that arrived after the window's first arrival, over the time they took
-                rates.append(float(n[lo + 1:hi].sum()) / ((t[hi - 1] - t[lo]) / 1e9))
-            elif hi > lo:
-                rates.append(float(n[lo:hi].sum()) / timing.window)
+            if hi <= lo:
+                continue
+            # the steps that arrived in the window, over the time since the arrival just before it
+            # (exact for a steady stream, even when a window holds a single big message or batch)
+            ref, first = (lo - 1, lo) if lo > 0 else (lo, lo + 1)
+            if hi > first and t[hi - 1] > t[ref]:
+                rates.append(float(n[first:hi].sum()) / float((t[hi - 1] - t[ref]) / 1e9))
         coarse = not rates
         if coarse:  # fewer messages than windows (a very slow system): one rate over the whole stream
-            rates.append(float(n[1:].sum()) / ((t[-1] - t[0]) / 1e9))
+            rates.append(float(n[1:].sum()) / float((t[-1] - t[0]) / 1e9))
         lo, hi = np.searchsorted(t, [start, start + timing.reps * span])
         picked = self.lat[lo:hi] or self.lat[-1:]
         if isinstance(picked[0], np.ndarray):
@@ -321,10 +323,11 @@ def run_session(receiver: Receiver, sender_cls: str, workload: Workload, timing:
         raise
     finally:
         done.set()
+        interrupted = sys.exc_info()[0] is KeyboardInterrupt
         try:
             receiver.close()
         finally:
-            stop_processes(procs)
+            stop_processes(procs, 1.0 if interrupted else 20.0)
     out = rec.result(timing, workload.size_bytes)
     out["cpu_s_per_gb_send"] = per_gb(sum(s["cpu_s"] for s in sent), sum(s["bytes"] for s in sent))
     out["cpu_s_per_gb_recv"] = per_gb(cpu_recv, rec.steps * workload.size_bytes)

@@ -4,8 +4,8 @@ Rows (all measured at the receiver, in separate processes unless noted):
 
 - limits: ``memcpy`` (numpy copy of each chunk into preallocated arrays, one core, in this
   process); ``raw-socket`` (``sendmsg`` / ``recv_into`` a preallocated buffer);
-- rlink: ``Actor.put_many`` -> ``RLinkDataset.fetch`` (batches of about 4 MiB) on each data
-  plane (``tcp``, ``ucx``), with 1 and 4 actor processes;
+- rlink: ``Actor.put`` (``put_many`` when ``--chunk`` > 1) -> ``RLinkDataset.fetch`` (batches of
+  about 4 MiB) on each data plane (``tcp``, ``ucx``), with 1 and 4 actor processes;
 - peers: ``raw-ucxx`` (ucxx low-level tag send/recv, the substrate of the ucx plane, on a
   worker made like rlink's), ``pyzmq-copy`` / ``pyzmq-zerocopy`` (PUSH/PULL multipart,
   ``copy=True`` / ``copy=False``), ``torch-gloo`` (ProcessGroupGloo send/recv per field),
@@ -20,9 +20,9 @@ field stamped at the call; latency is receive time minus ``t_ns``.
 
 Each (system, workload, actors) streams for warm-up + reps x window seconds; the first
 ``--warmup`` seconds are dropped, each window is one repetition; the median is reported with
-min/max. A system whose package is missing gets a row with ``"skipped"``.
+min/max. A system whose package is missing gets a row with ``"skipped"``. See docs/bench-suite.md.
 
-Usage: rlink bench [--quick] [--systems ...] [--workloads ...] [--json out.json] [--plot out.png]
+Usage: rlink bench [--quick] [--systems ...] [--workloads ...] [--rounds N] [--json out.json] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -46,16 +46,18 @@ import numpy as np
 
 from . import _bench_peers as peers
 from ._bench import BATCH_BYTES
+from ._errors import TimeoutError as FetchTimeout
 from ._bench_peers import Receiver, Recorder, Sender, Timing, Workload, record
 
 MiB = 1 << 20
+MAX_BATCH_STEPS = 16384  # batches of about 4 MiB, at most this many steps (CartPole: 16384 steps, 0.6 MiB)
 
 
 # --- rlink ---------------------------------------------------------------------------------------------
 def rlink_config(workload: Workload) -> tuple[dict[str, int], int]:
     """Learner/actor config overrides and the batch size for ``workload``."""
     step = workload.wire_step_bytes
-    batch = max(1, BATCH_BYTES // step)
+    batch = max(1, min(BATCH_BYTES // step, MAX_BATCH_STEPS))
     return {"buffer_bytes": max(64 * MiB, 16 * batch * step), "max_frame_bytes": max(64 * MiB, 2 * step)}, batch
 
 
@@ -107,8 +109,6 @@ class RlinkReceiver(Receiver):
         return (self.learner.address, self.transport, self.overrides, self.batch, self.api)
 
     def recv(self, rec: Recorder) -> int:
-        from ._errors import TimeoutError as FetchTimeout
-
         deadline = time.monotonic() + self.timeout
         while True:  # in slices, so a failed sender is noticed
             try:
@@ -120,7 +120,7 @@ class RlinkReceiver(Receiver):
                     raise
         now = time.monotonic_ns()
         t = batch["t_ns"].numpy()
-        if t[-1] >= 0 and t[0] >= 0 and not (t < 0).any():
+        if not (t < 0).any():
             rec.add(now, len(t), now - t)
             return 0
         data = t >= 0
@@ -241,8 +241,9 @@ def run_fanout(size_mb: int, subscribers: int, reps: int) -> list[dict[str, Any]
 
         out = _bench_fanout.run(size_mb=size_mb, subscribers=subscribers, reps=reps)
     except Exception as exc:  # noqa: BLE001
-        print(f"  ! fanout failed: {exc!r}", file=sys.stderr, flush=True)
-        return [record(n, t, workload, subscribers, "fanout", error=repr(exc)[:300]) for n, t in names.items()]
+        print(f"  ! fanout failed:\n{traceback.format_exc(limit=-4)}", file=sys.stderr, flush=True)
+        why = f"{type(exc).__name__}: {exc}" if str(exc) else f"{type(exc).__name__} (a wait in the fan-out timed out)"
+        return [record(n, t, workload, subscribers, "fanout", error=why[:300]) for n, t in names.items()]
     rows = []
     for name, transport in names.items():
         secs = out["seconds"][name]
@@ -277,9 +278,10 @@ def merge_rounds(recs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 # --- targets -----------------------------------------------------------------------------------------------
-def _find(records: list[dict[str, Any]], system: str, workload: str, actors: int = 1,
+def _find(records: list[dict[str, Any]], system: str, workload: str, actors: int | None = 1,
           transport: str | None = None) -> dict[str, Any] | None:  # fmt: skip
-    rows = [r for r in records if r["system"] == system and r["workload"] == workload and r["actors"] == actors
+    rows = [r for r in records if r["system"] == system and r["workload"] == workload
+            and (actors is None or r["actors"] == actors)
             and (transport is None or r["transport"] == transport) and r.get("per_s")]  # fmt: skip
     return max(rows, key=lambda r: r["per_s"]) if rows else None
 
@@ -288,12 +290,14 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target of issue 5, its measured ratio (None: not measured in this run) and verdict."""
     out = []
 
-    def add(name: str, num: dict[str, Any] | None, den: dict[str, Any] | None, need: float, what: str) -> None:
+    def add(name: str, num: dict[str, Any] | None, den: dict[str, Any] | None, need: float, what: str,
+            at_most: bool = False) -> None:  # fmt: skip
         ratio = num["per_s"] / den["per_s"] if num and den else None
         detail = ""
         if num and den:
-            detail = (f"{_label(num)} {_rate(num, what)} / {_label(den)} {_rate(den, what)}")
-        out.append({"target": name, "ratio": ratio, "need": need, "met": None if ratio is None else ratio >= need,
+            detail = f"{_label(num)} {_rate(num, what)} / {_label(den)} {_rate(den, what)}"
+        met = None if ratio is None else (ratio <= need if at_most else ratio >= need)
+        out.append({"target": name, "ratio": ratio, "need": need, "met": met,
                     "detail": detail or "not measured in this run"})  # fmt: skip
 
     for w in ("1KiB", *TARGET_SIZES_RAW):
@@ -303,6 +307,10 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     atari = _find(records, "rlink", "atari")
     add("rlink >= 10x Ray, atari steps", atari, _find(records, "ray", "atari"), 10.0, "per_s")
     add("rlink >= 1.5x pyzmq-copy, atari steps", atari, _find(records, "pyzmq-copy", "atari"), 1.5, "per_s")
+    for w in dict.fromkeys(r["workload"] for r in records if r["system"] == "rlink-publish"):
+        # publish time / broadcast time = broadcast rate / publish rate
+        add("rlink-publish time <= 1.25x plain broadcast", _find(records, "plain-broadcast", w, None),
+            _find(records, "rlink-publish", w, None), 1.25, "per_s", at_most=True)  # fmt: skip
     workloads = list(dict.fromkeys(r["workload"] for r in records if r["system"] == "rlink"))
     for transport in ("tcp", "ucx"):
         for w in workloads:
@@ -319,6 +327,8 @@ def _label(r: dict[str, Any]) -> str:
 
 
 def _rate(r: dict[str, Any], what: str) -> str:
+    if r.get("group") == "fanout":
+        return f"{1e3 / r['per_s']:,.0f} ms"
     return f"{r['gbps']:.2f} GB/s" if what == "gbps" else f"{r['per_s']:,.0f}/s"
 
 
@@ -352,6 +362,8 @@ def print_table(records: list[dict[str, Any]], file: Any = None) -> None:
 def print_targets(results: list[dict[str, Any]], file: Any = None) -> None:
     file = file or sys.stdout
     print("\ntargets", file=file)
+    if not results:
+        print("  (none: this run measured no row that a target compares)", file=file)
     for t in results:
         verdict = {True: "met", False: "MISSED", None: "n/a"}[t["met"]]
         ratio = f"{t['ratio']:.2f}" if t["ratio"] is not None else "-"

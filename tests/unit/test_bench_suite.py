@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -19,9 +20,10 @@ def test_tiny_suite_writes_records_and_skips_missing_peers(tmp_path, monkeypatch
     monkeypatch.setitem(suite.SYSTEMS, "ghost", ghost)
     out = tmp_path / "suite.json"
     png = tmp_path / "suite.png"
+    plot = importlib.util.find_spec("matplotlib") is not None
     rc = suite.main(["--quick", "--systems", "memcpy,raw-socket,rlink-tcp,ghost", "--workloads", "64KiB",
                      "--actors", "1", "--warmup", "0.05", "--window", "0.15", "--reps", "2", "--timeout", "30",
-                     "--json", str(out), "--plot", str(png)])  # fmt: skip
+                     "--json", str(out)] + (["--plot", str(png)] if plot else []))  # fmt: skip
     assert rc == 0
     records = json.loads(out.read_text())
     by_system = {r["system"]: r for r in records}
@@ -41,7 +43,7 @@ def test_tiny_suite_writes_records_and_skips_missing_peers(tmp_path, monkeypatch
         assert r["reps"] == 2
     assert by_system["rlink"]["transport"] == "tcp"
     assert by_system["rlink"]["cpu_s_per_gb_send"] > 0 and by_system["rlink"]["cpu_s_per_gb_recv"] > 0
-    assert png.stat().st_size > 0
+    assert not plot or png.stat().st_size > 0
     text = capsys.readouterr().out
     assert "targets" in text and "rlink best plane >= 0.85x raw socket, 64KiB" in text
     assert "skipped: rlink_no_such_module_xyz not installed" in text

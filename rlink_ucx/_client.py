@@ -179,7 +179,8 @@ class ActorConnection:
         else:
             from .transport.ucx import UcxActorPlane
 
-            self.sender = await UcxActorPlane.connect(self.loop, welcome, self.incarnation, self.config)
+            self.sender = await UcxActorPlane.connect(self.loop, welcome, self.incarnation, self.config,
+                                                      loopback=_auth.is_loopback(self.host))  # fmt: skip
         await self._ready
         if self.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()

@@ -228,7 +228,7 @@ class LearnerServer:
         if self.ucx is None:
             from .transport.ucx import UcxLearnerPlane
 
-            self.ucx = UcxLearnerPlane(self.loop, self.config)
+            self.ucx = UcxLearnerPlane(self.loop, self.config, loopback=_auth.is_loopback(self.host))
         return self.ucx
 
     # --- schema and credit ----------------------------------------------------------------------

@@ -41,14 +41,19 @@ HEADER_KIND = 0
 PAYLOAD_KIND = 1
 
 
-def ucx_options(config: Config) -> dict[str, str]:
-    """UCX settings we ship (unless the user set the variable): see docs/transports.md."""
+def ucx_options(config: Config, loopback: bool = False) -> dict[str, str]:
+    """UCX settings we ship (unless the user set the variable): see docs/transports.md.
+
+    ``loopback``: the learner listens on loopback only, so UCX's TCP transport must not listen
+    on the other interfaces either (it listens on every one it may use)."""
     seg = f"{max(64, config.ucx_segment_bytes // 1024)}k"
     ours = {
         "TCP_TX_SEG_SIZE": seg,
         "TCP_RX_SEG_SIZE": seg,  # must be >= TX or the worker refuses to start
         "RNDV_FRAG_SIZE": "host:4M",
     }
+    if loopback:
+        ours["NET_DEVICES"] = "lo"
     return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
 
 
@@ -66,9 +71,9 @@ def session_tag(ticket: bytes) -> int:
     return int.from_bytes(ticket[:4], "little")
 
 
-def make_worker(config: Config) -> tuple[Any, Any, Any]:
+def make_worker(config: Config, loopback: bool = False) -> tuple[Any, Any, Any]:
     u, _ = _libucxx()
-    context = u.UCXContext(ucx_options(config), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
+    context = u.UCXContext(ucx_options(config, loopback), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
     return u, context, u.UCXWorker(context)
 
 
@@ -113,10 +118,11 @@ class UcxLearnerPlane:
 
     _IDLE_SPINS = 2000  # progress calls without completions before sleeping in epoll
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, config: Config):
+    def __init__(self, loop: asyncio.AbstractEventLoop, config: Config, loopback: bool = False):
         self.u, self.Array = _libucxx()
         self.loop = loop
         self.config = config
+        self.loopback = loopback
         self.address = b""
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._receives: list[_Receive] = []
@@ -148,7 +154,7 @@ class UcxLearnerPlane:
     # --- the progress thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.u, self._context, self.worker = make_worker(self.config)
+            self.u, self._context, self.worker = make_worker(self.config, self.loopback)
             self.address = bytes(self.worker.address.tobytes())
             self.worker.init_blocking_progress_mode()
         except BaseException as exc:  # reported by __init__ in the caller's thread
@@ -299,10 +305,10 @@ class UcxActorPlane:
 
     @classmethod
     async def connect(cls, loop: asyncio.AbstractEventLoop, welcome: Welcome, incarnation: int,
-                      config: Config) -> UcxActorPlane:  # fmt: skip
+                      config: Config, loopback: bool = False) -> UcxActorPlane:  # fmt: skip
         if not welcome.ucx_address:
             raise ProtocolError("learner chose ucx but sent no worker address")
-        u, context, worker = make_worker(config)
+        u, context, worker = make_worker(config, loopback)
         address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
         endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
         return cls(u, context, worker, endpoint, session_tag(welcome.ticket) << 32, loop, config)

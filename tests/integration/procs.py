@@ -274,6 +274,8 @@ def netns_learner(address: str, token: str, n: int, progress_path: str, result_p
                 pass
             with open(progress_path, "w") as f:
                 f.write(str(len(seqs)))
+        while learner.stats()["connected_actors"] and time.monotonic() < deadline:
+            time.sleep(0.05)  # stay until the actor has its last acknowledgement and says goodbye
         stats = learner.stats()
     with open(result_path, "w") as f:
         json.dump({"seqs": seqs, "total": stats["total"], "ended": stats["ended_actors"],

@@ -283,13 +283,20 @@ def test_a_pickle_payload_on_the_control_channel_is_rejected_and_never_unpickled
 def test_default_bind_is_loopback_in_the_socket_table():
     import torch
 
-    with Learner("127.0.0.1:0") as learner, Actor(learner.address, subscribe=True) as actor:
-        learner.publish({"w": torch.ones(4)}, wait=True, timeout=30)
-        actor.get_remote_model(timeout=30)
-        mine = _listening_sockets()
-        port = int(learner.address.rsplit(":", 1)[1])
-        assert mine[port] == "127.0.0.1"
-        assert mine and all(addr == "127.0.0.1" for addr in mine.values()), mine  # store and gloo too
+    from rlink_ucx.transport import ucx_available
+
+    for transport in ("tcp", "ucx") if ucx_available() else ("tcp",):
+        with Learner("127.0.0.1:0", transport=transport) as learner:
+            with Actor(learner.address, transport=transport, subscribe=True) as actor:
+                actor.put({"x": np.int64(1)})
+                actor.flush(30)
+                learner.publish({"w": torch.ones(4)}, wait=True, timeout=30)
+                actor.get_remote_model(timeout=30)
+                mine = _listening_sockets()
+                port = int(learner.address.rsplit(":", 1)[1])
+                assert mine[port] == "127.0.0.1"
+                # the store, gloo and UCX's own TCP listeners too
+                assert all(addr == "127.0.0.1" for addr in mine.values()), (transport, mine)
 
 
 def _listening_sockets() -> dict[int, str]:

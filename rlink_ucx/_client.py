@@ -222,6 +222,11 @@ class ActorConnection:
                         self._acknowledged(msg.acked)
                 elif isinstance(msg, _wire.Ack):
                     self._acknowledged(msg.next_seq)
+                elif isinstance(msg, _wire.Revoke):
+                    with self.credit_cv:
+                        give = max(0, min(self.credit, msg.steps))
+                        self.credit -= give
+                    self.control.send(_wire.Returned(give))
                 elif isinstance(msg, _wire.Heartbeat):
                     pass
                 elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed)):

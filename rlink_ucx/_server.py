@@ -267,7 +267,10 @@ class LearnerServer:
         if not active:
             return
         self._rotation = (self._rotation + 1) % len(active)
+        now = time.monotonic()
         for session in active[self._rotation :] + active[: self._rotation]:
+            if session.revoking or (now - session.last_frame > 1.0 and session.credit >= ring.max_frame_steps):
+                continue  # idle, with a frame's worth: more would sit unused while others wait
             want = window - session.credit
             if want < threshold:
                 continue
@@ -286,6 +289,17 @@ class LearnerServer:
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 session.heartbeat(now)
+            self._reclaim_idle_credit(now)
+
+    def _reclaim_idle_credit(self, now: float) -> None:
+        """When the ring has no room left to grant, take credit back from idle actors (keeping
+        them one frame's worth) so the ones still sending are not starved."""
+        ring = self.ring
+        if ring is None or ring.grantable() >= ring.max_frame_steps:
+            return
+        for session in list(self.sessions.values()):
+            if session.ring is ring:
+                session.revoke_idle_credit(now, keep=ring.max_frame_steps)
 
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
         if self.sessions.pop(session.id, None) is None:

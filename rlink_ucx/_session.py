@@ -62,6 +62,8 @@ class LearnerSession:
         self._scatter: list[list[memoryview]] | None = None  # ...and are copied here on commit
         self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
         self.low_water = 0  # wake the loop for more credit once credit falls to this
+        self.last_frame = time.monotonic()  # when a frame last completed (idle actors give credit back)
+        self.revoking = False  # a Revoke is outstanding
         self.subscribed = False  # wants every published version
         self.cuda_device: int | None = None  # where it receives weights (NCCL needs distinct GPUs)
         self.weights_sent = 0  # newest version announced or broadcast to it
@@ -82,6 +84,8 @@ class LearnerSession:
                 self._after_frame()
             elif isinstance(msg, _wire.Propose):
                 self._on_propose(msg)
+            elif isinstance(msg, _wire.Returned):
+                self._on_returned(msg.steps)
             elif isinstance(msg, _wire.Got):
                 self.server.publisher.on_got(self, msg.version)
             elif isinstance(msg, _wire.Subscribe):
@@ -102,6 +106,24 @@ class LearnerSession:
         self.schema_id, self.ring = schema_id, ring
         self.control.send(_wire.Accept(schema_id, ring.max_frame_steps))
         self.server.grant_credits()
+
+    def _on_returned(self, steps: int) -> None:
+        with self._lock:
+            if not 0 <= steps <= self.credit:
+                raise ProtocolError(f"actor returned {steps} steps of credit but holds {self.credit}")
+            self.credit -= steps
+        self.revoking = False
+        if self.ring is not None and steps:
+            self.ring.revoke(steps)
+        self.server.grant_credits()
+
+    def revoke_idle_credit(self, now: float, keep: int) -> None:
+        """Ask an actor that sent nothing for a while to give back its credit beyond ``keep``
+        steps: held by an idle actor, it would starve the ones still sending."""
+        if self.revoking or self.state != "open" or now - self.last_frame < 1.0 or self.credit <= keep:
+            return
+        self.revoking = True
+        self.control.send(_wire.Revoke(self.credit - keep))
 
     def heartbeat(self, now: float) -> None:
         """Called periodically on the loop: keep the peer alive and detect a silent one."""
@@ -213,6 +235,7 @@ class LearnerSession:
             if self._scatter is not None:
                 self._scatter_landing()
             self.ring.commit(seg)
+            self.last_frame = time.monotonic()
             self.next_seq = h.seq + h.n_steps
             self.stats.frames += 1
             self.stats.steps += h.n_steps

@@ -104,6 +104,18 @@ class Credit(_Msg):
     acked: int  # piggybacked Ack.next_seq
 
 
+class Revoke(_Msg):
+    """Learner -> actor: give back up to ``steps`` of unused credit (you are idle, others wait)."""
+
+    steps: int
+
+
+class Returned(_Msg):
+    """Actor -> learner: ``steps`` of credit given back (no longer usable by the actor)."""
+
+    steps: int
+
+
 class Sync(_Msg):
     """Actor -> learner: acknowledge once every step before ``seq`` is buffered (flush)."""
 
@@ -185,7 +197,7 @@ class Error(_Msg):
 
 Message = Union[
     Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye,
-    Error, Subscribe, Version, Group, Publish, Sealed, Got, Pull,
+    Error, Subscribe, Version, Group, Publish, Sealed, Got, Pull, Revoke, Returned,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

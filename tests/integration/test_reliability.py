@@ -502,3 +502,39 @@ def test_a_frozen_learner_is_detected_and_the_stream_resumes_exactly_once_after_
     seqs = sorted(s for _, s, _ in got)
     assert is_run(seqs, 0, n), "one learner lifetime: every step exactly once"
     assert stats["reconnects"] >= 1 and stats["steps_lost"] == 0, stats
+
+
+@pytest.mark.timeout(120)
+def test_idle_actors_give_their_credit_back_so_a_busy_one_is_not_starved():
+    step = {"x": np.zeros(64 << 10, np.uint8)}  # the default 64 MiB buffer holds ~1000 of these
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=63)
+        idle = [Actor(learner.address, transport="tcp") for _ in range(3)]
+        for a in idle:  # send a little, then sit on the credit they were granted
+            for _ in range(63 * 4):
+                a.put(step)
+            a.flush(15)
+        for _ in range(12):
+            dataset.fetch(timeout=15)
+        busy_done: dict = {}
+
+        def busy() -> None:
+            try:
+                with Actor(learner.address, transport="tcp", config=Config(put_timeout=15)) as b:
+                    for _ in range(63 * 100):
+                        b.put(step)
+                    b.flush(15)
+                busy_done["ok"] = True
+            except Exception as exc:  # noqa: BLE001 - reported by the assertion below
+                busy_done["error"] = repr(exc)
+
+        t = threading.Thread(target=busy)
+        t.start()
+        for _ in range(100):
+            dataset.fetch(timeout=20)
+        t.join(30)
+        assert busy_done == {"ok": True}, busy_done
+        held = [a["credit"] for a in learner.stats()["actors"] if a["actor_id"] in {x.actor_id for x in idle}]
+        assert max(held) <= learner.stats()["buffer"]["capacity_bytes"] // (64 << 10)
+        for a in idle:
+            a.close()

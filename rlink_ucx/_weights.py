@@ -24,6 +24,7 @@ from ._errors import ProtocolError, RLinkError
 __all__ = ["Entry", "Manifest", "Snapshot", "BufferPool", "snapshot", "state_dict_of"]
 
 ALIGN = 64
+MAX_BUCKETS = 1 << 16  # a manifest cannot make a receiver build a huge bucket list
 
 
 class Entry(msgspec.Struct, array_like=True, frozen=True):
@@ -55,11 +56,14 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
         """Reject a manifest that could make the receiver over-allocate or read out of bounds."""
         if not 0 <= self.total_bytes <= max_bytes:
             raise ProtocolError(f"weights of {self.total_bytes} bytes exceed max_weights_bytes={max_bytes}")
-        if self.bucket_bytes <= 0 or self.version <= 0:
+        if self.bucket_bytes < ALIGN or self.version <= 0:
             raise ProtocolError("weights manifest has a bad bucket size or version")
+        n_buckets = -(-self.total_bytes // self.bucket_bytes)  # counted, not listed: no allocation yet
+        if n_buckets > MAX_BUCKETS:
+            raise ProtocolError(f"weights manifest splits into {n_buckets} buckets; limit {MAX_BUCKETS}")
         if len(self.entries) > max_entries:
             raise ProtocolError(f"weights manifest lists {len(self.entries)} tensors; limit {max_entries}")
-        if self.checksum not in ("xxh3", "sum64") or len(self.checksums) not in (0, len(self.buckets())):
+        if self.checksum not in ("xxh3", "sum64") or len(self.checksums) not in (0, n_buckets):
             raise ProtocolError("weights manifest checksums do not match its buckets")
         names = set()
         for e in self.entries:

@@ -80,6 +80,7 @@ def manifest(**changes) -> Manifest:
         ({"checksums": [0]}, "checksums"),
         ({"checksum": "pickle"}, "checksums"),
         ({"bucket_bytes": 0}, "bucket"),
+        ({"total_bytes": 2**30, "bucket_bytes": 64}, "buckets; limit"),  # found by the fuzz test: an OOM
         ({"version": 0}, "version"),
     ],
 )

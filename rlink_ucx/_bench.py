@@ -25,6 +25,8 @@ import time
 
 import numpy as np
 
+from ._wire import recv_exact_into
+
 SIZES = {"1K": 1 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20}
 TOTAL_BYTES = {1 << 10: 48 << 20, 64 << 10: 768 << 20, 1 << 20: 1536 << 20, 16 << 20: 2048 << 20}
 BATCH_BYTES = 4 << 20
@@ -52,12 +54,7 @@ def raw_socket(size: int, count: int) -> float:
     view = memoryview(buf)
 
     def recv_message() -> None:
-        got = 0
-        while got < size:
-            n = conn.recv_into(view[got:], size - got)
-            if n == 0:
-                raise ConnectionError("sender closed early")
-            got += n
+        recv_exact_into(conn, view)
 
     warm = max(1, count // 20)
     for _ in range(warm):

@@ -36,6 +36,8 @@ from typing import Any
 
 import numpy as np
 
+from ._wire import recv_exact_into
+
 MiB = 1 << 20
 MARKER = -1
 
@@ -129,6 +131,13 @@ class Recorder:
         self.t.append(now_ns)
         self.n.append(steps)
         self.lat.append(lat_ns)
+
+    def stamp(self, now_ns: int, steps: int, sent_ns: int) -> int:
+        """Record a message sent at ``sent_ns``; 1 if it is the sender's end marker (negative)."""
+        if sent_ns < 0:
+            return 1
+        self.add(now_ns, steps, now_ns - sent_ns)
+        return 0
 
     @property
     def steps(self) -> int:
@@ -456,18 +465,8 @@ class RawSocketReceiver(Receiver):
     def recv(self, rec: Recorder) -> int:
         conn, view, size = self.conn, self.view, self.size
         assert conn is not None
-        got = 0
-        while got < size:
-            n = conn.recv_into(view[got:], size - got)
-            if n == 0:
-                raise ConnectionError("sender closed early")
-            got += n
-        now = time.monotonic_ns()
-        t = int(self.t_ns[0])
-        if t < 0:
-            return 1
-        rec.add(now, self.chunk, now - t)
-        return 0
+        recv_exact_into(conn, view[:size])
+        return rec.stamp(time.monotonic_ns(), self.chunk, int(self.t_ns[0]))
 
     def close(self) -> None:
         if self.conn is not None:
@@ -643,10 +642,7 @@ class ZmqReceiver(Receiver):
         # what a consumer would do: numpy views of the fields (no copy)
         for part, (dtype, shape) in zip(parts[1:], self.fields):
             np.frombuffer(part if self.copy else part.buffer, dtype).reshape(self.chunk, *shape)
-        if t < 0:
-            return 1
-        rec.add(now, self.chunk, now - t)
-        return 0
+        return rec.stamp(now, self.chunk, t)
 
     def close(self) -> None:
         self.sock.close()
@@ -713,12 +709,7 @@ class GlooReceiver(Receiver):
         works = [self.group.recv([t], 1, i) for i, t in enumerate(self.tensors)]
         for w in works:
             w.wait(self.delta)
-        now = time.monotonic_ns()
-        t = int(self.t_ns[0])
-        if t < 0:
-            return 1
-        rec.add(now, self.chunk, now - t)
-        return 0
+        return rec.stamp(time.monotonic_ns(), self.chunk, int(self.t_ns[0]))
 
     def close(self) -> None:
         self.group = None

@@ -39,7 +39,6 @@ class Publisher:
         self.loop = server.loop
         self.latest: Snapshot | None = None  # the newest complete version (served to pulls)
         self.pending: Snapshot | None = None  # the newest version, possibly still being copied
-        self.latest_device = "cpu"
         self._pool = BufferPool()
         self._publish_lock = threading.Lock()  # one snapshot at a time
         self._cv = threading.Condition()  # guards latest/_fanned; signals acks
@@ -165,11 +164,10 @@ class Publisher:
         caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent]
         backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
         source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
-        self.latest_device = snap.device
         members: list[LearnerSession] = []
         if caught_up:
             try:
-                self._ensure_group(caught_up, backend)
+                self._ensure_group(caught_up, backend, snap.device)
                 members = caught_up
             except Exception as exc:  # noqa: BLE001 - a member that never joined: everyone pulls
                 self._failed(f"building fan-out group {self._generation} failed: {exc}")
@@ -211,7 +209,7 @@ class Publisher:
             self._send(members, _wire.Sealed(source.version, source.manifest.checksums))
         wait_all(works, timeout)
 
-    def _ensure_group(self, members: list[LearnerSession], backend: str) -> None:
+    def _ensure_group(self, members: list[LearnerSession], backend: str, device: str) -> None:
         key = (tuple(s.id for s in members), backend)
         if self._group is not None and key == self._group_key:
             return
@@ -228,7 +226,7 @@ class Publisher:
         if backend == "nccl":  # the current CUDA device is per thread: use the snapshot's
             import torch
 
-            torch.cuda.set_device(torch.device(self.latest_device))
+            torch.cuda.set_device(torch.device(device))
         log.info("fan-out group %d: %s ranks over %s", self._generation, world, backend)
         self._group = new_group(self._store, prefix, 0, world, backend=backend, hostname=hostname, timeout=timeout)
         self._group_key = key

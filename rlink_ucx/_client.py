@@ -547,6 +547,7 @@ class ActorConnection:
             task.cancel()
         if self.sender is not None:
             self.sender.close()
+            self.sender = None
         if self.control is not None:
             self.control.close()
 

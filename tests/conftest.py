@@ -4,6 +4,13 @@ import os
 import pytest
 
 faulthandler.enable()
+try:
+    # Compile hypothesis' report module before any test runs: CPython 3.11.7 can fail to compile
+    # it later ("AST constructor recursion depth mismatch", cpython#106905) once a test has moved
+    # the recursion limit, which crashed pytest's summary after subsets without the fuzz tests.
+    import hypothesis.internal.observability  # noqa: F401
+except ImportError:  # hypothesis comes with the test extra
+    pass
 # Tests must never depend on the developer's environment.
 for name in list(os.environ):
     if name.startswith("RLINK_"):

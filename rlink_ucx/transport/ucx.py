@@ -272,6 +272,7 @@ class UcxLearnerPlane:
 
     def _forget(self, state: _Receive) -> None:
         state.requests.clear()
+        state.endpoint = None
         if state in self._receives:
             self._receives.remove(state)
         state.session.abandon()
@@ -279,6 +280,10 @@ class UcxLearnerPlane:
     def _shutdown(self) -> None:
         for state in list(self._receives):
             self._drop(state)
+        if not self._stuck:
+            # Release the worker here, on the thread that made it, rather than whenever the
+            # Learner object is collected: its TCP listener and shared-memory segments go with it.
+            self.worker = self._context = None
 
 
 def _ready(transport: str) -> Any:
@@ -335,7 +340,12 @@ class UcxActorPlane:
             request.check_error()
 
     def close(self) -> None:
+        if self.endpoint is None:
+            return
         try:
             self.endpoint.close_blocking(10**9, 1)  # bounded (ns): never hang on a dead peer
         except Exception:  # noqa: BLE001 - best effort at shutdown
             pass
+        # Release the worker now (its TCP listener and shared memory), not when the Actor
+        # object happens to be collected.
+        self.endpoint = self.worker = self._context = None

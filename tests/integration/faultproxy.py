@@ -1,4 +1,4 @@
-"""A userspace TCP proxy that misbehaves on purpose: delay, blackhole, duplicate, truncate."""
+"""A userspace TCP proxy that misbehaves on purpose: delay, blackhole, cut, duplicate, truncate."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ class FaultProxy:
 
     - ``delay``: each chunk waits ``delay`` seconds first (both directions);
     - ``blackhole``: chunks are swallowed (the connections stay open);
+    - ``cut``: chunks are swallowed in both directions (a link cut that TCP does not notice);
     - ``duplicate``: the next data chunk (256 bytes or more: a data frame, not a control message)
       is sent twice, once;
     - ``truncate``: the connection carrying the next data chunk is cut half way through it, once.
@@ -62,7 +63,7 @@ class FaultProxy:
                             self.fault = None  # one-shot
                 if delay:
                     time.sleep(delay)
-                if to_learner and fault == "blackhole":
+                if (to_learner and fault == "blackhole") or fault == "cut":
                     continue
                 if to_learner and fault == "duplicate":
                     self.events.append("duplicated")

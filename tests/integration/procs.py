@@ -176,12 +176,12 @@ def learner_in_default_group(results) -> None:
     dist.destroy_process_group()
 
 
-def restartable_learner(port: int, deliveries, batch: int = 20) -> None:
+def restartable_learner(port: int, deliveries, batch: int = 20, transport: str = "tcp") -> None:
     """A learner on a fixed port that reports every delivered (actor, seq) until killed."""
     from rlink_ucx import Learner, RLinkDataset
     from rlink_ucx import TimeoutError as RLinkTimeout
 
-    with Learner(f"127.0.0.1:{port}", transport="tcp") as learner:
+    with Learner(f"127.0.0.1:{port}", transport=transport) as learner:
         dataset = RLinkDataset(learner, batch_size=batch)
         deliveries.put(("ready", learner.address))
         while True:
@@ -192,14 +192,15 @@ def restartable_learner(port: int, deliveries, batch: int = 20) -> None:
             deliveries.put(("steps", list(zip(b.actor_id.tolist(), b.seq.tolist(), b["x"].tolist()))))
 
 
-def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: bool = False) -> None:
+def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: bool = False,
+                 transport: str = "tcp") -> None:  # fmt: skip
     """Stream x = seq in chunks, slowly enough to be caught mid-stream by a learner restart.
     ``large``: each chunk is a whole frame (sent zero-copy, kept for resending by copy)."""
     from rlink_ucx import Actor, Config
 
     frame = chunk * 8 if large else chunk * 8 * 4
     config = Config.from_env(reconnect_timeout=60, frame_bytes=frame, resend_large_puts=large)  # RLINK_* too
-    with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
+    with Actor(address, transport=transport, actor_id=actor, config=config) as a:
         for start in range(0, n, chunk):
             a.put_many({"x": np.arange(start, start + chunk, dtype=np.int64)})
             time.sleep(0.005)
@@ -207,24 +208,25 @@ def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: b
         results.put(a.stats())
 
 
-def big_frame_actor(address: str, actor: int) -> None:
+def big_frame_actor(address: str, actor: int, transport: str = "tcp") -> None:
     """Send 1 MiB steps (each full of its seq) forever: killed mid-frame by the test."""
     from rlink_ucx import Actor
 
-    with Actor(address, transport="tcp", actor_id=actor) as a:
+    with Actor(address, transport=transport, actor_id=actor) as a:
         seq = 0
         while True:
             a.put({"x": np.full(1 << 17, seq, dtype=np.int64)})
             seq += 1
 
 
-def pressing_actor(address: str, actor: int, seconds: float, results, put_timeout: float = 1.0) -> None:
+def pressing_actor(address: str, actor: int, seconds: float, results, put_timeout: float = 1.0,
+                   transport: str = "tcp") -> None:  # fmt: skip
     """Put as fast as possible for ``seconds``; count Backpressure instead of dying of it."""
     from rlink_ucx import Actor, Backpressure, Config
 
     config = Config(put_timeout=put_timeout, reconnect_timeout=30)
     backpressure = 0
-    with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
+    with Actor(address, transport=transport, actor_id=actor, config=config) as a:
         deadline = time.monotonic() + seconds
         seq = 0
         while time.monotonic() < deadline:
@@ -241,13 +243,13 @@ def pressing_actor(address: str, actor: int, seconds: float, results, put_timeou
         results.put({"actor_id": actor, "backpressure": backpressure, "put": seq, **a.stats(), "before_flush": stats})
 
 
-def proxied_actor(address: str, n: int, results) -> None:
+def proxied_actor(address: str, n: int, results, transport: str = "tcp") -> None:
     """Stream x = seq in small steps (coalesced, kept for resending) through a fault proxy."""
     from rlink_ucx import Actor, Config
 
     config = Config(reconnect_timeout=60, heartbeat_interval=0.2, heartbeat_timeout=1.5, frame_timeout=2,
                     frame_bytes=64 << 10)  # fmt: skip
-    with Actor(address, transport="tcp", actor_id=3, config=config) as a:
+    with Actor(address, transport=transport, actor_id=3, config=config) as a:
         for start in range(0, n, 100):
             a.put_many({"x": np.arange(start, start + 100, dtype=np.int64)})
             time.sleep(0.005)  # about 2 s of streaming: the faults land mid-stream

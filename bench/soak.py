@@ -6,7 +6,7 @@ reports its memory, threads and file descriptors. At the end, per stream:
 ``put = delivered + lost``, where "lost" is what a killed actor took with it (put into its
 buffers, not yet delivered) plus what an actor reported lost (``steps_lost``).
 
-Usage: python bench/soak.py [--minutes 10] [--json soak.json]   (not part of CI)
+Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx] [--json soak.json]   (not part of CI)
 """
 
 from __future__ import annotations
@@ -28,13 +28,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HEARTBEAT = {"RLINK_HEARTBEAT_INTERVAL": "0.2", "RLINK_HEARTBEAT_TIMEOUT": "1.5"}
 
 
-def learner_main(port: int, reports, drain) -> None:
+def learner_main(port: int, reports, drain, transport: str) -> None:
     from rlink_ucx import Learner, RLinkDataset
     from rlink_ucx import TimeoutError as RLinkTimeout
 
     expected: dict[tuple[int, int], int] = {}
     errors: list[str] = []
-    with Learner(f"127.0.0.1:{port}", transport="tcp") as learner:
+    with Learner(f"127.0.0.1:{port}", transport=transport) as learner:
         dataset = RLinkDataset(learner, batch_size=200)
         tail = RLinkDataset(learner, batch_size=50)  # actors put 50 at a time: drains every stream
         reports.put(("ready", None))
@@ -60,14 +60,14 @@ def learner_main(port: int, reports, drain) -> None:
                                        "lost_steps": t["lost_steps"], "time": time.monotonic()}))  # fmt: skip
 
 
-def actor_main(address: str, actor: int, incarnation: int, put_count, stop, results) -> None:
+def actor_main(address: str, actor: int, incarnation: int, put_count, stop, results, transport: str) -> None:
     from rlink_ucx import Actor, Config
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     config = Config.from_env(reconnect_timeout=120, frame_bytes=16 << 10, put_timeout=120)
-    with Actor(address, transport="tcp", actor_id=actor, config=config) as a:
+    with Actor(address, transport=transport, actor_id=actor, config=config) as a:
         seq = 0
-        while not stop.is_set():
+        while not stop.value:
             chunk = np.empty((50, 2), np.int64)
             chunk[:, 0] = incarnation
             chunk[:, 1] = np.arange(seq, seq + 50)
@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     os.environ.update(HEARTBEAT)
@@ -93,8 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    reports, results, stop, drain = ctx.Queue(), ctx.Queue(), ctx.Event(), ctx.Event()
-    learner = ctx.Process(target=learner_main, args=(port, reports, drain))
+    reports, results, drain = ctx.Queue(), ctx.Queue(), ctx.Event()
+    # Lock-free shared flags and counters: an actor SIGKILLed while holding a lock (an Event's
+    # or a Value's) would leave it held, and every other process touching it would hang.
+    stop = ctx.RawValue("b", 0)
+    learner = ctx.Process(target=learner_main, args=(port, reports, drain, args.transport))
     learner.start()
     assert reports.get(timeout=60)[0] == "ready"
     proxies = {a: FaultProxy(("127.0.0.1", port)) for a in (1, 2, 3)}
@@ -104,8 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     events: list[tuple[float, str]] = []
 
     def start(a: int, inc: int) -> None:
-        counter = ctx.Value("q", 0)
-        p = ctx.Process(target=actor_main, args=(proxies[a].address, a, inc, counter, stop, results))
+        counter = ctx.RawValue("q", 0)
+        p = ctx.Process(target=actor_main, args=(proxies[a].address, a, inc, counter, stop, results, args.transport))
         p.start()
         actors[a] = (p, inc, counter)
 
@@ -134,12 +138,12 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(rng.uniform(0.5, 3.0))
             os.kill(learner.pid, signal.SIGCONT)
         else:
-            proxies[a].set("blackhole")
+            proxies[a].set("cut")  # both directions; over ucx the proxy carries the control channel
             time.sleep(rng.uniform(0.5, 3.0))
             proxies[a].set(None)
         events.append((t, f"{event} {a}" if event != "pause" else "pause learner"))
         print(f"[soak] {t:7.1f}s {events[-1][1]}", flush=True)
-    stop.set()
+    stop.value = 1
     finals = {}
     for a, (p, inc, counter) in actors.items():
         actor, incarnation, stats = results.get(timeout=180)
@@ -173,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     warm = next((s for s in stats_log if s["time"] - stats_log[0]["time"] > 30), stats_log[0])
     growth = {"rss_mb": (last["rss"] - warm["rss"]) / 2**20, "threads": last["threads"] - warm["threads"],
               "fds": last["fds"] - warm["fds"]}  # fmt: skip
-    out = {"minutes": args.minutes, "events": events, "streams": rows, "order_errors": last["errors"],
+    out = {"minutes": args.minutes, "transport": args.transport, "events": events, "streams": rows, "order_errors": last["errors"],
            "duplicate_steps_dropped": last["duplicate_steps"], "growth_after_warmup": growth, "ok": ok}  # fmt: skip
     for r in rows:
         print(f"[soak] {r['stream']:>5}: put {r['put']:>9,}  delivered {r['delivered']:>9,}  reported lost "

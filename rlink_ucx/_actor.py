@@ -31,7 +31,7 @@ _SCALAR_KINDS = {bool: "b", int: "iu", float: "f"}
 class _Field:
     """What ``put`` checks a value against, precomputed once per schema."""
 
-    __slots__ = ("name", "spec", "dtype", "shape", "index")
+    __slots__ = ("name", "spec", "dtype", "shape", "index", "scalars")
 
     def __init__(self, index: int, spec: Any):
         self.index = index
@@ -39,6 +39,8 @@ class _Field:
         self.spec = spec
         self.dtype = DTYPES[spec.dtype]
         self.shape = spec.shape
+        # Python scalar types a 0-d field takes as they are (bool for a bool field, ...).
+        self.scalars = frozenset(t for t, kinds in _SCALAR_KINDS.items() if not self.shape and self.dtype.kind in kinds)
 
     def mismatch(self, value: Any, got: str) -> SchemaMismatch:
         return SchemaMismatch(f"field {self.name!r}: the negotiated schema says {self.spec.describe()}, got {got}")
@@ -81,6 +83,9 @@ class Actor:
         self._current: FrameBuffer | None = None
         self._next_seq = 0
         self._fields: list[_Field] | None = None
+        # (name, dtype, shape, scalar types) per field for put's one-pass fast path; None when a
+        # field needs conversion (bfloat16) or before the schema is known.
+        self._fast: tuple[tuple[str, np.dtype, tuple, frozenset], ...] | None = None
         self._policy_version = 0
         self._frame_steps = 0  # steps per frame, known once the schema is negotiated
         self._max_buffers = self.config.frame_buffers  # frame buffers allowed (resending keeps more)
@@ -133,6 +138,8 @@ class Actor:
         self._max_buffers = max(self.config.frame_buffers,
                                 self.config.resend_buffer_bytes // max(1, capacity * schema.step_bytes))  # fmt: skip
         self._fields = [_Field(i, spec) for i, spec in enumerate(schema.fields)]
+        if all(f.spec.dtype != "bfloat16" for f in self._fields):
+            self._fast = tuple((f.name, f.dtype, f.shape, f.scalars) for f in self._fields)
         self._frame_steps = capacity
 
     def _ensure_schema(self, step: Mapping[str, Any], leading_dims: int) -> list[_Field]:
@@ -160,6 +167,9 @@ class Actor:
             Backpressure: no credit from the learner within ``Config.put_timeout``.
             PeerLost / Closed: the connection broke / the actor was closed.
         """
+        fast = self._fast
+        if fast is not None and len(step) == len(fast) and self._put_in_frame(step, version, checked=False):
+            return  # almost every call: exact dtypes and shapes, room in the current frame
         fields = self._fields or self._ensure_schema(step, 0)
         values = [self._check_value(f, step) for f in fields]
         if len(step) != len(fields):
@@ -169,20 +179,43 @@ class Actor:
         ):
             self._send_borrowed([v.reshape(1, *v.shape) for v in values], 1, version)
             return
+        if not self._put_in_frame(values, version, checked=True):
+            self._append(1, version, lambda fb, at, src, k: _write_step(fb, at, values))
+
+    def _put_in_frame(self, step: Any, version: int | None, checked: bool) -> bool:
+        """Write one step into the current frame if it has room (else False: nothing written).
+
+        ``checked``: ``step`` is the list of values already checked and converted. Otherwise it
+        is the caller's mapping, checked field by field while it is copied (one pass): any
+        value that is not exactly the negotiated dtype and shape returns False for the general
+        path, which converts it or raises a clear error. A step abandoned halfway leaves bytes
+        past the frame's end, which are never sent.
+        """
         v = self._policy_version if version is None else int(version)
-        with self._lock:  # fast path: room in the current frame (almost every call)
+        with self._lock:
             fb = self._current
-            if (fb is not None and fb.n < fb.capacity - 1 and (fb.version == v or not fb.n)
-                    and not self._closed and self._conn.error is None):  # fmt: skip
-                if not fb.n:
-                    fb.version = v
-                at = fb.n
-                for arr, value in zip(fb.typed, values):
+            if (fb is None or fb.n >= fb.capacity - 1 or (fb.version != v and fb.n)
+                    or self._closed or self._conn.error is not None):  # fmt: skip
+                return False
+            at = fb.n
+            if checked:
+                for arr, value in zip(fb.typed, step):
                     arr[at] = value
-                fb.n = at + 1
-                self._next_seq += 1
-                return
-        self._append(1, version, lambda fb, at, src, k: _write_step(fb, at, values))
+            else:
+                assert self._fast is not None
+                for (name, dtype, shape, scalars), arr in zip(self._fast, fb.typed):
+                    value = step.get(name)
+                    kind = type(value)
+                    if kind is np.ndarray:
+                        if value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
+                            return False
+                    elif kind not in scalars:
+                        return False
+                    arr[at] = value
+            fb.version = v
+            fb.n = at + 1
+            self._next_seq += 1
+            return True
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
         """Append a chunk of steps: every field has a leading time/batch dimension of equal size."""

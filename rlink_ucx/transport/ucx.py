@@ -39,6 +39,10 @@ log = logging.getLogger(__name__)
 
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
+# Progress calls that found nothing before a busy-polling thread yields its core on every
+# further call: with more processes than cores (4 actors and a learner on 2 cores) pure
+# spinning starves the very peer it waits for.
+_SPINS_BEFORE_YIELD = 32
 
 
 def ucx_options(config: Config, loopback: bool = False) -> dict[str, str]:
@@ -183,6 +187,8 @@ class UcxLearnerPlane:
                 idle = 0
             else:
                 idle += 1
+                if idle > _SPINS_BEFORE_YIELD:
+                    os.sched_yield()  # busy-poll politely: actors on this host need the core too
                 if idle > self._IDLE_SPINS:
                     # Nothing moved for a while: sleep in epoll until UCX has an event (or
                     # 2 ms pass, so queued calls are still picked up promptly).
@@ -334,6 +340,8 @@ class UcxActorPlane:
         while not all(r.completed for r in requests):
             self.worker.progress()
             spins += 1
+            if spins > _SPINS_BEFORE_YIELD:
+                os.sched_yield()
             if spins % 256 == 0 and time.monotonic() > deadline:
                 raise PeerLost(f"ucx send did not complete within {self.config.frame_timeout}s")
         for request in requests:

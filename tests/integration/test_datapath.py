@@ -140,6 +140,49 @@ def test_schema_mismatch_names_field_and_both_specs():
                 other.put({"obs": np.zeros(3, np.int32), "done": False})
 
 
+@pytest.mark.timeout(60)
+def test_put_takes_every_kind_of_value_and_a_bad_one_puts_nothing():
+    import torch
+
+    config = rlink_ucx.Config(frame_bytes=5 * 24)  # 5 steps per frame: puts cross frame boundaries
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=20)
+        with Actor(learner.address, transport="tcp", config=config) as actor:
+            actor.put({"obs": np.zeros(2, np.float32), "action": 0, "r": 0.0, "done": False})
+            kinds = [
+                lambda i: {"obs": np.full(2, i, np.float32), "action": i, "r": i / 2, "done": i % 2 == 1},
+                lambda i: {"obs": np.full(2, i, np.float64), "action": np.int64(i), "r": np.float32(i / 2),
+                           "done": np.bool_(i % 2)},  # converted: float64 obs is a mismatch, see below
+                lambda i: {"obs": torch.full((2,), float(i)), "action": torch.tensor(i), "r": torch.tensor(i / 2),
+                           "done": torch.tensor(i % 2 == 1)},
+                lambda i: {"obs": np.full(4, i, np.float32)[::2], "action": i, "r": i / 2, "done": bool(i % 2)},
+                lambda i: {"done": i % 2 == 1, "r": i / 2, "obs": np.full(2, i, np.float32), "action": i},
+            ]  # fmt: skip
+            expected = [0]
+            for i in range(1, 41):
+                step = kinds[i % len(kinds)](i)
+                if i % len(kinds) == 1:
+                    with pytest.raises(SchemaMismatch, match=r"'obs'.*float32\[2\].*float64\[2\]"):
+                        actor.put(step)
+                    step["obs"] = step["obs"].astype(np.float32)
+                with pytest.raises(SchemaMismatch):
+                    actor.put({**step, "action": 1.5})  # a float for an int field
+                with pytest.raises(SchemaMismatch):
+                    actor.put({**step, "obs": np.zeros(3, np.float32)})
+                actor.put(step)
+                expected.append(i)
+            actor.flush(10)
+        seen = []
+        for _ in range(2):
+            b = dataset.fetch(timeout=10)
+            assert b.seq.tolist() == list(range(len(seen), len(seen) + 20)), "a rejected put took a seq"
+            seen += b["action"].tolist()
+            assert b["obs"][:, 0].tolist() == b["action"].float().tolist()
+            assert b["r"].tolist() == [a / 2 for a in b["action"].tolist()]
+            assert b["done"].tolist() == [a % 2 == 1 for a in b["action"].tolist()]
+        assert seen == expected[:40]
+
+
 def _raw_connect(address: str) -> socket.socket:
     host, port = address.rsplit(":", 1)
     return socket.create_connection((host, int(port)), timeout=5)

@@ -137,3 +137,30 @@ def test_stale_frames_are_dropped_counted_and_their_space_freed():
     assert ring.stats.stale_dropped == 14 and ring.used == 0
     with pytest.raises(TimeoutError):
         ring.take(1, timeout=0.05, min_version=3)
+
+
+def test_random_interleaving_of_frames_takes_and_kept_batches_stays_fifo_and_intact():
+    rng = np.random.default_rng(0)
+    ring = StepRing(SCHEMA, 32 * 8, max_frame_steps=4, chunk_steps=4)
+    assembler = BatchAssembler(ring, 4, "cpu")
+    kept: list = []
+    nxt = taken = 0
+    for _ in range(400):
+        while ring.grantable() >= 4 and rng.random() < 0.7:
+            n = int(rng.integers(1, 5))
+            ring.grant(n)
+            fill(ring, ring.reserve(n, 1, nxt, 0), nxt)
+            nxt += n
+        if ring.ready_steps() >= 4:
+            pieces, take = ring.take(4, timeout=1)
+            batch = assembler.assemble(pieces, take, 0)
+            assert batch["x"].tolist() == list(range(taken, taken + 4))
+            taken += 4
+            if rng.random() < 0.3:
+                kept.append(batch)  # held on to by the caller for a while
+            if len(kept) > 5:
+                kept.pop(int(rng.integers(0, len(kept))))
+        for b in kept:
+            first = b.seq[0].item()
+            assert b["x"].tolist() == list(range(first, first + 4)), "a kept batch was overwritten"
+    assert assembler.lent_batches > 20 and taken > 200

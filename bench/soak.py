@@ -86,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
+    parser.add_argument("--no-faults", action="store_true", help="stream only: a baseline for the resource figures")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     os.environ.update(HEARTBEAT)
@@ -123,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
             kind, value = reports.get()
             if kind == "stats":
                 stats_log.append(value)
+        if args.no_faults:
+            continue
         event = rng.choice(["kill", "pause", "cut"])
         a = rng.choice([1, 2, 3])
         t = round(time.monotonic() - started, 1)
@@ -177,11 +180,18 @@ def main(argv: list[str] | None = None) -> int:
     warm = next((s for s in stats_log if s["time"] - stats_log[0]["time"] > 30), stats_log[0])
     growth = {"rss_mb": (last["rss"] - warm["rss"]) / 2**20, "threads": last["threads"] - warm["threads"],
               "fds": last["fds"] - warm["fds"]}  # fmt: skip
-    out = {"minutes": args.minutes, "transport": args.transport, "events": events, "streams": rows, "order_errors": last["errors"],
-           "duplicate_steps_dropped": last["duplicate_steps"], "growth_after_warmup": growth, "ok": ok}  # fmt: skip
+    # Resource samples through the run (every ~minute), to show they stay flat.
+    samples = [s for i, s in enumerate(stats_log) if i % 30 == 0] + [last]
+    trend = [{"t": round(s["time"] - stats_log[0]["time"]), "rss_mb": round(s["rss"] / 2**20, 1),
+              "threads": s["threads"], "fds": s["fds"]} for s in samples]  # fmt: skip
+    out = {"minutes": args.minutes, "transport": args.transport, "resources": trend, "events": events,
+           "streams": rows, "order_errors": last["errors"], "duplicate_steps_dropped": last["duplicate_steps"],
+           "growth_after_warmup": growth, "ok": ok}  # fmt: skip
     for r in rows:
         print(f"[soak] {r['stream']:>5}: put {r['put']:>9,}  delivered {r['delivered']:>9,}  reported lost "
               f"{r['reported_lost']:>5}  lost in kill {r['lost_in_kill']:>5}  {'ok' if r['balanced'] else 'UNBALANCED'}")
+    points = (f"{r['t']}s {r['rss_mb']} MiB {r['threads']}t {r['fds']}fd" for r in trend)
+    print("[soak] resources over time: " + ", ".join(points))
     print(f"[soak] order errors: {len(last['errors'])}; duplicates dropped by the learner: {last['duplicate_steps']}; "
           f"growth after warm-up: {growth}; {'OK' if ok else 'FAILED'}")  # fmt: skip
     if args.json:

@@ -335,6 +335,9 @@ def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return
             with Actor(learner.address, transport="ucx", actor_id=2) as first:
                 first.put_many({"x": np.zeros((2, 1 << 17), np.int64)})
             dataset.fetch(timeout=30)
+        from multiprocessing import resource_tracker
+
+        resource_tracker.ensure_running()  # spawn starts it once per process: not the learner's fd
         fds = open_fds()
         victim = SPAWN.Process(target=big_frame_actor, args=(learner.address, 1, transport))
         victim.start()
@@ -346,6 +349,7 @@ def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return
             seen += 2
         os.kill(victim.pid, signal.SIGKILL)
         victim.join(10)
+        victim.close()  # its pipes are this test's, not the learner's: leave them out of the count
         wait_for(lambda: learner.stats()["lost_actors"] == 1, 15, "the learner did not report the lost actor")
         lost = next(e for e in learner.stats()["ended_actors"] if e["actor_id"] == 1)
         assert lost["state"] == "lost" and lost["error"]

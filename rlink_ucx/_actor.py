@@ -113,7 +113,6 @@ class Actor:
         self.transport: str = self._conn.welcome.transport
         self.transport_reason: str = self._conn.welcome.reason
         self._policy_version = self._conn.welcome.version
-        self._direct = bool(getattr(self._conn.sender, "any_thread", False))  # send on the caller's thread?
         self._io.soon(self._linger_tick)
         if subscribe:
             self._subscribe()
@@ -254,7 +253,7 @@ class Actor:
             frame = BorrowedFrame(arrays, count, self._next_seq, v)
             self._next_seq += count
             with conn.changed:
-                direct = conn.outstanding == 0 and self._direct
+                direct = conn.outstanding == 0 and self._direct()
         try:
             if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
                 conn.send_direct(frame, deadline)
@@ -340,7 +339,7 @@ class Actor:
         it to the I/O thread."""
         conn = self._conn
         with conn.changed:
-            idle = conn.outstanding == 0 and self._direct
+            idle = conn.outstanding == 0 and self._direct()
         if idle and conn.take_all_credit(fb.n):
             with conn.send_lock:
                 if conn.resend:  # kept until acknowledged; if the send fails, resent after reconnecting
@@ -382,10 +381,21 @@ class Actor:
                 conn.changed.wait(min(left, 0.5))
             return conn.free.pop()
 
+    def _direct(self) -> bool:
+        """May the caller's thread send itself? Only on a transport that allows any thread (tcp);
+        asked per send, because a reconnect may land on another transport."""
+        return bool(getattr(self._conn.sender, "any_thread", False))
+
     def _submit_locked(self) -> None:
         fb, self._current = self._current, None
-        if fb is not None and fb.n:
+        if fb is None:
+            return
+        if fb.n:
             self._hand_off(fb)
+        else:  # an empty (reused) buffer goes back to the pool, or it would be lost for good
+            with self._conn.changed:
+                self._conn.free.append(fb)
+                self._conn.changed.notify_all()
 
     def _hand_off(self, frame: FrameBuffer | BorrowedFrame) -> None:
         with self._conn.changed:

@@ -433,11 +433,14 @@ class ActorConnection:
 
     def _send_part(self, frame: FrameBuffer | BorrowedFrame, k: int) -> None:
         """Send steps ``[sent, sent + k)`` of ``frame`` as one wire frame (send_lock held)."""
-        assert self.schema is not None and self.sender is not None
+        sender = self.sender  # read once: close() on another thread may clear it meanwhile
+        if sender is None:
+            raise PeerLost("the data connection is closed")
+        assert self.schema is not None
         step_bytes = self.schema.step_bytes
         header = FrameHeader(self.schema_id, k, self.actor_id or 0, self.incarnation, frame.seq + frame.sent,
                              frame.version, k * step_bytes).pack()  # fmt: skip
-        self.sender.send(header, frame.payload(frame.sent, frame.sent + k))
+        sender.send(header, frame.payload(frame.sent, frame.sent + k))
         frame.sent += k
         self.next_send_seq = frame.seq + frame.sent
         self.sent_steps += k

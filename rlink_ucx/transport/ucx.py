@@ -340,7 +340,7 @@ class UcxActorPlane:
         while not all(r.completed for r in requests):
             self.worker.progress()
             spins += 1
-            if spins > _SPINS_BEFORE_YIELD:
+            if spins > _SPINS_BEFORE_YIELD:  # a long send yields too: cheap when no one else waits
                 os.sched_yield()
             if spins % 256 == 0 and time.monotonic() > deadline:
                 raise PeerLost(f"ucx send did not complete within {self.config.frame_timeout}s")

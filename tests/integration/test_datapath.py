@@ -159,7 +159,7 @@ def test_put_takes_every_kind_of_value_and_a_bad_one_puts_nothing():
                 lambda i: {"done": i % 2 == 1, "r": i / 2, "obs": np.full(2, i, np.float32), "action": i},
             ]  # fmt: skip
             expected = [0]
-            for i in range(1, 41):
+            for i in range(1, 40):  # 40 steps in all, versions changing in the middle of frames
                 step = kinds[i % len(kinds)](i)
                 if i % len(kinds) == 1:
                     with pytest.raises(SchemaMismatch, match=r"'obs'.*float32\[2\].*float64\[2\]"):
@@ -169,7 +169,9 @@ def test_put_takes_every_kind_of_value_and_a_bad_one_puts_nothing():
                     actor.put({**step, "action": 1.5})  # a float for an int field
                 with pytest.raises(SchemaMismatch):
                     actor.put({**step, "obs": np.zeros(3, np.float32)})
-                actor.put(step)
+                with pytest.raises(OverflowError):
+                    actor.put({**step, "action": 2**70})  # fails halfway through the step's fields
+                actor.put(step, version=i // 7)
                 expected.append(i)
             actor.flush(10)
         seen = []
@@ -180,7 +182,8 @@ def test_put_takes_every_kind_of_value_and_a_bad_one_puts_nothing():
             assert b["obs"][:, 0].tolist() == b["action"].float().tolist()
             assert b["r"].tolist() == [a / 2 for a in b["action"].tolist()]
             assert b["done"].tolist() == [a % 2 == 1 for a in b["action"].tolist()]
-        assert seen == expected[:40]
+            assert b.version.tolist() == [a // 7 for a in b["action"].tolist()]
+        assert seen == expected
 
 
 def _raw_connect(address: str) -> socket.socket:
@@ -296,3 +299,18 @@ def test_frames_leave_in_order_when_linger_races_full_frames(transport):
         assert learner.stats()["lost_actors"] == 0
     assert seqs == list(range(total))
     assert [v for v in values if v >= 0] == list(range(n)) and values.count(-1) == n // 1000
+
+
+@pytest.mark.timeout(60)
+def test_full_frames_then_flush_never_run_out_of_frame_buffers_without_resending():
+    # resend off: a frame sent from the caller's thread is reused at once as the current frame,
+    # and a flush right after must give that empty buffer back (4 rounds used to exhaust them).
+    config = rlink_ucx.Config(resend_buffer_bytes=0, frame_bytes=10 * 8, put_timeout=3)
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=10)
+        with Actor(learner.address, transport="tcp", config=config) as actor:
+            for r in range(12):
+                for i in range(10):
+                    actor.put({"x": np.int64(r * 10 + i)})
+                actor.flush(10)
+                assert dataset.fetch(timeout=10)["x"].tolist() == list(range(r * 10, r * 10 + 10))

@@ -335,6 +335,7 @@ def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return
             with Actor(learner.address, transport="ucx", actor_id=2) as first:
                 first.put_many({"x": np.zeros((2, 1 << 17), np.int64)})
             dataset.fetch(timeout=30)
+            wait_for(lambda: learner.stats()["connected_actors"] == 0, 10, "the first actor's session did not end")
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()  # spawn starts it once per process: not the learner's fd

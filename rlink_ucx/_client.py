@@ -367,11 +367,14 @@ class ActorConnection:
         with self.credit_cv:
             self.credit = 0
         self._ready = self.loop.create_future()
+        if self._proposal is not None and not self._proposal.done():
+            self._proposal.set_exception(_ConnectionReplaced())  # propose() asks the new connection
+            self._proposal.exception()  # retrieved: a proposal nobody awaits any more stays quiet
         self._proposal = None
 
     async def _renegotiate(self) -> None:
         assert self.schema is not None
-        reply = await self.propose(self.schema)
+        reply = await self._propose_once(self.schema)
         if isinstance(reply, _wire.Reject):
             raise SchemaMismatch(f"after reconnecting, the learner rejected the schema: {reply.reason}")
         self.schema_id, self.max_frame_steps = reply.schema_id, reply.max_steps
@@ -412,9 +415,20 @@ class ActorConnection:
             frame.done.set()
 
     async def propose(self, schema: Schema) -> _wire.Accept | _wire.Reject:
+        """Propose the first schema. If the connection is replaced before the answer comes, the
+        proposal is made again on the new one (the caller's timeout bounds the whole wait)."""
+        while True:
+            while not self.connected and self.error is None:  # a reconnect is under way
+                await asyncio.sleep(0.02)
+            if self.error is not None:
+                raise self.error
+            try:
+                return await self._propose_once(schema)
+            except _ConnectionReplaced:
+                continue
+
+    async def _propose_once(self, schema: Schema) -> _wire.Accept | _wire.Reject:
         assert self.control is not None
-        if self.error is not None:
-            raise self.error
         self._proposal = self.loop.create_future()
         self.control.send(_wire.Propose(schema.to_wire()))
         return await self._proposal
@@ -553,6 +567,10 @@ class ActorConnection:
             self.sender = None
         if self.control is not None:
             self.control.close()
+
+
+class _ConnectionReplaced(Exception):
+    """The connection a proposal went out on was torn down before the answer came."""
 
 
 def _cuda_visible() -> bool:

@@ -579,3 +579,25 @@ def test_close_releases_sockets_and_threads_while_the_objects_are_still_referenc
     assert set(_listening_sockets()) == listening
     wait_for(lambda: threading.active_count() <= threads, 10, f"threads left: {threading.enumerate()}")
     assert actor.stats()["steps_put"] == 10
+
+
+@pytest.mark.timeout(60)
+def test_a_link_cut_during_the_first_schema_negotiation_is_ridden_out():
+    from tests.integration.faultproxy import FaultProxy
+
+    hb = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
+    with Learner("127.0.0.1:0", transport="tcp", config=Config(**hb)) as learner:
+        host, port = learner.address.rsplit(":", 1)
+        proxy = FaultProxy((host, int(port)))
+        dataset = RLinkDataset(learner, batch_size=1)
+        try:
+            config = Config(**hb, handshake_timeout=20, reconnect_timeout=30)
+            with Actor(proxy.address, transport="tcp", actor_id=4, config=config) as actor:
+                proxy.set("cut")  # the first put's proposal is swallowed, and so is the answer
+                threading.Timer(3.0, proxy.set, (None,)).start()
+                actor.put({"x": np.int64(42)})  # negotiates the schema: must survive the reconnect
+                actor.flush(20)
+                assert actor.stats()["reconnects"] >= 1
+            assert dataset.fetch(timeout=10)["x"].tolist() == [42]
+        finally:
+            proxy.close()

@@ -330,8 +330,7 @@ class Actor:
                     fresh.reset(self._next_seq, v)
                     self._current = fresh
                 else:
-                    with conn.changed:
-                        conn.free.append(fresh)
+                    conn.give_back(fresh)
 
     def _dispatch(self, fb: FrameBuffer, version: int) -> None:
         """Send a full frame. With nothing queued and credit at hand, send it on this thread
@@ -353,9 +352,7 @@ class Actor:
                     fb.reset(self._next_seq, version)
                     self._current = fb
                     return
-            with conn.changed:
-                conn.free.append(fb)
-                conn.changed.notify_all()
+            conn.give_back(fb)
             return
         with self._lock:
             self._hand_off(fb)
@@ -393,9 +390,7 @@ class Actor:
         if fb.n:
             self._hand_off(fb)
         else:  # an empty (reused) buffer goes back to the pool, or it would be lost for good
-            with self._conn.changed:
-                self._conn.free.append(fb)
-                self._conn.changed.notify_all()
+            self._conn.give_back(fb)
 
     def _hand_off(self, frame: FrameBuffer | BorrowedFrame) -> None:
         with self._conn.changed:

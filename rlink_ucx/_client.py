@@ -406,6 +406,12 @@ class ActorConnection:
             self.changed.notify_all()
         self._wake.set()
 
+    def give_back(self, fb: FrameBuffer) -> None:
+        """Return an unused frame buffer to the pool (any thread) and wake a put waiting for one."""
+        with self.changed:
+            self.free.append(fb)
+            self.changed.notify_all()
+
     def _finished(self, frame: FrameBuffer | BorrowedFrame) -> None:
         """A frame leaves the queue for good (changed lock held)."""
         self.outstanding -= 1

@@ -269,7 +269,7 @@ class LearnerServer:
         self._rotation = (self._rotation + 1) % len(active)
         now = time.monotonic()
         for session in active[self._rotation :] + active[: self._rotation]:
-            if session.revoking or (now - session.last_frame > 1.0 and session.credit >= ring.max_frame_steps):
+            if session.revoking or (session.idle(now) and session.credit >= ring.max_frame_steps):
                 continue  # idle, with a frame's worth: more would sit unused while others wait
             want = window - session.credit
             if want < threshold:

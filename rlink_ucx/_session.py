@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from .transport.base import FrameReceiver
 
 log = logging.getLogger(__name__)
+IDLE_SECONDS = 1.0  # an actor that sent no frame for this long is idle (its credit may be reclaimed)
 
 
 @dataclass
@@ -117,10 +118,14 @@ class LearnerSession:
             self.ring.revoke(steps)
         self.server.grant_credits()
 
+    def idle(self, now: float) -> bool:
+        """No frame for ``IDLE_SECONDS``: its credit is better spent on actors still sending."""
+        return now - self.last_frame > IDLE_SECONDS
+
     def revoke_idle_credit(self, now: float, keep: int) -> None:
         """Ask an actor that sent nothing for a while to give back its credit beyond ``keep``
         steps: held by an idle actor, it would starve the ones still sending."""
-        if self.revoking or self.state != "open" or now - self.last_frame < 1.0 or self.credit <= keep:
+        if self.revoking or self.state != "open" or not self.idle(now) or self.credit <= keep:
             return
         self.revoking = True
         self.control.send(_wire.Revoke(self.credit - keep))

@@ -268,7 +268,9 @@ class LearnerSession:
         """The receiver guarantees nothing more is written: a frame in progress is torn."""
         with self._lock:
             frame, self._frame = self._frame, None
-            self._scatter = None
+            # Drop the landing buffer (up to a frame's bytes) now: the session may sit in a
+            # reference cycle with its receiver until the garbage collector's next full pass.
+            self._scatter = self._landing = None
         if frame is not None and frame[1] is not None and self.ring is not None:
             self.ring.abandon(frame[1])
             self.stats.torn_frames += 1

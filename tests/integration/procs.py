@@ -208,14 +208,15 @@ def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: b
         results.put(a.stats())
 
 
-def big_frame_actor(address: str, actor: int, transport: str = "tcp") -> None:
-    """Send 1 MiB steps (each full of its seq) forever: killed mid-frame by the test."""
+def big_frame_actor(address: str, actor: int, transport: str = "tcp", elements: int = 1 << 17) -> None:
+    """Send steps of ``elements`` int64 (1 MiB; each full of its seq) forever: killed
+    mid-frame by the test."""
     from rlink_ucx import Actor
 
     with Actor(address, transport=transport, actor_id=actor) as a:
         seq = 0
         while True:
-            a.put({"x": np.full(1 << 17, seq, dtype=np.int64)})
+            a.put({"x": np.full(elements, seq, dtype=np.int64)})
             seq += 1
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import hmac
 import multiprocessing as mp
@@ -11,6 +12,7 @@ import resource
 import signal
 import socket
 import threading
+import tracemalloc
 import time
 
 import numpy as np
@@ -329,40 +331,68 @@ def _listening_sockets() -> dict[int, str]:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return(transport):
-    with Learner("127.0.0.1:0", transport=transport) as learner:
+    # An 8 MiB ring is wholly touched by the first two victims' steps: later growth is a leak.
+    config = Config(buffer_bytes=8 << 20, actor_window_bytes=4 << 20)
+    with Learner("127.0.0.1:0", transport=transport, config=config) as learner:
         dataset = RLinkDataset(learner, batch_size=2)
         if transport == "ucx":  # the learner's UCX worker starts with its first ucx actor: count it in
             with Actor(learner.address, transport="ucx", actor_id=2) as first:
-                first.put_many({"x": np.zeros((2, 1 << 17), np.int64)})
+                first.put_many({"x": np.zeros((2, 1 << 15), np.int64)})
             dataset.fetch(timeout=30)
             wait_for(lambda: learner.stats()["connected_actors"] == 0, 10, "the first actor's session did not end")
         from multiprocessing import resource_tracker
 
         resource_tracker.ensure_running()  # spawn starts it once per process: not the learner's fd
-        fds = open_fds()
-        victim = SPAWN.Process(target=big_frame_actor, args=(learner.address, 1, transport))
-        victim.start()
-        seen = 0
-        while seen < 20:
-            b = dataset.fetch(timeout=60)
-            for s, x in zip(b.seq.tolist(), b["x"]):
-                assert bool((x == s).all()), "a step was yielded with bytes from another step"
-            seen += 2
-        os.kill(victim.pid, signal.SIGKILL)
-        victim.join(10)
-        victim.close()  # its pipes are this test's, not the learner's: leave them out of the count
-        wait_for(lambda: learner.stats()["lost_actors"] == 1, 15, "the learner did not report the lost actor")
-        lost = next(e for e in learner.stats()["ended_actors"] if e["actor_id"] == 1)
-        assert lost["state"] == "lost" and lost["error"]
-        while True:  # what arrived complete is still delivered, intact; nothing torn
-            try:
-                b = dataset.fetch(timeout=1)
-            except Exception:  # noqa: BLE001 - TimeoutError: drained
-                break
-            for s, x in zip(b.seq.tolist(), b["x"]):
-                assert bool((x == s).all())
-        wait_for(lambda: open_fds() <= fds, 10, f"file descriptors leaked: {open_fds()} > {fds}")
+        fds, rss, heap = open_fds(), 0, 0
+        # What a dead session holds must go when it ends, not at the next full collection: the
+        # collector is off, and Python's own allocations (numpy included) are traced exactly.
+        gc.disable()
+        tracemalloc.start()
+        try:
+            for victim_id in (1, 3, 4, 5):  # the first two warm up the ring; the next two must cost nothing
+                _kill_a_big_frame_actor_mid_stream(learner, dataset, victim_id, transport)
+                wait_for(lambda: open_fds() <= fds, 10, f"file descriptors leaked: {open_fds()} > {fds}")
+                if victim_id == 3:
+                    rss, heap = rss_bytes(), tracemalloc.get_traced_memory()[0]
+            heap_growth = tracemalloc.get_traced_memory()[0] - heap
+            rss_growth = rss_bytes() - rss
+        finally:
+            tracemalloc.stop()
+            gc.enable()
+        # A session's 1 MiB landing buffer used to outlive it (2 MiB here). RSS is noisier (the
+        # ring's spare chunks; UCX keeps ~30 KiB per dead peer process, docs/reliability.md).
+        assert heap_growth < 256 << 10, f"the learner's heap grew by {heap_growth} bytes over two killed actors"
+        assert rss_growth < 8 << 20, f"learner memory grew by {rss_growth} bytes over two killed actors"
         assert learner.stats()["buffer"]["buffered_bytes"] <= 2 * (1 << 20)
+
+
+def _kill_a_big_frame_actor_mid_stream(learner: Learner, dataset: RLinkDataset, actor_id: int, transport: str) -> None:
+    """Stream 256 KiB steps from a fresh actor process, SIGKILL it mid-stream and drain: every
+    step yielded is intact, and the learner reports the actor lost."""
+    lost_before = learner.stats()["lost_actors"]
+    # Frames of four 256 KiB steps cross the dataset's two-step ring chunks: over ucx they land
+    # in the session's landing buffer first.
+    victim = SPAWN.Process(target=big_frame_actor, args=(learner.address, actor_id, transport, 1 << 15))
+    victim.start()
+    seen = 0
+    while seen < 20:
+        b = dataset.fetch(timeout=60)
+        for s, x in zip(b.seq.tolist(), b["x"]):
+            assert bool((x == s).all()), "a step was yielded with bytes from another step"
+        seen += len(b.seq)
+    os.kill(victim.pid, signal.SIGKILL)
+    victim.join(10)
+    victim.close()  # its pipes are this test's, not the learner's: leave them out of the count
+    wait_for(lambda: learner.stats()["lost_actors"] == lost_before + 1, 15, "the learner did not report the lost actor")
+    lost = next(e for e in learner.stats()["ended_actors"] if e["actor_id"] == actor_id)
+    assert lost["state"] == "lost" and lost["error"]
+    while True:  # what arrived complete is still delivered, intact; nothing torn
+        try:
+            b = dataset.fetch(timeout=1)
+        except Exception:  # noqa: BLE001 - TimeoutError: drained
+            break
+        for s, x in zip(b.seq.tolist(), b["x"]):
+            assert bool((x == s).all())
 
 
 @pytest.mark.timeout(120)

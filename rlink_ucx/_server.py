@@ -57,6 +57,7 @@ class LearnerServer:
         self._listener: socket.socket | None = None
         self._connections = 0
         self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
+        self._ucx_starting: asyncio.Future[Any] | None = None
         self.learner_ucx = ucx_available() and transport != "tcp"
         self.publisher = Publisher(self)
         self.staleness: dict[int, int] = {}  # staleness at fetch -> steps (see RLinkDataset)
@@ -85,6 +86,11 @@ class LearnerServer:
             self._listener.close()
         for task in list(self._tasks):
             task.cancel()
+        if self._ucx_starting is not None and self.ucx is None:
+            try:  # a plane still starting is closed once it is up, or its thread would linger
+                self.ucx = await self._ucx_starting
+            except Exception:  # noqa: BLE001 - it failed to start: nothing to close
+                pass
         if self.ucx is not None:
             await self.ucx.close()
         if self.ring is not None:
@@ -168,10 +174,15 @@ class LearnerServer:
         hello = await conn.recv(self.config.max_control_bytes)
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
+        if self.ucx is None and self._choose(hello)[0] == "ucx":
+            await self._start_ucx_plane()
         return self._open_session(conn, hello)
 
+    def _choose(self, hello: _wire.Hello) -> tuple[str, str]:
+        return choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx)
+
     def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
-        transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx)
+        transport, reason = self._choose(hello)
         if not transport:
             raise ProtocolError(f"no common data plane: {reason}")
         if hello.actor_id is not None:
@@ -192,9 +203,7 @@ class LearnerServer:
         else:
             in_use = {s.actor_id for s in self.sessions.values()}
             actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
-        ucx_address = None
-        if transport == "ucx":
-            ucx_address = self._ucx_plane().address
+        ucx_address = self.ucx.address if transport == "ucx" else None
         session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
                                  secrets.token_bytes(32))  # fmt: skip
         resume = self.resume.pop((actor_id, hello.incarnation), None)
@@ -224,12 +233,23 @@ class LearnerServer:
         session.control.send(_wire.Ready("tcp"))
         self.grant_credits()
 
-    def _ucx_plane(self) -> Any:
-        if self.ucx is None:
+    async def _start_ucx_plane(self) -> None:
+        """Start the UCX plane off the event loop: its worker takes a good part of a second to
+        come up, and the heartbeats and credits of running sessions must not wait for it."""
+        if self._ucx_starting is None:
             from .transport.ucx import UcxLearnerPlane
 
-            self.ucx = UcxLearnerPlane(self.loop, self.config, loopback=_auth.is_loopback(self.host))
-        return self.ucx
+            loopback = _auth.is_loopback(self.host)
+            self._ucx_starting = self.loop.run_in_executor(None, UcxLearnerPlane, self.loop, self.config, loopback)
+        starting = self._ucx_starting
+        try:
+            self.ucx = await asyncio.shield(starting)  # a cancelled handshake leaves it starting
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self._ucx_starting is starting:
+                self._ucx_starting = None  # the next ucx actor tries again
+            raise
 
     # --- schema and credit ----------------------------------------------------------------------
     def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]:

@@ -299,3 +299,48 @@ def netns_actor(address: str, token: str, n: int, result_path: str) -> None:
         stats = a.stats()
     with open(result_path, "w") as f:
         json.dump(stats, f)
+
+
+def small_actor(address: str, transport: str, actor: int, n: int) -> None:
+    """Put ``n`` small steps and flush them."""
+    from rlink_ucx import Actor
+
+    with Actor(address, transport=transport, actor_id=actor) as a:
+        a.put_many({"x": np.zeros((n, 8), np.float32)})
+        a.flush(30)
+
+
+def stall_watching_learner(results) -> None:
+    """A learner in a fresh process (ucxx not imported yet) that measures how long its event
+    loop stalls while the first ucx actor connects: the slowest ``stats()`` call (it is
+    answered on the loop), and whether ucxx got imported."""
+    import multiprocessing as mp
+    import sys
+    import threading
+
+    from rlink_ucx import Learner, RLinkDataset
+
+    with Learner("127.0.0.1:0") as learner:
+        dataset = RLinkDataset(learner, batch_size=4)
+        slowest, done = [0.0], threading.Event()
+
+        def poll() -> None:
+            while not done.is_set():
+                started = time.perf_counter()
+                learner.stats()
+                slowest[0] = max(slowest[0], time.perf_counter() - started)
+                time.sleep(0.005)
+
+        poller = threading.Thread(target=poll)
+        poller.start()
+        actor = mp.get_context("spawn").Process(target=small_actor, args=(learner.address, "ucx", 1, 4))
+        actor.start()
+        try:
+            dataset.fetch(timeout=60)
+            actor.join(30)
+        finally:
+            done.set()
+            poller.join()
+        stats = learner.stats()
+        sessions = stats["actors"] + stats["ended_actors"]
+        results.put((slowest[0], "ucxx" in sys.modules, [s["transport"] for s in sessions]))

@@ -19,8 +19,15 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded, _wire
-from tests.integration.procs import big_frame_actor, pressing_actor, proxied_actor, restartable_learner, steady_actor
-from tests.conftest import TRANSPORTS
+from tests.integration.procs import (
+    big_frame_actor,
+    pressing_actor,
+    proxied_actor,
+    restartable_learner,
+    stall_watching_learner,
+    steady_actor,
+)
+from tests.conftest import TRANSPORTS, ucx_importable
 from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")
@@ -631,3 +638,18 @@ def test_a_link_cut_during_the_first_schema_negotiation_is_ridden_out():
             assert dataset.fetch(timeout=10)["x"].tolist() == [42]
         finally:
             proxy.close()
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
+def test_the_first_ucx_actor_does_not_stall_the_learners_event_loop():
+    # Importing ucxx and starting the learner's UCX worker took ~0.45 s on the event loop, and
+    # every session's heartbeats and credits waited for it. The learner runs in a fresh process
+    # so that ucxx is not imported yet.
+    results = SPAWN.Queue()
+    learner = SPAWN.Process(target=stall_watching_learner, args=(results,))
+    learner.start()
+    slowest, imported, transports = results.get(timeout=90)
+    learner.join(30)
+    assert imported and transports == ["ucx"], (imported, transports)
+    assert slowest < 0.2, f"the learner's event loop stalled for {slowest:.3f}s"

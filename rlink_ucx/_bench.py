@@ -1,7 +1,8 @@
 """Actor -> learner throughput against a raw-socket baseline, measured in one run.
 
 Every row is measured at the receiver, in two processes (spawn), after skipping the first 5%
-of the messages or batches (the same share for every system):
+of the messages or batches (the same share for every system). The repetitions of the
+baseline and of the rlink planes alternate; each row is the median of its repetitions:
 
 - ``raw-socket``: ``sendall`` of each message / ``recv_into`` a preallocated buffer;
 - ``rlink-tcp`` / ``rlink-ucx``: ``Actor.put`` of one ``uint8[size]`` step per message ->
@@ -142,17 +143,20 @@ def main(argv: list[str] | None = None) -> int:
     for label in args.sizes.split(","):
         size = SIZES[label]
         count = TOTAL_BYTES[size] // size
-        base = median_of(lambda: raw_socket(size, count), args.reps)
-        rows.append({"workload": f"bytes-{label}", "system": "raw-socket", "unit": "GB/s",
-                     "median": base[0] / 1e9, "min": base[1] / 1e9, "max": base[2] / 1e9, "ratio": 1.0})
-        print(f"{'bytes-' + label:<22}{'raw-socket':<16}{base[0] / 1e9:>10.2f}GB{base[1] / 1e9:>10.2f}{base[2] / 1e9:>10.2f}{1.0:>9.2f}")
-        for transport in transports:
-            res = median_of(lambda: rlink(transport, "bytes", size, count, size), args.reps)
-            ratio = res[0] / base[0]
-            rows.append({"workload": f"bytes-{label}", "system": f"rlink-{transport}", "unit": "GB/s",
-                         "median": res[0] / 1e9, "min": res[1] / 1e9, "max": res[2] / 1e9, "ratio": ratio})
-            print(f"{'bytes-' + label:<22}{'rlink-' + transport:<16}{res[0] / 1e9:>10.2f}GB{res[1] / 1e9:>10.2f}{res[2] / 1e9:>10.2f}{ratio:>9.2f}")
-            sys.stdout.flush()
+        # Repetitions of the baseline and of each plane alternate, so a slow spell of this
+        # (shared, noisy) machine hits them alike instead of one system's whole series.
+        runs: dict[str, list[float]] = {"raw-socket": [], **{f"rlink-{t}": [] for t in transports}}
+        for _ in range(args.reps):
+            runs["raw-socket"].append(raw_socket(size, count))
+            for transport in transports:
+                runs[f"rlink-{transport}"].append(rlink(transport, "bytes", size, count, size))
+        base = statistics.median(runs["raw-socket"])
+        for system, values in runs.items():
+            med, ratio = statistics.median(values), statistics.median(values) / base
+            rows.append({"workload": f"bytes-{label}", "system": system, "unit": "GB/s",
+                         "median": med / 1e9, "min": min(values) / 1e9, "max": max(values) / 1e9, "ratio": ratio})
+            print(f"{'bytes-' + label:<22}{system:<16}{med / 1e9:>10.2f}GB{min(values) / 1e9:>10.2f}{max(values) / 1e9:>10.2f}{ratio:>9.2f}")
+        sys.stdout.flush()
     for kind in ("cartpole-put", "cartpole-put_many"):
         for transport in transports:
             res = median_of(lambda: rlink(transport, kind, 0, args.steps, 29), args.reps)

@@ -209,8 +209,8 @@ def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: b
 
 
 def big_frame_actor(address: str, actor: int, transport: str = "tcp", elements: int = 1 << 17) -> None:
-    """Send steps of ``elements`` int64 (1 MiB; each full of its seq) forever: killed
-    mid-frame by the test."""
+    """Send steps of ``elements`` int64 (1 MiB by default), each full of its seq, forever:
+    killed mid-frame by the test."""
     from rlink_ucx import Actor
 
     with Actor(address, transport=transport, actor_id=actor) as a:

@@ -12,8 +12,8 @@ import resource
 import signal
 import socket
 import threading
-import tracemalloc
 import time
+import tracemalloc
 
 import numpy as np
 import pytest

@@ -19,7 +19,7 @@ KiB = 1024
 MiB = 1024 * KiB
 
 
-_MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts"}  # 0 switches the feature off
+_MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after"}  # 0 switches the feature off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +73,10 @@ class Config:
 
     # --- transport ------------------------------------------------------------------------
     ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
+    # The learner's UCX worker keeps the shared memory of every actor process it talked to
+    # (docs/reliability.md). After this many ucx sessions have ended it starts a fresh worker
+    # and moves the live ucx actors to it (they reconnect once, losing nothing); 0: never.
+    ucx_recycle_after: int = 256
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

@@ -203,7 +203,8 @@ class LearnerServer:
         else:
             in_use = {s.actor_id for s in self.sessions.values()}
             actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
-        ucx_address = self.ucx.address if transport == "ucx" else None
+        ucx_worker = self.ucx.current if transport == "ucx" else None  # read once: it may be recycled
+        ucx_address = ucx_worker.address if ucx_worker is not None else None
         session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
                                  secrets.token_bytes(32))  # fmt: skip
         resume = self.resume.pop((actor_id, hello.incarnation), None)
@@ -216,8 +217,8 @@ class LearnerServer:
             -1 if resume is None else resume,
         ))  # fmt: skip
         log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
-        if transport == "ucx":
-            self.ucx.attach(session)
+        if ucx_worker is not None:
+            self.ucx.attach(session, ucx_worker)
         return session
 
     def _attach_tcp(self, conn: ControlConnection, msg: _wire.Attach, nonce: bytes) -> None:
@@ -351,6 +352,7 @@ class LearnerServer:
             "lost_actors": sum(1 for a in self.ended if a["state"] == "lost"),
             "rejected_connections": self.rejected_connections,
             "auth_failures": self.auth_failures,
+            "ucx_workers_recycled": self.ucx.recycled if self.ucx is not None else 0,
             "buffer": {
                 "capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
                 "buffered_bytes": ring.buffered_bytes if ring else 0,

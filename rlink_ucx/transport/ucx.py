@@ -6,7 +6,9 @@ costs ~10 us and beats a raw socket. So:
 
 - the learner owns one UCX worker driven by :class:`UcxLearnerPlane`'s thread, which keeps a
   header receive posted per actor and, once a header is validated, posts one receive per field
-  straight into the ring (no copy);
+  straight into the ring (no copy). A worker keeps the shared memory of every actor process it
+  talked to, dead or not, so after ``Config.ucx_recycle_after`` ended sessions the thread
+  starts a fresh worker and moves the live actors to it (they reconnect once);
 - each actor owns a worker with one endpoint to the learner's worker address (exchanged over
   the authenticated control channel) and sends ``header, field_0, field_1, ...`` with one tag.
 
@@ -39,6 +41,7 @@ log = logging.getLogger(__name__)
 
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
+_RECYCLED = "the learner started a fresh UCX worker; reconnect to it"
 # Progress calls that found nothing before a busy-polling thread yields its core on every
 # further call: with more processes than cores (4 actors and a learner on 2 cores) pure
 # spinning starves the very peer it waits for.
@@ -81,12 +84,29 @@ def make_worker(config: Config, loopback: bool = False) -> tuple[Any, Any, Any]:
     return u, context, u.UCXWorker(context)
 
 
+class _Generation:
+    """One UCX worker of the learner plane. A worker keeps the shared memory of every peer
+    process it has talked to, dead or alive, for as long as it lives; so after enough ended
+    sessions the plane starts a new generation and retires this one once its sessions are gone."""
+
+    def __init__(self, config: Config, loopback: bool):
+        self.u, self.context, self.worker = make_worker(config, loopback)
+        self.address = bytes(self.worker.address.tobytes())
+        self.worker.init_blocking_progress_mode()  # the plane sleeps in its epoll when idle
+        self.ended = 0  # sessions of this worker that have ended
+
+    def release(self) -> None:
+        """Destroy the worker (on the progress thread, which made it): its mappings go with it."""
+        self.worker = self.context = None
+
+
 class _Receive:
     """One actor's receive state, touched only by the progress thread."""
 
-    def __init__(self, session: LearnerSession, tag: int):
+    def __init__(self, session: LearnerSession, tag: int, generation: _Generation):
         self.session = session
         self.tag = tag
+        self.generation = generation  # the worker whose address the actor was sent
         # Receives are posted through an endpoint of their own (to our own worker): matching is
         # still by tag alone, but closing the endpoint cancels exactly this session's receives.
         self.endpoint: Any = None
@@ -127,7 +147,9 @@ class UcxLearnerPlane:
         self.loop = loop
         self.config = config
         self.loopback = loopback
-        self.address = b""
+        self.current: _Generation
+        self._retiring: list[_Generation] = []  # older workers, until their sessions are gone
+        self.recycled = 0
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._receives: list[_Receive] = []
         self._stuck: list[_Receive] = []  # receives UCX would not give back (kept alive)
@@ -142,8 +164,10 @@ class UcxLearnerPlane:
             raise PeerLost(f"the learner's UCX worker did not start: {self._start_error}")
 
     # --- called from the loop thread ----------------------------------------------------------
-    def attach(self, session: LearnerSession) -> None:
-        state = _Receive(session, session_tag(session.ticket) << 32)
+    def attach(self, session: LearnerSession, generation: _Generation) -> None:
+        """Receive ``session``'s frames on ``generation``, the worker whose address its actor
+        was sent (read from ``current`` when the session was opened)."""
+        state = _Receive(session, session_tag(session.ticket) << 32, generation)
         session.receiver = receiver = UcxReceiver(self, state)
         receiver.start()
         session.control.send(_ready("ucx"))
@@ -158,9 +182,7 @@ class UcxLearnerPlane:
     # --- the progress thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.u, self._context, self.worker = make_worker(self.config, self.loopback)
-            self.address = bytes(self.worker.address.tobytes())
-            self.worker.init_blocking_progress_mode()
+            self.current = _Generation(self.config, self.loopback)
         except BaseException as exc:  # reported by __init__ in the caller's thread
             self._start_error = exc
             self._started.set()
@@ -182,17 +204,21 @@ class UcxLearnerPlane:
                     self._calls.get_nowait()()
             except queue.Empty:
                 pass
-            self.worker.progress()
+            self.current.worker.progress()
+            for generation in self._retiring:
+                generation.worker.progress()
             if self._poll():
                 idle = 0
             else:
                 idle += 1
                 if idle > _SPINS_BEFORE_YIELD:
                     os.sched_yield()  # busy-poll politely: actors on this host need the core too
-                if idle > self._IDLE_SPINS:
+                if idle > self._IDLE_SPINS and not self._retiring:
                     # Nothing moved for a while: sleep in epoll until UCX has an event (or
                     # 2 ms pass, so queued calls are still picked up promptly).
-                    self.worker.progress_worker_event(2)
+                    self.current.worker.progress_worker_event(2)
+            if self._retiring:
+                self._release_retired()
         self._shutdown()
 
     def _poll(self) -> bool:
@@ -223,8 +249,12 @@ class UcxLearnerPlane:
         if state.dead:
             return
         if state.endpoint is None:
-            own = self.u.UCXAddress.create_from_buffer(self.address)
-            state.endpoint = self.u.UCXEndpoint.create_from_worker_address(self.worker, own, False)
+            generation = state.generation
+            if generation is not self.current:  # opened just as its worker was retired
+                self._failed(state, PeerLost(_RECYCLED))
+                return
+            own = self.u.UCXAddress.create_from_buffer(generation.address)
+            state.endpoint = self.u.UCXEndpoint.create_from_worker_address(generation.worker, own, False)
             self._receives.append(state)
         self._recv(state, state.header, HEADER_KIND)
 
@@ -266,7 +296,7 @@ class UcxLearnerPlane:
                 log.debug("closing a session's ucx endpoint failed", exc_info=True)
             deadline = time.monotonic() + self.config.frame_timeout
             while any(not r.completed for r, _, _ in state.requests):
-                self.worker.progress()
+                state.generation.worker.progress()
                 if time.monotonic() > deadline:
                     # Keep the buffers referenced (never freed under UCX) and the segment reserved.
                     log.error("ucx receives of actor %s did not cancel; its frame stays reserved",
@@ -282,14 +312,44 @@ class UcxLearnerPlane:
         if state in self._receives:
             self._receives.remove(state)
         state.session.abandon()
+        state.generation.ended += 1
+        if state.generation is self.current and self.config.ucx_recycle_after and not self._stop \
+                and self.current.ended >= self.config.ucx_recycle_after:  # fmt: skip
+            self._recycle()
+
+    def _recycle(self) -> None:
+        """Start a new worker for new sessions and move the live ones to it: their sessions
+        end here, and their actors reconnect (resending what was not acknowledged)."""
+        try:
+            fresh = _Generation(self.config, self.loopback)
+        except Exception:  # noqa: BLE001 - keep serving on the old worker; try again later
+            log.warning("could not start a fresh UCX worker; keeping the current one", exc_info=True)
+            self.current.ended = 0
+            return
+        old, self.current = self.current, fresh
+        self._retiring.append(old)
+        self.recycled += 1
+        moving = [s for s in self._receives if s.generation is old]
+        log.info("recycling the learner's UCX worker after %d ended sessions; %d live ucx actors reconnect",
+                 old.ended, len(moving))
+        for state in moving:
+            self._failed(state, PeerLost(_RECYCLED))
+
+    def _release_retired(self) -> None:
+        in_use = {id(s.generation) for s in (*self._receives, *self._stuck)}
+        for generation in [g for g in self._retiring if id(g) not in in_use]:
+            self._retiring.remove(generation)
+            generation.release()
 
     def _shutdown(self) -> None:
         for state in list(self._receives):
             self._drop(state)
         if not self._stuck:
-            # Release the worker here, on the thread that made it, rather than whenever the
-            # Learner object is collected: its TCP listener and shared-memory segments go with it.
-            self.worker = self._context = None
+            # Release the workers here, on the thread that made them, rather than whenever the
+            # Learner object is collected: their TCP listeners and shared memory go with them.
+            for generation in (self.current, *self._retiring):
+                generation.release()
+            self._retiring.clear()
 
 
 def _ready(transport: str) -> Any:

@@ -344,3 +344,13 @@ def stall_watching_learner(results) -> None:
         stats = learner.stats()
         sessions = stats["actors"] + stats["ended_actors"]
         results.put((slowest[0], "ucxx" in sys.modules, [s["transport"] for s in sessions]))
+
+
+def seq_flood_actor(address: str, actor: int, transport: str = "tcp") -> None:
+    """Put x = seq in chunks of 512 KiB, forever (frames large enough for UCX's rendezvous
+    path, which maps the actor's shared memory in the learner): killed by the test."""
+    from rlink_ucx import Actor
+
+    with Actor(address, transport=transport, actor_id=actor) as a:
+        for start in range(0, 1 << 62, 1 << 16):
+            a.put_many({"x": np.arange(start, start + (1 << 16), dtype=np.int64)})

@@ -24,6 +24,7 @@ from tests.integration.procs import (
     pressing_actor,
     proxied_actor,
     restartable_learner,
+    seq_flood_actor,
     stall_watching_learner,
     steady_actor,
 )
@@ -653,3 +654,61 @@ def test_the_first_ucx_actor_does_not_stall_the_learners_event_loop():
     learner.join(30)
     assert imported and transports == ["ucx"], (imported, transports)
     assert slowest < 0.2, f"the learner's event loop stalled for {slowest:.3f}s"
+
+
+def _ucx_mappings() -> int:
+    """UCX's shared-memory mappings in this process (its own and its peers')."""
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if "ucx" in line or "SYSV" in line)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
+def test_the_learner_recycles_its_ucx_worker_and_a_live_actor_moves_without_loss():
+    # A UCX worker keeps two mappings per actor process it talked to, dead or not
+    # (docs/reliability.md). After ucx_recycle_after ended sessions the learner starts a
+    # fresh worker: the stale mappings go with the old one, and the live actor reconnects.
+    n, chunk = 60000, 20  # ~15 s of steps: the actor is still streaming when the worker is recycled
+    with Learner("127.0.0.1:0", transport="ucx", config=Config(ucx_recycle_after=3)) as learner:
+        dataset = RLinkDataset(learner, batch_size=4096)
+        tail = RLinkDataset(learner, batch_size=1)  # the last steps, whatever the batches left
+        results, steady_seqs = SPAWN.Queue(), []
+
+        def drain(seconds: float, source: RLinkDataset = dataset) -> None:
+            end = time.monotonic() + seconds
+            while time.monotonic() < end:
+                try:
+                    b = source.fetch(timeout=0.5)
+                except Exception:  # noqa: BLE001 - TimeoutError: nothing ready yet
+                    continue
+                for a, s, x in zip(b.actor_id.tolist(), b.seq.tolist(), b["x"].tolist()):
+                    assert s == x, f"actor {a}: step {s} carries {x}"
+                    if a == 1:
+                        steady_seqs.append(s)
+
+        steady = SPAWN.Process(target=steady_actor, args=(learner.address, 1, n, chunk, results, False, "ucx"))
+        steady.start()
+        while len(steady_seqs) < 400:
+            drain(0.5)
+        baseline = _ucx_mappings()
+        for victim_id in (2, 3, 4):  # each ends a session on the first worker: the third recycles it
+            victim = SPAWN.Process(target=seq_flood_actor, args=(learner.address, victim_id, "ucx"))
+            victim.start()
+            wait_for(lambda: any(a["actor_id"] == victim_id for a in learner.stats()["actors"]), 30, "victim did not connect")
+            drain(1.0)
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.join(10)
+            victim.close()
+            drain(0.5)
+        wait_for(lambda: learner.stats()["ucx_workers_recycled"] == 1, 15, "the UCX worker was not recycled")
+        deadline = time.monotonic() + 20
+        while _ucx_mappings() > baseline + 2:  # the old worker goes once the live actor has moved
+            assert time.monotonic() < deadline, f"UCX mappings {_ucx_mappings()}, {baseline} before three dead actors"
+            drain(0.2)
+        while steady.is_alive() or len(steady_seqs) < n:
+            assert time.monotonic() < deadline + 60, f"the live actor's steps stopped at {len(steady_seqs)} of {n}"
+            drain(0.2, dataset if steady.is_alive() else tail)
+        stats = results.get(timeout=30)
+        steady.join(30)
+    assert is_run(steady_seqs, 0, n), "the live actor's steps were not each delivered once, in order"
+    assert stats["reconnects"] >= 1 and stats["steps_lost"] == 0, stats

@@ -55,11 +55,13 @@ def learner_main(port: int, reports, drain, transport: str) -> None:
                     rss = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
                 with open("/proc/self/status") as f:  # shared memory: UCX's segments, mostly
                     shm = next(int(line.split()[1]) << 10 for line in f if line.startswith("RssShmem:"))
-                t = learner.stats()["total"]
+                snapshot = learner.stats()
+                t = snapshot["total"]
                 reports.put(("stats", {"delivered": {f"{a}/{i}": n for (a, i), n in expected.items()}, "errors": errors,
                                        "rss": rss, "shm": shm, "threads": len(os.listdir("/proc/self/task")),
                                        "fds": len(os.listdir("/proc/self/fd")), "duplicate_steps": t["duplicate_steps"],
-                                       "lost_steps": t["lost_steps"], "time": time.monotonic()}))  # fmt: skip
+                                       "lost_steps": t["lost_steps"], "recycled": snapshot["ucx_workers_recycled"],
+                                       "time": time.monotonic()}))  # fmt: skip
 
 
 def actor_main(address: str, actor: int, incarnation: int, put_count, stop, results, transport: str) -> None:
@@ -190,13 +192,14 @@ def main(argv: list[str] | None = None) -> int:
               "shm_mb": round(s["shm"] / 2**20, 1), "threads": s["threads"], "fds": s["fds"]} for s in samples]  # fmt: skip
     out = {"minutes": args.minutes, "transport": args.transport, "resources": trend, "events": events,
            "streams": rows, "order_errors": last["errors"], "duplicate_steps_dropped": last["duplicate_steps"],
-           "growth_after_warmup": growth, "ok": ok}  # fmt: skip
+           "growth_after_warmup": growth, "ucx_workers_recycled": last["recycled"], "ok": ok}  # fmt: skip
     for r in rows:
         print(f"[soak] {r['stream']:>5}: put {r['put']:>9,}  delivered {r['delivered']:>9,}  reported lost "
               f"{r['reported_lost']:>5}  lost in kill {r['lost_in_kill']:>5}  {'ok' if r['balanced'] else 'UNBALANCED'}")
     points = (f"{r['t']}s {r['rss_mb']} MiB (shm {r['shm_mb']}) {r['threads']}t {r['fds']}fd" for r in trend)
     print("[soak] resources over time: " + ", ".join(points))
     print(f"[soak] order errors: {len(last['errors'])}; duplicates dropped by the learner: {last['duplicate_steps']}; "
+          f"UCX workers recycled: {last['recycled']}; "
           f"growth after warm-up: {growth}; {'OK' if ok else 'FAILED'}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:

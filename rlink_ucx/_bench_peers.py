@@ -489,10 +489,10 @@ UCX_TAG = 0x5EED << 32
 def _ucx_worker() -> tuple[Any, Any, Any, Any]:
     """A worker made exactly like rlink's ucx plane makes its own (same UCX options)."""
     from ._config import Config
-    from .transport.ucx import _libucxx, make_worker
+    from .transport.ucx import load_ucxx, make_worker
 
     u, context, worker = make_worker(Config.from_env())
-    return u, _libucxx()[1], context, worker
+    return u, load_ucxx()[1], context, worker
 
 
 def _ucx_wait(worker: Any, requests: list[Any], timeout: float) -> None:

@@ -59,6 +59,13 @@ class LearnerServer:
         self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
         self._ucx_starting: asyncio.Future[Any] | None = None
         self.learner_ucx = ucx_available() and transport != "tcp"
+        if self.learner_ucx:
+            # Load ucxx now, before any session runs: loading its libraries holds the GIL (a
+            # cold first import took 0.4 s in CI), which would stall every session's heartbeats
+            # and credits if the first ucx actor set it off.
+            from .transport.ucx import load_ucxx
+
+            load_ucxx()
         self.publisher = Publisher(self)
         self.staleness: dict[int, int] = {}  # staleness at fetch -> steps (see RLinkDataset)
 

@@ -64,7 +64,8 @@ def ucx_options(config: Config, loopback: bool = False) -> dict[str, str]:
     return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
 
 
-def _libucxx() -> tuple[Any, Any]:
+def load_ucxx() -> tuple[Any, Any]:
+    """Import ucxx's low-level module and its Array (slow the first time: it loads UCX)."""
     try:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         import ucxx._lib.libucxx as libucxx
@@ -79,7 +80,7 @@ def session_tag(ticket: bytes) -> int:
 
 
 def make_worker(config: Config, loopback: bool = False) -> tuple[Any, Any, Any]:
-    u, _ = _libucxx()
+    u, _ = load_ucxx()
     context = u.UCXContext(ucx_options(config, loopback), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
     return u, context, u.UCXWorker(context)
 
@@ -143,7 +144,7 @@ class UcxLearnerPlane:
     _IDLE_SPINS = 2000  # progress calls without completions before sleeping in epoll
 
     def __init__(self, loop: asyncio.AbstractEventLoop, config: Config, loopback: bool = False):
-        self.u, self.Array = _libucxx()
+        self.u, self.Array = load_ucxx()
         self.loop = loop
         self.config = config
         self.loopback = loopback
@@ -368,7 +369,7 @@ class UcxActorPlane:
 
     def __init__(self, u: Any, context: Any, worker: Any, endpoint: Any, tag: int, loop: asyncio.AbstractEventLoop,
                  config: Config):  # fmt: skip
-        _, self.Array = _libucxx()
+        _, self.Array = load_ucxx()
         self.u, self._context, self.worker, self.endpoint = u, context, worker, endpoint
         self.tag = tag
         self.loop = loop

@@ -645,8 +645,9 @@ def test_a_link_cut_during_the_first_schema_negotiation_is_ridden_out():
 @pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
 def test_the_first_ucx_actor_does_not_stall_the_learners_event_loop():
     # Importing ucxx and starting the learner's UCX worker took ~0.45 s on the event loop, and
-    # every session's heartbeats and credits waited for it. The learner runs in a fresh process
-    # so that ucxx is not imported yet.
+    # every session's heartbeats and credits waited for it. Loading ucxx holds the GIL (0.41 s
+    # with a cold page cache, as in CI), so it now happens when the Learner is made, and the
+    # worker starts in an executor. The learner runs in a fresh process: ucxx not yet imported.
     results = SPAWN.Queue()
     learner = SPAWN.Process(target=stall_watching_learner, args=(results,))
     learner.start()

@@ -363,6 +363,7 @@ class LearnerServer:
             "buffer": {
                 "capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
                 "buffered_bytes": ring.buffered_bytes if ring else 0,
+                "peak_buffered_bytes": ring.stats.peak_used * ring.step_bytes if ring else 0,
                 "ready_steps": ring.ready_steps() if ring else 0,
                 "steps_in": ring.stats.steps_in if ring else 0,
                 "steps_out": ring.stats.steps_out if ring else 0,

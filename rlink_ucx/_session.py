@@ -14,6 +14,7 @@ from ._errors import PeerLost, ProtocolError, SchemaMismatch
 from ._io import ControlConnection
 from ._store import Segment, StepRing
 from ._wire import FrameHeader
+from .transport.base import DataPlaneRetired
 
 if TYPE_CHECKING:
     from ._server import LearnerServer
@@ -284,6 +285,9 @@ class LearnerSession:
             # this was a goodbye or a crash.
             log.debug("actor %s closed its data plane", self.actor_id)
             return
+        if isinstance(exc, DataPlaneRetired):
+            self.close(str(exc), lost=False, moved=True)
+            return
         if isinstance(exc, ProtocolError):
             self.stats.protocol_errors += 1
             log.warning("actor %s: protocol error on the data plane: %s", self.actor_id, exc)
@@ -293,11 +297,13 @@ class LearnerSession:
             self.close(f"data connection lost: {exc}", lost=True)
 
     # --- lifecycle --------------------------------------------------------------------------------
-    def close(self, reason: str, *, lost: bool) -> None:
+    def close(self, reason: str, *, lost: bool, moved: bool = False) -> None:
+        """End the session: ``lost`` (a fault, reported as PeerLost), ``moved`` (the actor was
+        asked to reconnect elsewhere), or else closed (a goodbye, or the learner closing)."""
         if self.state != "open":
             return
         with self._lock:  # after this, no frame commits: next_seq is where a reconnect resumes
-            self.state = "lost" if lost else "closed"
+            self.state = "lost" if lost else "moved" if moved else "closed"
             credit, self.credit = self.credit, 0
         self.error = reason if lost else None
         if self.ring is not None and credit:

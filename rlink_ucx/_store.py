@@ -76,6 +76,7 @@ class RingStats:
     bytes_in: int = 0
     wait_seconds: float = 0.0
     stale_dropped: int = 0  # steps dropped for being older than min_version
+    peak_used: int = 0  # most steps ever held at once: how close the learner came to its cap
 
 
 class StepRing:
@@ -156,6 +157,7 @@ class StepRing:
             self._segments.append(seg)
             self._head = (self._head + n) % self.capacity
             self._used += n
+            self.stats.peak_used = max(self.stats.peak_used, self._used)
             self._granted = max(0, self._granted - n)
             return seg
 

@@ -9,6 +9,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from .._errors import PeerLost
+
+
+class DataPlaneRetired(PeerLost):
+    """The learner retired the data plane a session used (not a fault): the actor reconnects to
+    the new one. The session ends as ``"moved"``, not ``"lost"``."""
+
 
 class FrameSink(Protocol):
     """Learner-side consumer of one peer's frames (implemented by the session)."""

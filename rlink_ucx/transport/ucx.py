@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 from .._errors import PeerLost, ProtocolError
 from .._wire import FRAME_HEADER_BYTES
+from .base import DataPlaneRetired
 
 if TYPE_CHECKING:
     from .._config import Config
@@ -252,7 +253,7 @@ class UcxLearnerPlane:
         if state.endpoint is None:
             generation = state.generation
             if generation is not self.current:  # opened just as its worker was retired
-                self._failed(state, PeerLost(_RECYCLED))
+                self._failed(state, DataPlaneRetired(_RECYCLED))
                 return
             own = self.u.UCXAddress.create_from_buffer(generation.address)
             state.endpoint = self.u.UCXEndpoint.create_from_worker_address(generation.worker, own, False)
@@ -282,7 +283,7 @@ class UcxLearnerPlane:
         first = not state.dead
         self._drop(state)
         if first:
-            err = exc if isinstance(exc, ProtocolError) else PeerLost(f"ucx receive failed: {exc!r}")
+            err = exc if isinstance(exc, (ProtocolError, DataPlaneRetired)) else PeerLost(f"ucx receive failed: {exc!r}")
             state.session.fail_threadsafe(err)
 
     def _drop(self, state: _Receive) -> None:
@@ -334,7 +335,7 @@ class UcxLearnerPlane:
         log.info("recycling the learner's UCX worker after %d ended sessions; %d live ucx actors reconnect",
                  old.ended, len(moving))
         for state in moving:
-            self._failed(state, PeerLost(_RECYCLED))
+            self._failed(state, DataPlaneRetired(_RECYCLED))
 
     def _release_retired(self) -> None:
         in_use = {id(s.generation) for s in (*self._receives, *self._stuck)}

@@ -424,6 +424,7 @@ def test_a_slow_consumer_keeps_the_learner_within_its_cap_and_actors_see_backpre
                 seqs[a].append(s)
             peak = max(peak, learner.stats()["buffer"]["buffered_bytes"])
         growth = rss_bytes() - rss
+        recorded_peak = learner.stats()["buffer"]["peak_buffered_bytes"]
         while any(p.is_alive() for p in procs):  # drain so the actors can flush and finish
             try:
                 b = dataset.fetch(timeout=0.5)
@@ -434,6 +435,7 @@ def test_a_slow_consumer_keeps_the_learner_within_its_cap_and_actors_see_backpre
         reports = [results.get(timeout=60) for _ in procs]
         assert join_all(procs) == [0, 0, 0]
     assert peak <= cap, f"buffered {peak} bytes over the {cap}-byte cap"
+    assert peak <= recorded_peak <= cap, (peak, recorded_peak)
     assert growth < 16 << 20, f"learner memory grew by {growth} bytes"
     assert all(r["backpressure"] > 0 for r in reports), reports
     for r in reports:  # each actor's stream arrives in order, without gaps or repeats
@@ -711,5 +713,10 @@ def test_the_learner_recycles_its_ucx_worker_and_a_live_actor_moves_without_loss
             drain(0.2, dataset if steady.is_alive() else tail)
         stats = results.get(timeout=30)
         steady.join(30)
+        learner_stats = learner.stats()
     assert is_run(steady_seqs, 0, n), "the live actor's steps were not each delivered once, in order"
+    # The live actor's move is not a fault: its old session ended "moved", only the victims "lost".
+    ended = {(a["actor_id"], a["state"]) for a in learner_stats["ended_actors"]}
+    assert (1, "moved") in ended and {(2, "lost"), (3, "lost"), (4, "lost")} <= ended, ended
+    assert learner_stats["lost_actors"] == 3, learner_stats["lost_actors"]
     assert stats["reconnects"] >= 1 and stats["steps_lost"] == 0, stats

@@ -64,6 +64,7 @@ def test_torn_frame_is_skipped_and_its_space_freed():
     assert [p.actor_id for p in pieces] == [2]
     ring.release(take)
     assert ring.used == 0 and ring.stats.torn_frames == 1
+    assert ring.stats.peak_used == 8  # both frames were held at once
 
 
 def test_grantable_is_what_is_left():

@@ -74,9 +74,10 @@ class Config:
     # --- transport ------------------------------------------------------------------------
     ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
     # The learner's UCX worker keeps the shared memory of every actor process it talked to
-    # (docs/reliability.md). After this many ucx sessions have ended it starts a fresh worker
-    # and moves the live ucx actors to it (they reconnect once, losing nothing); 0: never.
-    ucx_recycle_after: int = 256
+    # (docs/reliability.md). Once this many ucx sessions, and at least twice as many as are
+    # live, have ended, it starts a fresh worker and moves the live ucx actors to it (they
+    # reconnect once, losing nothing); 0: never.
+    ucx_recycle_after: int = 16
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):

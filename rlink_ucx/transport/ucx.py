@@ -7,8 +7,9 @@ costs ~10 us and beats a raw socket. So:
 - the learner owns one UCX worker driven by :class:`UcxLearnerPlane`'s thread, which keeps a
   header receive posted per actor and, once a header is validated, posts one receive per field
   straight into the ring (no copy). A worker keeps the shared memory of every actor process it
-  talked to, dead or not, so after ``Config.ucx_recycle_after`` ended sessions the thread
-  starts a fresh worker and moves the live actors to it (they reconnect once);
+  talked to, dead or not, so after ``Config.ucx_recycle_after`` ended sessions (and at least
+  twice as many as are live) the thread starts a fresh worker and moves the live actors to it
+  (they reconnect once);
 - each actor owns a worker with one endpoint to the learner's worker address (exchanged over
   the authenticated control channel) and sends ``header, field_0, field_1, ...`` with one tag.
 
@@ -84,6 +85,17 @@ def make_worker(config: Config, loopback: bool = False) -> tuple[Any, Any, Any]:
     u, _ = load_ucxx()
     context = u.UCXContext(ucx_options(config, loopback), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
     return u, context, u.UCXWorker(context)
+
+
+def recycle_due(ended: int, live: int, after: int) -> bool:
+    """Should a worker with ``ended`` ended and ``live`` live sessions be recycled?
+
+    Recycling makes every live ucx actor reconnect once, so it waits for ``after`` ended
+    sessions and at least twice as many as are live: the stale memory stays within about twice
+    what the live actors hold, and an ended session costs at most half a reconnect. ``after``
+    0 means never.
+    """
+    return after > 0 and ended >= max(after, 2 * live)
 
 
 class _Generation:
@@ -315,9 +327,12 @@ class UcxLearnerPlane:
             self._receives.remove(state)
         state.session.abandon()
         state.generation.ended += 1
-        if state.generation is self.current and self.config.ucx_recycle_after and not self._stop \
-                and self.current.ended >= self.config.ucx_recycle_after:  # fmt: skip
+        if state.generation is self.current and self._recycle_due():
             self._recycle()
+
+    def _recycle_due(self) -> bool:
+        live = sum(1 for s in self._receives if s.generation is self.current)
+        return not self._stop and recycle_due(self.current.ended, live, self.config.ucx_recycle_after)
 
     def _recycle(self) -> None:
         """Start a new worker for new sessions and move the live ones to it: their sessions

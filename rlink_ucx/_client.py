@@ -143,9 +143,13 @@ class ActorConnection:
             raise ProtocolError(f"learner speaks protocol {challenge.proto}, actor {_wire.PROTOCOL_VERSION}")
         return conn, challenge
 
-    async def connect(self) -> None:
+    async def connect(self, timeout: float | None = None) -> None:
+        """Open the control channel, authenticate, attach the data plane; ``timeout`` bounds it
+        all (default: ``connect_timeout + handshake_timeout``)."""
+        if timeout is None:
+            timeout = self.config.connect_timeout + self.config.handshake_timeout
         try:
-            async with asyncio.timeout(self.config.connect_timeout + self.config.handshake_timeout):
+            async with asyncio.timeout(timeout):
                 await self._connect()
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise ConnectError(f"handshake with {self.host}:{self.port} timed out") from exc
@@ -319,6 +323,13 @@ class ActorConnection:
         self._teardown()
         deadline = time.monotonic() + self.config.reconnect_timeout
         delay, last = 0.05, cause
+        # An attempt made while the link is still down can be swallowed whole (a blackholed
+        # route, a cut that TCP does not see), and would then hold the actor for the full
+        # connect + handshake timeouts after the link is back. A healthy learner answers within
+        # a heartbeat interval, so each attempt gets twice that (at least 1 s), doubling after
+        # each failure up to the full timeouts: a slow learner is still reached.
+        full = self.config.connect_timeout + self.config.handshake_timeout
+        attempt_timeout = min(full, max(1.0, 2 * self.config.heartbeat_interval))
         while not self.closing:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -326,12 +337,13 @@ class ActorConnection:
             await asyncio.sleep(min(left, delay * (0.5 + random.random())))
             delay = min(2 * delay, 2.0)
             try:
-                await self.connect()
+                await self.connect(attempt_timeout)
             except (AuthError, SchemaMismatch, Superseded) as exc:
                 last = exc
                 break
             except (RLinkError, OSError) as exc:
                 last = exc if isinstance(exc, RLinkError) else PeerLost(str(exc))
+                attempt_timeout = min(full, 2 * attempt_timeout)
                 self._teardown()
                 continue
             self.reconnects += 1

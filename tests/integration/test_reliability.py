@@ -643,6 +643,39 @@ def test_a_link_cut_during_the_first_schema_negotiation_is_ridden_out():
             proxy.close()
 
 
+@pytest.mark.timeout(90)
+def test_an_actor_resumes_soon_after_a_cut_link_is_restored():
+    # Reconnect attempts made while the link is cut are swallowed whole. Each one used to wait
+    # the full connect + handshake timeouts (here 30 s + 30 s, so that the learner does not end
+    # it sooner either), so the stream stayed stalled that long after the link came back.
+    from tests.integration.faultproxy import FaultProxy
+
+    hb = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
+    slow = {"connect_timeout": 30, "handshake_timeout": 30}
+    with Learner("127.0.0.1:0", transport="tcp", config=Config(**hb, **slow)) as learner:
+        host, port = learner.address.rsplit(":", 1)
+        proxy = FaultProxy((host, int(port)))
+        dataset = RLinkDataset(learner, batch_size=1)
+        try:
+            config = Config(**hb, **slow, reconnect_timeout=60, flush_timeout=60)
+            with Actor(proxy.address, transport="tcp", actor_id=5, config=config) as actor:
+                actor.put({"x": np.int64(0)})
+                actor.flush(10)
+                proxy.set("cut")
+                wait_for(lambda: not actor.stats()["connected"], 10, "the actor did not notice the cut")
+                time.sleep(2.5)  # its first reconnect attempts run into the cut
+                proxy.set(None)
+                restored = time.monotonic()
+                actor.put({"x": np.int64(1)})
+                actor.flush(60)
+                resumed = time.monotonic() - restored
+                assert actor.stats()["reconnects"] >= 1
+            assert [dataset.fetch(timeout=10)["x"].item() for _ in range(2)] == [0, 1]
+        finally:
+            proxy.close()
+    assert resumed < 12, f"the stream resumed {resumed:.1f}s after the link was restored"
+
+
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
 def test_the_first_ucx_actor_does_not_stall_the_learners_event_loop():

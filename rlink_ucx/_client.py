@@ -17,7 +17,7 @@ from ._codec import Schema
 from ._config import Config
 from ._errors import (AuthError, Backpressure, Closed, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch,
                       Superseded)
-from ._io import ControlConnection
+from ._io import ControlConnection, ticks
 from ._version import __version__
 from ._wire import FrameHeader
 from .transport import hostname, ucx_available
@@ -184,7 +184,7 @@ class ActorConnection:
             from .transport.ucx import UcxActorPlane
 
             self.sender = await UcxActorPlane.connect(self.loop, welcome, self.incarnation, self.config,
-                                                      loopback=_auth.is_loopback(self.host))  # fmt: skip
+                                                      loopback=_auth.is_loopback(self.host), control=conn.sock)  # fmt: skip
         await self._ready
         if self.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()
@@ -273,8 +273,8 @@ class ActorConnection:
 
     async def _heartbeat(self) -> None:
         assert self.control is not None
-        while True:
-            await asyncio.sleep(self.config.heartbeat_interval)
+        async for late in ticks(self.config.heartbeat_interval):
+            self.last_heard = min(time.monotonic(), self.last_heard + late)  # our own pause is not the learner's
             if time.monotonic() - self.last_heard > self.config.heartbeat_timeout:
                 self.fail(PeerLost(f"no message from the learner for {self.config.heartbeat_timeout:.3g}s"))
                 return

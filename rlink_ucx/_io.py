@@ -10,7 +10,8 @@ import concurrent.futures
 import logging
 import socket
 import threading
-from collections.abc import Coroutine
+import time
+from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from . import _wire
@@ -19,6 +20,21 @@ from ._errors import TimeoutError as RLinkTimeout
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+
+
+async def ticks(interval: float) -> AsyncIterator[float]:
+    """Every ``interval`` seconds, yield how many seconds late this tick came.
+
+    A late tick means this process was paused (SIGSTOP, a VM stall) or its loop was blocked:
+    what peers sent meanwhile is still unread, so a liveness check must not count that
+    silence against them.
+    """
+    last = time.monotonic()
+    while True:
+        await asyncio.sleep(interval)
+        now = time.monotonic()
+        yield max(0.0, now - last - interval)
+        last = now
 
 
 class IOThread:

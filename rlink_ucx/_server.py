@@ -17,7 +17,7 @@ from . import _auth, _wire
 from ._codec import Schema
 from ._config import Config
 from ._errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
-from ._io import ControlConnection
+from ._io import ControlConnection, ticks
 from ._publisher import Publisher
 from ._session import LearnerSession
 from ._store import StepRing
@@ -312,11 +312,10 @@ class LearnerServer:
 
     # --- liveness and bookkeeping -------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.config.heartbeat_interval)
+        async for late in ticks(self.config.heartbeat_interval):
             now = time.monotonic()
             for session in list(self.sessions.values()):
-                session.heartbeat(now)
+                session.heartbeat(now, late)
             self._reclaim_idle_credit(now)
 
     def _reclaim_idle_credit(self, now: float) -> None:

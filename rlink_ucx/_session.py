@@ -131,9 +131,11 @@ class LearnerSession:
         self.revoking = True
         self.control.send(_wire.Revoke(self.credit - keep))
 
-    def heartbeat(self, now: float) -> None:
-        """Called periodically on the loop: keep the peer alive and detect a silent one."""
+    def heartbeat(self, now: float, late: float = 0.0) -> None:
+        """Called periodically on the loop: keep the peer alive and detect a silent one.
+        ``late``: how late this call came (the learner itself was paused; not the actor's fault)."""
         timeout = self.server.config.heartbeat_timeout
+        self.last_heard = min(now, self.last_heard + late)
         if now - self.last_heard > timeout:
             self.close(f"no message from actor {self.actor_id} for {timeout:.3g}s", lost=True)
             return

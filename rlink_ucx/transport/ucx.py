@@ -25,6 +25,8 @@ import asyncio
 import logging
 import os
 import queue
+import select
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -384,22 +386,29 @@ class UcxActorPlane:
     any_thread = False
 
     def __init__(self, u: Any, context: Any, worker: Any, endpoint: Any, tag: int, loop: asyncio.AbstractEventLoop,
-                 config: Config):  # fmt: skip
+                 config: Config, control: socket.socket | None = None):  # fmt: skip
         _, self.Array = load_ucxx()
         self.u, self._context, self.worker, self.endpoint = u, context, worker, endpoint
         self.tag = tag
         self.loop = loop
         self.config = config
+        # A session the learner ended (dropped, or moved to a fresh worker) never completes our
+        # pending send, and the EOF on the control channel is read by the loop this send
+        # blocks. So the send watches the control socket for the learner's FIN itself.
+        self._control_poll: select.poll | None = None
+        if control is not None:
+            self._control_poll = select.poll()
+            self._control_poll.register(control, select.POLLRDHUP)
 
     @classmethod
     async def connect(cls, loop: asyncio.AbstractEventLoop, welcome: Welcome, incarnation: int,
-                      config: Config, loopback: bool = False) -> UcxActorPlane:  # fmt: skip
+                      config: Config, loopback: bool = False, control: socket.socket | None = None) -> UcxActorPlane:  # fmt: skip
         if not welcome.ucx_address:
             raise ProtocolError("learner chose ucx but sent no worker address")
         u, context, worker = make_worker(config, loopback)
         address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
         endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
-        return cls(u, context, worker, endpoint, session_tag(welcome.ticket) << 32, loop, config)
+        return cls(u, context, worker, endpoint, session_tag(welcome.ticket) << 32, loop, config, control)
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         tag_header = self.u.UCXXTag(self.tag | HEADER_KIND)
@@ -419,8 +428,11 @@ class UcxActorPlane:
             spins += 1
             if spins > _SPINS_BEFORE_YIELD:  # a long send yields too: cheap when no one else waits
                 os.sched_yield()
-            if spins % 256 == 0 and time.monotonic() > deadline:
-                raise PeerLost(f"ucx send did not complete within {self.config.frame_timeout}s")
+            if spins % 256 == 0:
+                if time.monotonic() > deadline:
+                    raise PeerLost(f"ucx send did not complete within {self.config.frame_timeout}s")
+                if self._control_poll is not None and self._control_poll.poll(0):
+                    raise PeerLost("the learner ended the session while a frame was being sent")
         for request in requests:
             request.check_error()
 

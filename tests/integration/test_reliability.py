@@ -565,6 +565,38 @@ def test_a_frozen_learner_is_detected_and_the_stream_resumes_exactly_once_after_
     assert stats["reconnects"] >= 1 and stats["steps_lost"] == 0, stats
 
 
+@pytest.mark.timeout(90)
+def test_a_paused_learner_does_not_blame_its_actors_for_its_own_silence(monkeypatch):
+    # Paused longer than its heartbeat timeout, the learner finds the actor's heartbeats unread
+    # in its socket when it resumes. It used to check liveness first and drop the session.
+    monkeypatch.setenv("RLINK_HEARTBEAT_INTERVAL", "0.2")  # the learner's, inherited by its process
+    monkeypatch.setenv("RLINK_HEARTBEAT_TIMEOUT", "1.0")
+    port, deliveries = free_port(), SPAWN.Queue()
+    learner = SPAWN.Process(target=restartable_learner, args=(port, deliveries, 1))
+    learner.start()
+    assert deliveries.get(timeout=60)[0] == "ready"
+    try:
+        config = Config(heartbeat_interval=0.2, heartbeat_timeout=30)  # the actor waits out the pause
+        with Actor(f"127.0.0.1:{port}", transport="tcp", actor_id=3, config=config) as actor:
+            actor.put({"x": np.int64(0)})
+            actor.flush(10)
+            os.kill(learner.pid, signal.SIGSTOP)
+            time.sleep(2.5)
+            os.kill(learner.pid, signal.SIGCONT)
+            time.sleep(1.0)  # several of the learner's liveness rounds
+            actor.put({"x": np.int64(1)})
+            actor.flush(10)
+            stats = actor.stats()
+        got: list = []
+        while len(got) < 2:
+            got += deliveries.get(timeout=30)[1]
+    finally:
+        os.kill(learner.pid, signal.SIGCONT)
+        learner.kill()
+    assert [(a, s, x) for a, s, x in got] == [(3, 0, 0), (3, 1, 1)]
+    assert stats["reconnects"] == 0, "the learner dropped a live actor after its own pause"
+
+
 @pytest.mark.timeout(120)
 def test_idle_actors_give_their_credit_back_so_a_busy_one_is_not_starved():
     step = {"x": np.zeros(64 << 10, np.uint8)}  # the default 64 MiB buffer holds ~1000 of these
@@ -674,6 +706,38 @@ def test_an_actor_resumes_soon_after_a_cut_link_is_restored():
         finally:
             proxy.close()
     assert resumed < 12, f"the stream resumed {resumed:.1f}s after the link was restored"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
+def test_a_ucx_actor_whose_session_ends_mid_send_reconnects_at_once(monkeypatch):
+    # The learner refuses the header of the third 4 MiB frame and ends the session, so the
+    # actor's payload send never completes. The actor used to spin in it until frame_timeout
+    # (30 s here) with its I/O loop blocked, unable to read the learner's EOF.
+    from rlink_ucx import _errors, _session
+
+    real_begin, refused = _session.LearnerSession.begin, []
+
+    def begin(self, header):
+        if self.stats.frames == 2 and not refused:
+            refused.append(time.monotonic())
+            raise _errors.ProtocolError("refused by the test")
+        return real_begin(self, header)
+
+    monkeypatch.setattr(_session.LearnerSession, "begin", begin)
+    config = Config(frame_timeout=30, heartbeat_timeout=30, resend_large_puts=True)
+    with Learner("127.0.0.1:0", transport="ucx", config=config) as learner:
+        dataset = RLinkDataset(learner, batch_size=1)
+        with Actor(learner.address, transport="ucx", actor_id=7, config=config) as actor:
+            for i in range(6):
+                actor.put({"x": np.full(1 << 19, i, np.int64)})  # 4 MiB: one frame each
+            actor.flush(60)
+            resumed = time.monotonic() - refused[0]
+            stats = actor.stats()
+        got = [dataset.fetch(timeout=10)["x"] for _ in range(6)]
+    assert [int(x[0, 0]) for x in got] == list(range(6)) and all(bool((x == x[0, 0]).all()) for x in got)
+    assert stats["reconnects"] == 1 and stats["steps_lost"] == 0, stats
+    assert resumed < 10, f"the actor took {resumed:.1f}s to notice its session had ended"
 
 
 @pytest.mark.timeout(120)

@@ -282,6 +282,9 @@ class LearnerSession:
         self.server.loop.call_soon_threadsafe(self.fail, exc)
 
     def fail(self, exc: BaseException) -> None:
+        if self.state != "open":  # e.g. a frame already on its way when the session ended: not a fault
+            log.debug("actor %s session %s, already ended: %s", self.actor_id, self.id, exc)
+            return
         if isinstance(exc, EOFError):
             # A clean close between frames; the control channel (Bye or EOF) decides whether
             # this was a goodbye or a crash.

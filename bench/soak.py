@@ -8,13 +8,14 @@ buffers, not yet delivered) plus what an actor reported lost (``steps_lost``); a
 learner's memory (beyond its receive ring's high-water mark, which its cap bounds), threads
 and file descriptors are flat after the first third of the run. Exit status 1 otherwise.
 
-Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx] [--json soak.json]   (not part of CI)
+Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx] [--json soak.json] [--trace DIR]   (not part of CI)
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import logging
 import multiprocessing as mp
 import os
 import random
@@ -27,12 +28,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+TRACE_EVERY, STALL_SECONDS = 0.25, 2.0  # --trace: sampling period; what counts as a stall
 FLAT_MIB = 4.0  # RSS growth after warm-up, beyond the ring's, that still counts as flat
 HEARTBEAT = {"RLINK_HEARTBEAT_INTERVAL": "0.2", "RLINK_HEARTBEAT_TIMEOUT": "1.5"}
 
 
-def learner_main(port: int, reports, drain, transport: str) -> None:
+def log_to(trace_dir: str | None, name: str) -> None:
+    """With --trace: this process's rlink log (INFO, wall-clock times) goes to DIR/NAME.log."""
+    if trace_dir:
+        logging.basicConfig(filename=os.path.join(trace_dir, f"{name}.log"), level=logging.INFO,
+                            format="%(created).2f %(threadName)s %(name)s %(levelname)s %(message)s")
+
+
+def learner_main(port: int, reports, drain, transport: str, trace_dir: str | None = None) -> None:
     from rlink_ucx import Learner, RLinkDataset
+
+    log_to(trace_dir, "learner")
     from rlink_ucx import TimeoutError as RLinkTimeout
 
     expected: dict[tuple[int, int], int] = {}
@@ -65,20 +76,30 @@ def learner_main(port: int, reports, drain, transport: str) -> None:
                 snapshot = learner.stats()
                 t = snapshot["total"]
                 reports.put(("stats", {"delivered": {f"{a}/{i}": n for (a, i), n in expected.items()}, "errors": errors,
-                                       "rss": rss, "shm": shm, "ring_peak": snapshot["buffer"]["peak_buffered_bytes"], "threads": len(os.listdir("/proc/self/task")),
+                                       "rss": rss, "shm": shm, "ring_peak": snapshot["buffer"]["peak_buffered_bytes"],
+                                       "threads": len(os.listdir("/proc/self/task")),
                                        "fds": len(os.listdir("/proc/self/fd")), "duplicate_steps": t["duplicate_steps"],
                                        "lost_steps": t["lost_steps"], "recycled": snapshot["ucx_workers_recycled"],
                                        "time": time.monotonic()}))  # fmt: skip
 
 
-def actor_main(address: str, actor: int, incarnation: int, put_count, stop, results, transport: str) -> None:
+def actor_main(address: str, actor: int, incarnation: int, put_count, stop, results, transport: str,
+               trace_dir: str | None = None) -> None:  # fmt: skip
     from rlink_ucx import Actor, Config
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log_to(trace_dir, f"actor_{actor}_{incarnation}")
+    trace = None
+    if trace_dir:  # open while the process lives (it may be SIGKILLed)
+        trace = open(os.path.join(trace_dir, f"{actor}_{incarnation}.trace"), "w", buffering=1)  # noqa: SIM115
+    traced = 0.0
     config = Config.from_env(reconnect_timeout=120, frame_bytes=16 << 10, put_timeout=120)
     with Actor(address, transport=transport, actor_id=actor, config=config) as a:
         seq = 0
         while not stop.value:
+            if trace is not None and time.monotonic() - traced > TRACE_EVERY:  # wall time, steps put, steps sent
+                traced = time.monotonic()
+                trace.write(f"{time.time():.2f} {seq} {a.stats()['steps_sent']}\n")
             chunk = np.empty((50, 2), np.int64)
             chunk[:, 0] = incarnation
             chunk[:, 1] = np.arange(seq, seq + 50)
@@ -92,6 +113,24 @@ def actor_main(address: str, actor: int, incarnation: int, put_count, stop, resu
         results.put((actor, incarnation, a.stats()))
 
 
+def find_stalls(trace_dir: str) -> list[dict]:
+    """Spans in the actors' traces where steps were put but none were sent for STALL_SECONDS
+    (the last span counts too: a stream can be killed while stalled)."""
+    stalls = []
+    for name in sorted(f for f in os.listdir(trace_dir) if f.endswith(".trace")):
+        with open(os.path.join(trace_dir, name)) as f:
+            rows = [tuple(float(v) for v in line.split()) for line in f if len(line.split()) == 3]
+        for i, row in enumerate(rows):
+            if i == 0:
+                since = row
+            elif row[2] != since[2] or i == len(rows) - 1:  # something was sent, or the trace ends
+                if row[0] - since[0] > STALL_SECONDS and row[1] > since[1]:
+                    stalls.append({"stream": name[: -len(".trace")].replace("_", "/"), "at": since[0],
+                                   "seconds": round(row[0] - since[0], 1)})  # fmt: skip
+                since = row
+    return stalls
+
+
 def main(argv: list[str] | None = None) -> int:
     from tests.integration.faultproxy import FaultProxy
 
@@ -101,6 +140,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
     parser.add_argument("--no-faults", action="store_true", help="stream only: a baseline for the resource figures")
     parser.add_argument("--json")
+    parser.add_argument("--trace", metavar="DIR", help="write every process's rlink log and each actor's "
+                        "steps put/sent every 0.25 s to DIR, and report the streams' stalls")  # fmt: skip
     args = parser.parse_args(argv)
     os.environ.update(HEARTBEAT)
     rng = random.Random(args.seed)
@@ -112,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
     # Lock-free shared flags and counters: an actor SIGKILLed while holding a lock (an Event's
     # or a Value's) would leave it held, and every other process touching it would hang.
     stop = ctx.RawValue("b", 0)
-    learner = ctx.Process(target=learner_main, args=(port, reports, drain, args.transport))
+    learner = ctx.Process(target=learner_main, args=(port, reports, drain, args.transport, args.trace))
     learner.start()
     assert reports.get(timeout=60)[0] == "ready"
     proxies = {a: FaultProxy(("127.0.0.1", port)) for a in (1, 2, 3)}
@@ -123,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def start(a: int, inc: int) -> None:
         counter = ctx.RawValue("q", 0)
-        p = ctx.Process(target=actor_main, args=(proxies[a].address, a, inc, counter, stop, results, args.transport))
+        p = ctx.Process(target=actor_main, args=(proxies[a].address, a, inc, counter, stop, results, args.transport,
+                                                         args.trace))  # fmt: skip
         p.start()
         actors[a] = (p, inc, counter)
 
@@ -195,7 +237,8 @@ def main(argv: list[str] | None = None) -> int:
     warm = next((s for s in stats_log if s["time"] - stats_log[0]["time"] >= args.minutes * 20), stats_log[0])
     # The receive ring's pages are touched the first time the learner falls that far behind,
     # so part of any RSS step is the ring reaching a new high-water mark (bounded by its cap).
-    growth = {"rss_mb": (last["rss"] - warm["rss"]) / 2**20, "ring_peak_mb": (last["ring_peak"] - warm["ring_peak"]) / 2**20,
+    growth = {"rss_mb": (last["rss"] - warm["rss"]) / 2**20,
+              "ring_peak_mb": (last["ring_peak"] - warm["ring_peak"]) / 2**20,
               "threads": last["threads"] - warm["threads"], "fds": last["fds"] - warm["fds"]}  # fmt: skip
     # Flat: after warm-up, RSS beyond the ring's new high-water mark grows less than FLAT_MIB,
     # and there are no more threads or file descriptors than then (one connection's fds may be
@@ -218,6 +261,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"[soak] order errors: {len(last['errors'])}; duplicates dropped by the learner: {last['duplicate_steps']}; "
           f"UCX workers recycled: {last['recycled']}; "
           f"growth after warm-up: {growth} ({'flat' if flat else 'NOT FLAT'}); {'OK' if ok else 'FAILED'}")  # fmt: skip
+    if args.trace:
+        out["stalls"] = stalls = find_stalls(args.trace)
+        longest = max((s["seconds"] for s in stalls), default=0.0)
+        print(f"[soak] stalls (an actor putting while nothing was sent for over {STALL_SECONDS:g} s): "
+              f"{len(stalls)}, the longest {longest:.1f} s; logs and traces in {args.trace}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=2)

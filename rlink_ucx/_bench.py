@@ -5,7 +5,7 @@ of the messages or batches (the same share for every system). The repetitions of
 baseline and of the rlink planes alternate; each row is the median of its repetitions:
 
 - ``raw-socket``: ``sendall`` of each message / ``recv_into`` a preallocated buffer;
-- ``rlink-tcp`` / ``rlink-ucx``: ``Actor.put`` of one ``uint8[size]`` step per message ->
+- ``rlink-tcp`` / ``rlink-ucx`` / ``rlink-shm``: ``Actor.put`` of one ``uint8[size]`` step per message ->
   ``RLinkDataset.fetch`` (batches of about 4 MiB);
 - ``cartpole-put`` / ``cartpole-put_many``: CartPole-sized steps (obs float32[4], action int64,
   reward float32, done bool), one ``put`` per step, or ``put_many`` chunks of 64 steps.
@@ -130,14 +130,14 @@ def median_of(fn, reps: int) -> tuple[float, float, float]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="1K,64K,1M,16M")
-    parser.add_argument("--transports", default="tcp,ucx")
+    parser.add_argument("--transports", default="tcp,ucx,shm")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400_000, help="CartPole steps per repetition")
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    from rlink_ucx.transport import ucx_available
+    from rlink_ucx.transport import shm, ucx_available
 
-    transports = [t for t in args.transports.split(",") if t != "ucx" or ucx_available()]
+    transports = [t for t in args.transports.split(",") if (t != "ucx" or ucx_available()) and (t != "shm" or shm.available())]
     rows = []
     print(f"{'workload':<22}{'system':<16}{'median':>12}{'min':>10}{'max':>10}{'vs raw':>9}")
     for label in args.sizes.split(","):

@@ -164,6 +164,7 @@ SYSTEMS: dict[str, System] = {
     "rlink-tcp": System("rlink-tcp", "rlink", "tcp", "rlink", (), lambda w, t, a: run_rlink(w, t, "tcp", a), (1, 4)),
     "rlink-ucx": System("rlink-ucx", "rlink", "ucx", "rlink", ("ucxx",), lambda w, t, a: run_rlink(w, t, "ucx", a),
                         (1, 4)),  # fmt: skip
+    "rlink-shm": System("rlink-shm", "rlink", "shm", "rlink", (), lambda w, t, a: run_rlink(w, t, "shm", a), (1, 4)),
     "raw-ucxx": System("raw-ucxx", "raw-ucxx", "ucx", "peers", ("ucxx",), _peer("raw-ucxx")),
     "pyzmq-copy": System("pyzmq-copy", "pyzmq-copy", "tcp", "peers", ("zmq",), _peer("pyzmq-copy")),
     "pyzmq-zerocopy": System("pyzmq-zerocopy", "pyzmq-zerocopy", "tcp", "peers", ("zmq",), _peer("pyzmq-zerocopy")),
@@ -178,6 +179,7 @@ QUICK: dict[str, list[tuple[str, int]]] = {
     "raw-socket": [("1KiB", 1), ("64KiB", 1), ("atari", 1)],
     "rlink-tcp": [("1KiB", 1), ("64KiB", 1), ("atari", 1), ("64KiB", 4)],
     "rlink-ucx": [("64KiB", 1)],
+    "rlink-shm": [("64KiB", 1), ("atari", 1)],
     "raw-ucxx": [("64KiB", 1)],
     "pyzmq-copy": [("atari", 1)],
     "pyzmq-zerocopy": [("atari", 1)],
@@ -188,6 +190,11 @@ TARGET_SIZES_RAW = ("64KiB", "1MiB", "16MiB")
 
 
 def missing(system: System) -> str | None:
+    if system.transport == "shm":
+        from .transport import shm
+
+        if not shm.available():
+            return "no memfd shared memory here (Linux only)"
     for module in system.requires:
         try:
             found = importlib.util.find_spec(module) is not None
@@ -312,7 +319,7 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         add("rlink-publish time <= 1.25x plain broadcast", _find(records, "plain-broadcast", w, None),
             _find(records, "rlink-publish", w, None), 1.25, "per_s", at_most=True)  # fmt: skip
     workloads = list(dict.fromkeys(r["workload"] for r in records if r["system"] == "rlink"))
-    for transport in ("tcp", "ucx"):
+    for transport in ("tcp", "ucx", "shm"):
         for w in workloads:
             four = _find(records, "rlink", w, 4, transport)
             one = _find(records, "rlink", w, 1, transport)

@@ -12,6 +12,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from . import _auth, _wire
 from ._codec import Schema
 from ._config import Config
@@ -20,7 +22,7 @@ from ._errors import (AuthError, Backpressure, Closed, ConnectError, PeerLost, P
 from ._io import ControlConnection, ticks
 from ._version import __version__
 from ._wire import FrameHeader
-from .transport import hostname, ucx_available
+from .transport import hostname, shm, ucx_available
 from .transport.base import FrameSender
 from .transport.tcp import TcpSender
 
@@ -172,13 +174,13 @@ class ActorConnection:
             proof = await self._expect(conn, _wire.Proof)
             _auth.verify(_auth.learner_proof(self.token, challenge.nonce, nonce), proof.mac, "learner")
         conn.send(_wire.Hello(self.actor_id, self.incarnation, __version__, self.transport_wanted, ucx_available(),
-                              _cuda_visible(), hostname(), os.getpid()))  # fmt: skip
+                              _cuda_visible(), hostname(), os.getpid(), shm.available()))  # fmt: skip
         welcome = await self._expect(conn, _wire.Welcome)
         self.welcome = welcome
         self.latest_version = welcome.version
         self.actor_id = welcome.actor_id
         self._tasks.append(self.loop.create_task(self._read_control()))
-        if welcome.transport == "tcp":
+        if welcome.transport in ("tcp", "shm"):
             await self._attach_tcp(welcome)
         else:
             from .transport.ucx import UcxActorPlane
@@ -203,12 +205,33 @@ class ActorConnection:
         return msg
 
     async def _attach_tcp(self, welcome: _wire.Welcome) -> None:
+        """Open the data connection: the tcp plane, or the doorbell of the shm plane."""
+        ring = self._map_shm_ring(welcome) if welcome.transport == "shm" else None
         data, challenge = await self._open()
         data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
-                               _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session)))  # fmt: skip
+                               _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session),
+                               ring is not None))  # fmt: skip
         # A send that makes no progress for a heartbeat timeout means a frozen or vanished
         # learner; the blocking send holds the I/O thread, so the heartbeat could not tell.
-        self.sender = TcpSender(data.sock, self.loop, min(self.config.frame_timeout, self.config.heartbeat_timeout))
+        timeout = min(self.config.frame_timeout, self.config.heartbeat_timeout)
+        if ring is not None:
+            self.sender = shm.ShmSender(data.sock, ring, timeout)
+        else:
+            self.sender = TcpSender(data.sock, self.loop, timeout)
+
+    def _map_shm_ring(self, welcome: _wire.Welcome) -> shm.ShmRing | None:
+        """Map the learner's ring; None (tcp on the data connection instead) where it cannot be
+        reached from here, e.g. another PID namespace or user, unless shm was requested."""
+        try:
+            pid, fd, nonce, size = welcome.shm or [0, 0, b"", 0]
+            return shm.ShmRing.open(int(pid), int(fd), bytes(nonce), int(size))
+        except (OSError, ValueError, TypeError) as exc:
+            if self.transport_wanted == "shm":
+                raise ConnectError(f"shm requested but the learner's ring cannot be mapped here: {exc}") from exc
+            reason = f"auto: the learner's shared-memory ring cannot be mapped here ({exc}); tcp instead"
+            log.info(reason)
+            self.welcome = msgspec.structs.replace(welcome, transport="tcp", reason=reason)
+            return None
 
     # --- control messages ----------------------------------------------------------------------
     async def _read_control(self) -> None:

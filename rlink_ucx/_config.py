@@ -72,6 +72,7 @@ class Config:
     weights_bucket_bytes: int = 32 * MiB  # one collective per bucket
 
     # --- transport ------------------------------------------------------------------------
+    shm_ring_bytes: int = 8 * MiB  # per same-host actor on the shm plane
     ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
     # The learner's UCX worker keeps the shared memory of every actor process it talked to
     # (docs/reliability.md). Once this many ucx sessions, and at least twice as many as are

@@ -22,7 +22,7 @@ from ._publisher import Publisher
 from ._session import LearnerSession
 from ._store import StepRing
 from ._version import __version__
-from .transport import choose, ucx_available
+from .transport import choose, hostname, shm, ucx_available
 from .transport.tcp import TcpReceiver
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,7 @@ class LearnerServer:
         self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
         self._ucx_starting: asyncio.Future[Any] | None = None
         self.learner_ucx = ucx_available() and transport != "tcp"
+        self.learner_shm = shm.available() and transport in ("auto", "shm")
         if self.learner_ucx:
             # Load ucxx now, before any session runs: loading its libraries holds the GIL (a
             # cold first import took 0.4 s in CI), which would stall every session's heartbeats
@@ -186,12 +187,21 @@ class LearnerServer:
         return self._open_session(conn, hello)
 
     def _choose(self, hello: _wire.Hello) -> tuple[str, str]:
-        return choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx)
+        return choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx,
+                      same_host=hello.host == hostname(), shm=self.learner_shm and hello.shm)  # fmt: skip
 
     def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
         transport, reason = self._choose(hello)
         if not transport:
             raise ProtocolError(f"no common data plane: {reason}")
+        ring = nonce = None
+        if transport == "shm":
+            try:
+                ring, nonce = shm.ShmRing.create(self.config.shm_ring_bytes)
+            except OSError as exc:
+                if reason == "requested":
+                    raise ProtocolError(f"shm requested but the learner cannot create its ring: {exc}") from exc
+                transport, reason = "tcp", f"auto: the shared-memory ring could not be created ({exc})"
         if hello.actor_id is not None:
             actor_id = hello.actor_id
             newest = self.incarnations.get(actor_id, -1)
@@ -214,6 +224,7 @@ class LearnerServer:
         ucx_address = ucx_worker.address if ucx_worker is not None else None
         session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
                                  secrets.token_bytes(32))  # fmt: skip
+        session.shm_ring = ring
         resume = self.resume.pop((actor_id, hello.incarnation), None)
         session.next_seq = resume  # None: the first frame says where this stream starts
         session.resumed = resume is not None
@@ -222,6 +233,7 @@ class LearnerServer:
             session.id, actor_id, self.version, transport, reason, session.ticket, ucx_address,
             self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
             -1 if resume is None else resume,
+            None if ring is None else [os.getpid(), ring.fd, nonce, ring.size],
         ))  # fmt: skip
         log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
         if ucx_worker is not None:
@@ -233,12 +245,22 @@ class LearnerServer:
         if session is None or session.state != "open":
             raise AuthError("data connection for an unknown session")
         _auth.verify(_auth.data_proof(session.ticket, nonce, msg.session), msg.mac, "data connection")
-        if session.transport != "tcp" or session.receiver is not None:
+        if session.transport not in ("tcp", "shm") or session.receiver is not None:
             raise ProtocolError("session already has its data plane")
         conn.handed_off = True
-        session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}")
+        ring, session.shm_ring = session.shm_ring, None
+        if ring is not None:
+            ring.release_fd()  # the actor mapped it (or gave up) before attaching
+        if ring is not None and msg.shm:
+            session.receiver = shm.ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}")
+        else:
+            if ring is not None:
+                session.transport = "tcp"
+                session.transport_reason = "auto: the actor could not map the shared-memory ring; tcp instead"
+                log.info("actor %s: %s", session.actor_id, session.transport_reason)
+            session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}")
         session.receiver.start()
-        session.control.send(_wire.Ready("tcp"))
+        session.control.send(_wire.Ready(session.transport))
         self.grant_credits()
 
     async def _start_ucx_plane(self) -> None:

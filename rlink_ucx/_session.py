@@ -19,6 +19,7 @@ from .transport.base import DataPlaneRetired
 if TYPE_CHECKING:
     from ._server import LearnerServer
     from .transport.base import FrameReceiver
+    from .transport.shm import ShmRing
 
 log = logging.getLogger(__name__)
 IDLE_SECONDS = 1.0  # an actor that sent no frame for this long is idle (its credit may be reclaimed)
@@ -50,6 +51,7 @@ class LearnerSession:
         self.transport_reason = reason
         self.ticket = ticket
         self.receiver: FrameReceiver | None = None
+        self.shm_ring: ShmRing | None = None  # an shm session's ring until its data connection attaches
         self.schema_id: int | None = None
         self.ring: StepRing | None = None
         self.credit = 0  # steps granted to this actor and not yet used
@@ -315,6 +317,9 @@ class LearnerSession:
             self.ring.revoke(credit)
         if self.receiver is not None:
             self.receiver.close()  # the receiver calls abandon() once nothing more can land
+        if self.shm_ring is not None:
+            self.shm_ring.close()  # never attached
+            self.shm_ring = None
         self.control.close()
         (log.warning if lost else log.info)("actor %s session %s ended: %s", self.actor_id, self.id, reason)
         self.server.session_ended(self, PeerLost(reason) if lost else None)

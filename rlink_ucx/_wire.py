@@ -16,7 +16,7 @@ import msgspec
 from ._errors import ProtocolError
 from ._weights import Manifest
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm)
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -52,6 +52,7 @@ class Attach(_Msg):
     proto: int
     session: int
     mac: bytes
+    shm: bool = False  # for an shm session: the actor mapped the shared ring (else: tcp on this connection)
 
 
 # --- session ----------------------------------------------------------------------------------
@@ -59,11 +60,12 @@ class Hello(_Msg):
     actor_id: Union[int, None]
     incarnation: int
     library: str
-    transport: str  # what the actor asks for: auto | tcp | ucx
+    transport: str  # what the actor asks for: auto | tcp | ucx | shm
     ucx: bool  # ucxx importable on the actor
     cuda: bool
     host: str
     pid: int
+    shm: bool = False  # the actor can map a shared-memory ring (transport.shm.available)
 
 
 class Welcome(_Msg):
@@ -78,6 +80,7 @@ class Welcome(_Msg):
     heartbeat_interval: float
     heartbeat_timeout: float
     resume_seq: int  # this (actor, incarnation) already delivered every seq below this; -1: unknown
+    shm: Union[list, None] = None  # shm plane: [learner pid, memfd number, nonce, ring bytes]
 
 
 class Propose(_Msg):

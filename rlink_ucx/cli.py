@@ -11,15 +11,17 @@ import time
 from typing import Any
 
 from ._version import __version__
+from .transport import TRANSPORTS
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .transport import choose, ucx_available, ucx_probe
+    from .transport import choose, shm, ucx_available, ucx_probe
 
     ucx = ucx_available()
     transports = ucx_probe.transports() if ucx else {}
     cuda = _cuda_state()
     picked, reason = choose("auto", "auto", learner_ucx=ucx, actor_ucx=ucx)
+    local, local_reason = choose("auto", "auto", learner_ucx=ucx, actor_ucx=ucx, same_host=True, shm=shm.available())
     report = {
         "rlink_ucx": __version__,
         "python": sys.version.split()[0],
@@ -29,6 +31,8 @@ def _info(args: argparse.Namespace) -> int:
         "cuda": cuda,
         "auto_data_plane": picked,
         "auto_reason": reason,
+        "auto_same_host_data_plane": local,
+        "auto_same_host_reason": local_reason,
     }
     if args.json:
         print(json.dumps(report, indent=2))
@@ -41,7 +45,8 @@ def _info(args: argparse.Namespace) -> int:
     else:
         print("UCX: ucxx not installed (pip install 'rlink-ucx[cu12]'); the tcp data plane is used")
     print(f"CUDA: {cuda}")
-    print(f"transport='auto' picks: {picked} ({reason})")
+    print(f"transport='auto' picks, for an actor on another host: {picked} ({reason})")
+    print(f"                         for an actor on this host: {local} ({local_reason})")
     return 0
 
 
@@ -152,11 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("smoke", help="stream steps from actor processes to a learner and verify them")
     p.add_argument("--actors", type=int, default=2)
     p.add_argument("--steps", type=int, default=50_000, help="steps per actor")
-    p.add_argument("--transport", default="auto", choices=["auto", "tcp", "ucx"])
+    p.add_argument("--transport", default="auto", choices=list(TRANSPORTS))
     p = sub.add_parser("learner", help="run a standalone learner that drains and logs")
     p.add_argument("--address", default="127.0.0.1:8443")
     p.add_argument("--token", default=None)
-    p.add_argument("--transport", default="auto", choices=["auto", "tcp", "ucx"])
+    p.add_argument("--transport", default="auto", choices=list(TRANSPORTS))
     p.add_argument("--batch-size", type=int, default=256)
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = run until Ctrl-C)")
     p.add_argument("--log-every", type=float, default=5.0)

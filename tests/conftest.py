@@ -23,8 +23,15 @@ def ucx_importable() -> bool:
     return ucx_available()
 
 
+def shm_possible() -> bool:
+    from rlink_ucx.transport import shm
+
+    return shm.available()
+
+
 TRANSPORTS = [
     "tcp",
     pytest.param("ucx", marks=pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")),
+    pytest.param("shm", marks=pytest.mark.skipif(not shm_possible(), reason="no memfd (not Linux)")),
 ]
 

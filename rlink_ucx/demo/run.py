@@ -21,13 +21,14 @@ import numpy as np
 
 from .. import Config, Learner, RLinkDataset
 from .. import TimeoutError as RLinkTimeout
+from ..transport import TRANSPORTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rlink demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--actors", type=int, default=None, help="actor processes (default 4; 2 with --quick)")
-    p.add_argument("--transport", choices=["auto", "ucx", "tcp"], default="auto")
+    p.add_argument("--transport", choices=list(TRANSPORTS), default="auto")
     p.add_argument("--env", default="CartPole-v1", help="Gymnasium env id (discrete or 1-d box actions)")
     p.add_argument("--target-return", type=float, default=475.0)
     p.add_argument("--max-seconds", type=float, default=300.0)

@@ -354,3 +354,22 @@ def seq_flood_actor(address: str, actor: int, transport: str = "tcp") -> None:
     with Actor(address, transport=transport, actor_id=actor) as a:
         for start in range(0, 1 << 62, 1 << 16):
             a.put_many({"x": np.arange(start, start + (1 << 16), dtype=np.int64)})
+
+
+def unmappable_shm_actor(address: str, transport: str, actor: int, n: int, out) -> None:
+    """An actor that cannot open the learner's ring (as in another PID namespace): it streams
+    over the same data connection instead, or fails to connect when shm was requested."""
+    from rlink_ucx import Actor, ConnectError
+    from rlink_ucx.transport import shm
+
+    def unreachable(*args, **kwargs):
+        raise PermissionError("/proc/<pid>/fd is not ours to open (simulated)")
+
+    shm.ShmRing.open = unreachable
+    try:
+        with Actor(address, transport=transport, actor_id=actor) as a:
+            a.put_many({"x": np.arange(n, dtype=np.int64)})
+            a.flush(60)
+            out.put((a.stats()["transport"], a.stats()["transport_reason"]))
+    except ConnectError as exc:
+        out.put(("ConnectError", str(exc)))

@@ -13,6 +13,7 @@ def test_info_json_reports_versions_and_auto_choice(capsys):
     report = json.loads(capsys.readouterr().out)
     assert report["rlink_ucx"] == __import__("rlink_ucx").__version__
     assert report["auto_data_plane"] in ("tcp", "ucx") and report["auto_reason"]
+    assert report["auto_same_host_data_plane"] == "shm" and "same host" in report["auto_same_host_reason"]
     if report["ucxx_installed"]:
         assert report["ucx_version"] and "tcp" in report["ucx_transports"]
 

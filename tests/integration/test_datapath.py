@@ -12,8 +12,9 @@ import pytest
 
 import rlink_ucx
 from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
-from tests.conftest import TRANSPORTS
-from tests.integration.procs import encoded_steps, int_actor, lingering_actor, stream_actor, version_of
+from tests.conftest import TRANSPORTS, shm_possible
+from tests.integration.procs import (encoded_steps, int_actor, lingering_actor, stream_actor, unmappable_shm_actor,
+                                     version_of)
 
 SPAWN = mp.get_context("spawn")
 
@@ -61,6 +62,35 @@ def test_four_actors_every_step_exactly_once_bit_exact(transport):
         assert cat["version"][mine].tolist() == [version_of(s) for s in range(n_steps)]
     assert stats["total"]["steps"] == n_actors * n_steps
     assert {a["transport"] for a in stats["actors"] + stats["ended_actors"]} == {transport}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not shm_possible(), reason="no memfd (not Linux)")
+def test_a_same_host_actor_that_cannot_map_the_shared_ring_streams_over_tcp_instead():
+    with Learner("127.0.0.1:0") as learner:  # auto: shm for actors on this host
+        dataset = RLinkDataset(learner, batch_size=1000)
+        out = SPAWN.Queue()
+        proc = SPAWN.Process(target=unmappable_shm_actor, args=(learner.address, "auto", 1, 5000, out))
+        proc.start()
+        got = np.concatenate([dataset.fetch(timeout=60)["x"].numpy() for _ in range(5)])
+        transport, reason = out.get(timeout=60)
+        assert join_all([proc]) == [0]
+        actors = learner.stats()["actors"] + learner.stats()["ended_actors"]
+    assert got.tolist() == list(range(5000))
+    assert transport == "tcp" and "cannot be mapped" in reason
+    assert [a["transport"] for a in actors] == ["tcp"] and "could not map" in actors[0]["transport_reason"]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.skipif(not shm_possible(), reason="no memfd (not Linux)")
+def test_an_actor_that_requested_shm_and_cannot_map_the_ring_gets_a_connect_error():
+    with Learner("127.0.0.1:0") as learner:
+        out = SPAWN.Queue()
+        proc = SPAWN.Process(target=unmappable_shm_actor, args=(learner.address, "shm", 1, 10, out))
+        proc.start()
+        kind, text = out.get(timeout=50)
+        assert join_all([proc]) == [0]
+    assert kind == "ConnectError" and "shm requested" in text and "simulated" in text
 
 
 @pytest.mark.timeout(30)

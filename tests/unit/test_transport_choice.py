@@ -30,3 +30,31 @@ def test_auto_picks_ucx_only_for_rdma_or_cuda(monkeypatch):
     monkeypatch.setattr(ucx_probe, "transports", lambda: {"tcp": ["lo"], "rc_mlx5": ["mlx5_0:1"]})
     picked, reason = choose("auto", "auto", learner_ucx=True, actor_ucx=True)
     assert picked == "ucx" and "rc_mlx5" in reason
+
+
+@pytest.mark.parametrize(
+    "learner, actor, same_host, shm, expected",
+    [
+        ("auto", "auto", True, True, "shm"),  # same host: the shared ring
+        ("auto", "auto", False, True, "tcp"),  # another host: never shm
+        ("auto", "auto", True, False, "tcp"),  # a side cannot map a memfd ring
+        ("shm", "auto", True, True, "shm"),
+        ("auto", "shm", False, True, ""),  # requested across hosts: refused, with a reason
+        ("shm", "auto", True, False, ""),
+        ("tcp", "auto", True, True, "tcp"),  # an explicit tcp wins over the same-host default
+        ("shm", "tcp", True, True, ""),
+    ],
+)
+def test_shm_only_between_processes_on_one_host(learner, actor, same_host, shm, expected):
+    picked, reason = choose(learner, actor, learner_ucx=False, actor_ucx=False, same_host=same_host, shm=shm)
+    assert picked == expected and reason
+    if expected == "" and "shm" in (learner, actor) and "tcp" not in (learner, actor):
+        assert "shm" in reason
+
+
+def test_same_host_auto_prefers_ucx_only_for_cuda_transports(monkeypatch):
+    monkeypatch.setattr(ucx_probe, "transports", lambda: {"tcp": ["lo"], "sysv": ["memory"], "cma": ["memory"]})
+    assert choose("auto", "auto", learner_ucx=True, actor_ucx=True, same_host=True, shm=True)[0] == "shm"
+    monkeypatch.setattr(ucx_probe, "transports", lambda: {"tcp": ["lo"], "cuda_ipc": ["cuda"]})
+    picked, reason = choose("auto", "auto", learner_ucx=True, actor_ucx=True, same_host=True, shm=True)
+    assert picked == "ucx" and "cuda_ipc" in reason

@@ -1,0 +1,127 @@
+"""The shm plane's ring and counters, over a real memfd and a real loopback TCP connection."""
+
+import os
+import socket
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from rlink_ucx._errors import ProtocolError
+from rlink_ucx._wire import FRAME_HEADER_BYTES
+from rlink_ucx.transport import shm
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shm.available(), reason="no memfd (not Linux)")]
+
+RING = 64 * 1024
+
+
+class RecordingSink:
+    """A FrameSink whose header's first 8 bytes say the payload size."""
+
+    def __init__(self):
+        self.frames: list[bytearray] = []
+        self.failure: BaseException | None = None
+        self.failed = threading.Event()
+        self.ended = threading.Semaphore(0)
+
+    def begin(self, header):
+        self.frames.append(bytearray(int.from_bytes(header[:8], "little")))
+        return [memoryview(self.frames[-1])]
+
+    def end_threadsafe(self):
+        self.ended.release()
+
+    def abandon(self):
+        pass
+
+    def fail_threadsafe(self, exc):
+        self.failure = exc
+        self.failed.set()
+
+
+@pytest.fixture
+def connection():
+    server = socket.create_server(("127.0.0.1", 0))
+    actor_side = socket.create_connection(server.getsockname())
+    learner_side, _ = server.accept()
+    server.close()
+    yield actor_side, learner_side
+    actor_side.close()
+    learner_side.close()
+
+
+def _pair(connection, sink):
+    ring, nonce = shm.ShmRing.create(RING)
+    mapped = shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING)
+    ring.release_fd()
+    receiver = shm.ShmReceiver(connection[1], ring, sink)
+    receiver.start()
+    return shm.ShmSender(connection[0], mapped, timeout=5), receiver
+
+
+def _header(size: int) -> bytes:
+    return size.to_bytes(8, "little") + bytes(FRAME_HEADER_BYTES - 8)
+
+
+def test_frames_arrive_bit_exact_across_many_wraps_of_a_small_ring(connection):
+    sink = RecordingSink()
+    sender, _ = _pair(connection, sink)
+    rng = np.random.default_rng(7)
+    sent = []
+    for _ in range(200):  # frames up to 3x the ring: the sender waits for room mid-frame
+        parts = [rng.integers(0, 256, int(rng.integers(0, 70_000)), dtype=np.uint8) for _ in range(3)]
+        sender.send(_header(sum(p.size for p in parts)), [memoryview(p) for p in parts])
+        sent.append(b"".join(p.tobytes() for p in parts))
+    sender.close()
+    assert sink.failed.wait(10)
+    assert isinstance(sink.failure, EOFError)  # a clean close between frames
+    assert len(sink.frames) == len(sent)
+    assert all(bytes(got) == want for got, want in zip(sink.frames, sent))
+    assert sender.written > 20 * RING  # it really wrapped
+
+
+def test_the_ring_is_sealed_against_shrinking_and_checked_by_nonce():
+    ring, nonce = shm.ShmRing.create(RING)
+    own = os.open(f"/proc/{os.getpid()}/fd/{ring.fd}", os.O_RDWR)
+    try:
+        with pytest.raises(PermissionError):
+            os.ftruncate(own, 4096)  # would make the learner's reads fault (SIGBUS)
+    finally:
+        os.close(own)
+    with pytest.raises(OSError, match="nonce"):
+        shm.ShmRing.open(os.getpid(), ring.fd, bytes(16), RING)
+    with pytest.raises(OSError, match="not the announced ring"):
+        shm.ShmRing.open(os.getpid(), ring.fd, nonce, 2 * RING)
+    ring.release_fd()
+    with pytest.raises(OSError):
+        shm.ShmRing.open(os.getpid(), 999_999, nonce, RING)
+
+
+@pytest.mark.parametrize("counter", [RING + 1000, 5], ids=["past-the-ring", "backwards"])
+def test_a_doorbell_that_overstates_or_rewinds_the_ring_is_a_protocol_error(connection, counter):
+    sink = RecordingSink()
+    sender, receiver = _pair(connection, sink)
+    sender.send(_header(10), [memoryview(b"0123456789")])  # 74 bytes: header and payload
+    assert sink.ended.acquire(timeout=10)  # delivered before the bad counter comes
+    connection[0].sendall(shm.COUNTER.pack(counter))
+    assert sink.failed.wait(10)
+    assert isinstance(sink.failure, ProtocolError) and "shared ring" in str(sink.failure)
+    assert receiver.sock.fileno() == -1  # the connection was closed
+    assert [bytes(f) for f in sink.frames] == [b"0123456789"]  # what came before is kept
+
+
+def test_a_sender_whose_ring_is_never_freed_times_out():
+    server = socket.create_server(("127.0.0.1", 0))
+    actor_side = socket.create_connection(server.getsockname())
+    learner_side, _ = server.accept()  # nobody reads: no release ever comes
+    ring, nonce = shm.ShmRing.create(RING)
+    sender = shm.ShmSender(actor_side, shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING), timeout=0.5)
+    started = time.monotonic()
+    with pytest.raises(TimeoutError, match="freed no room"):
+        sender.send(_header(2 * RING), [memoryview(bytes(2 * RING))])
+    assert 0.4 < time.monotonic() - started < 5
+    for s in (actor_side, learner_side, server):
+        s.close()
+    ring.release_fd()

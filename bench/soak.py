@@ -8,7 +8,7 @@ buffers, not yet delivered) plus what an actor reported lost (``steps_lost``); a
 learner's memory (beyond its receive ring's high-water mark, which its cap bounds), threads
 and file descriptors are flat after the first third of the run. Exit status 1 otherwise.
 
-Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx] [--json soak.json] [--trace DIR]   (not part of CI)
+Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--json soak.json] [--trace DIR]   (not part of CI)
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=1)
-    parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx"])
+    parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "shm"])
     parser.add_argument("--no-faults", action="store_true", help="stream only: a baseline for the resource figures")
     parser.add_argument("--json")
     parser.add_argument("--trace", metavar="DIR", help="write every process's rlink log and each actor's "

@@ -194,14 +194,6 @@ class LearnerServer:
         transport, reason = self._choose(hello)
         if not transport:
             raise ProtocolError(f"no common data plane: {reason}")
-        ring = nonce = None
-        if transport == "shm":
-            try:
-                ring, nonce = shm.ShmRing.create(self.config.shm_ring_bytes)
-            except OSError as exc:
-                if reason == "requested":
-                    raise ProtocolError(f"shm requested but the learner cannot create its ring: {exc}") from exc
-                transport, reason = "tcp", f"auto: the shared-memory ring could not be created ({exc})"
         if hello.actor_id is not None:
             actor_id = hello.actor_id
             newest = self.incarnations.get(actor_id, -1)
@@ -220,6 +212,14 @@ class LearnerServer:
         else:
             in_use = {s.actor_id for s in self.sessions.values()}
             actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
+        ring = nonce = None  # created last: every path from here on closes it with the session
+        if transport == "shm":
+            try:
+                ring, nonce = shm.ShmRing.create(self.config.shm_ring_bytes)
+            except OSError as exc:
+                if reason == "requested":
+                    raise ProtocolError(f"shm requested but the learner cannot create its ring: {exc}") from exc
+                transport, reason = "tcp", f"auto: the shared-memory ring could not be created ({exc})"
         ucx_worker = self.ucx.current if transport == "ucx" else None  # read once: it may be recycled
         ucx_address = ucx_worker.address if ucx_worker is not None else None
         session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
@@ -249,12 +249,12 @@ class LearnerServer:
             raise ProtocolError("session already has its data plane")
         conn.handed_off = True
         ring, session.shm_ring = session.shm_ring, None
-        if ring is not None:
-            ring.release_fd()  # the actor mapped it (or gave up) before attaching
         if ring is not None and msg.shm:
+            ring.release_fd()  # the actor mapped it before attaching
             session.receiver = shm.ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}")
         else:
             if ring is not None:
+                ring.close()
                 session.transport = "tcp"
                 session.transport_reason = "auto: the actor could not map the shared-memory ring; tcp instead"
                 log.info("actor %s: %s", session.actor_id, session.transport_reason)

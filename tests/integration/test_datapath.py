@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import os
 import socket
 import struct
 import time
@@ -62,6 +63,29 @@ def test_four_actors_every_step_exactly_once_bit_exact(transport):
         assert cat["version"][mine].tolist() == [version_of(s) for s in range(n_steps)]
     assert stats["total"]["steps"] == n_actors * n_steps
     assert {a["transport"] for a in stats["actors"] + stats["ended_actors"]} == {transport}
+    if transport == "shm":  # each ended session unmapped its ring and closed its descriptor
+        assert wait_until(lambda: shm_rings_held() == (0, 0), 10), shm_rings_held()
+
+
+def shm_rings_held() -> tuple[int, int]:
+    """This process's open descriptors of, and mappings of, shm-plane rings."""
+    fds = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:rlink-shm")
+        except OSError:
+            pass
+    with open("/proc/self/maps") as maps:
+        return fds, sum("/memfd:rlink-shm" in line for line in maps)
+
+
+def wait_until(check, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 @pytest.mark.timeout(120)
@@ -76,6 +100,7 @@ def test_a_same_host_actor_that_cannot_map_the_shared_ring_streams_over_tcp_inst
         transport, reason = out.get(timeout=60)
         assert join_all([proc]) == [0]
         actors = learner.stats()["actors"] + learner.stats()["ended_actors"]
+        assert shm_rings_held() == (0, 0)  # the unused ring was closed when the actor attached
     assert got.tolist() == list(range(5000))
     assert transport == "tcp" and "cannot be mapped" in reason
     assert [a["transport"] for a in actors] == ["tcp"] and "could not map" in actors[0]["transport_reason"]
@@ -90,6 +115,8 @@ def test_an_actor_that_requested_shm_and_cannot_map_the_ring_gets_a_connect_erro
         proc.start()
         kind, text = out.get(timeout=50)
         assert join_all([proc]) == [0]
+        # The session that never attached took its ring with it (the learner is still up).
+        assert wait_until(lambda: shm_rings_held() == (0, 0), 10), shm_rings_held()
     assert kind == "ConnectError" and "shm requested" in text and "simulated" in text
 
 

@@ -132,7 +132,7 @@ class Actor:
         capacity = max(1, min(reply.max_steps, self.config.frame_bytes // max(schema.step_bytes, 1)))
         self._conn.schema, self._conn.schema_id = schema, reply.schema_id
         self._conn.max_frame_steps = reply.max_steps  # no wire frame may carry more
-        self._conn.free = [FrameBuffer(schema, capacity) for _ in range(self.config.frame_buffers)]
+        self._conn.free = [self._new_frame_buffer(schema, capacity) for _ in range(self.config.frame_buffers)]
         self._conn.buffers = self.config.frame_buffers
         self._max_buffers = max(self.config.frame_buffers,
                                 self.config.resend_buffer_bytes // max(1, capacity * schema.step_bytes))  # fmt: skip
@@ -365,7 +365,7 @@ class Actor:
                 # filled ahead of the network (or put would run ahead of its credit).
                 if conn.buffers < self._max_buffers and conn.buffers - len(conn.inflight) < self.config.frame_buffers:
                     conn.buffers += 1
-                    return FrameBuffer(self._conn.schema, self._frame_steps)
+                    return self._new_frame_buffer(self._conn.schema, self._frame_steps)
                 if conn.inflight:  # every buffer waits for an acknowledgement: ask for one now
                     self._io.soon(conn.sync, conn.inflight[-1].seq + conn.inflight[-1].sent)
                 self._check_open()
@@ -377,6 +377,9 @@ class Actor:
                     )
                 conn.changed.wait(min(left, 0.5))
             return conn.free.pop()
+
+    def _new_frame_buffer(self, schema: Schema, capacity: int) -> FrameBuffer:
+        return FrameBuffer(schema, capacity, self._conn.frame_memory(capacity * schema.step_bytes))
 
     def _direct(self) -> bool:
         """May the caller's thread send itself? Only on a transport that allows any thread (tcp);
@@ -524,6 +527,9 @@ class Actor:
         self._io.stop(self.config.close_timeout)
         with self._conn.changed:
             self._conn.changed.notify_all()
+        with self._lock:
+            self._current = None
+        self._conn.release_arena()
 
     def __enter__(self) -> Actor:
         return self

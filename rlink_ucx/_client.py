@@ -30,15 +30,20 @@ log = logging.getLogger(__name__)
 
 
 class FrameBuffer:
-    """A reusable frame of up to ``capacity`` steps: one flat byte array per field."""
+    """A reusable frame of up to ``capacity`` steps: one flat byte array per field, carved
+    from ``memory`` (a uint8 array, e.g. from the shm plane's arena) when given."""
 
-    def __init__(self, schema: Schema, capacity: int):
+    def __init__(self, schema: Schema, capacity: int, memory: Any = None):
         import numpy as np
 
         from ._codec import DTYPES
 
         self.capacity = capacity
-        self.flat = [np.empty(capacity * f.step_bytes, dtype=np.uint8) for f in schema.fields]
+        if memory is None:
+            self.flat = [np.empty(capacity * f.step_bytes, dtype=np.uint8) for f in schema.fields]
+        else:
+            bounds = np.cumsum([0] + [capacity * f.step_bytes for f in schema.fields]).tolist()
+            self.flat = [memory[a:b] for a, b in zip(bounds, bounds[1:])]
         self.typed = [
             flat.view(DTYPES[f.dtype]).reshape((capacity, *f.shape)) for f, flat in zip(schema.fields, self.flat)
         ]
@@ -125,6 +130,7 @@ class ActorConnection:
         self.closing = False
         self.latest_version = 0  # the newest model version the learner announced
         self.weights_listener: Any = None  # the Subscriber's deliver(), once subscribed
+        self.arena: shm.Arena | None = None  # shm plane: frame buffers the learner can read directly
 
     # --- connecting -------------------------------------------------------------------------------
     async def _open(self) -> tuple[ControlConnection, _wire.Challenge]:
@@ -207,17 +213,47 @@ class ActorConnection:
     async def _attach_tcp(self, welcome: _wire.Welcome) -> None:
         """Open the data connection: the tcp plane, or the doorbell of the shm plane."""
         ring = self._map_shm_ring(welcome) if welcome.transport == "shm" else None
+        if ring is not None and self.arena is None and self.resend:
+            self.arena = self._new_arena()
+        arena = self.arena.describe() if ring is not None and self.arena is not None else None
         data, challenge = await self._open()
         data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
                                _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session),
-                               ring is not None))  # fmt: skip
+                               ring is not None, arena))  # fmt: skip
         # A send that makes no progress for a heartbeat timeout means a frozen or vanished
         # learner; the blocking send holds the I/O thread, so the heartbeat could not tell.
         timeout = min(self.config.frame_timeout, self.config.heartbeat_timeout)
         if ring is not None:
-            self.sender = shm.ShmSender(data.sock, ring, timeout)
+            # The arena goes with the Attach; the learner's Ready says whether it mapped it.
+            self.sender = shm.ShmSender(data.sock, ring, timeout, self.arena)
         else:
             self.sender = TcpSender(data.sock, self.loop, timeout)
+
+    def _new_arena(self) -> shm.Arena | None:
+        """Room for every frame buffer the actor may hold: those kept for resending, those
+        being filled, and a few spare (beyond it, frame buffers are private memory and their
+        frames go through the ring)."""
+        c = self.config
+        try:
+            return shm.Arena(c.resend_buffer_bytes + (c.frame_buffers + 4) * c.frame_bytes)
+        except OSError as exc:
+            log.info("no shared frame buffers (%s): frames go through the ring", exc)
+            return None
+
+    def release_arena(self) -> None:
+        """After close: drop the frame buffers and unmap the arena (any thread)."""
+        arena, self.arena = self.arena, None
+        if arena is not None:
+            with self.changed:
+                self.free.clear()
+                self.inflight.clear()
+                self.queue.clear()
+            self._tasks.clear()  # a stopped task's frame may still hold the frame it was sending
+            arena.close()
+
+    def frame_memory(self, nbytes: int) -> Any:
+        """Memory for a new frame buffer: from the arena while it has room, else None (private)."""
+        return self.arena.block(nbytes) if self.arena is not None else None
 
     def _map_shm_ring(self, welcome: _wire.Welcome) -> shm.ShmRing | None:
         """Map the learner's ring; None (tcp on the data connection instead) where it cannot be
@@ -259,6 +295,8 @@ class ActorConnection:
                 elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed)):
                     self._on_weights(msg)
                 elif isinstance(msg, _wire.Ready):
+                    if not msg.arena and isinstance(self.sender, shm.ShmSender):
+                        self.sender.arena = None  # the learner could not map it: use the ring
                     if not self._ready.done():
                         self._ready.set_result(msg.transport)
                 elif isinstance(msg, (_wire.Accept, _wire.Reject)):

@@ -249,9 +249,14 @@ class LearnerServer:
             raise ProtocolError("session already has its data plane")
         conn.handed_off = True
         ring, session.shm_ring = session.shm_ring, None
+        arena = None
         if ring is not None and msg.shm:
             ring.release_fd()  # the actor mapped it before attaching
-            session.receiver = shm.ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}")
+            arena = self._map_arena(session, msg.arena)
+            if arena is not None:
+                session.transport_reason += "; frames read in place from the actor's shared frame buffers"
+            session.receiver = shm.ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}",
+                                               arena=arena)  # fmt: skip
         else:
             if ring is not None:
                 ring.close()
@@ -260,8 +265,24 @@ class LearnerServer:
                 log.info("actor %s: %s", session.actor_id, session.transport_reason)
             session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}")
         session.receiver.start()
-        session.control.send(_wire.Ready(session.transport))
+        session.control.send(_wire.Ready(session.transport, arena is not None))
         self.grant_credits()
+
+    @staticmethod
+    def _map_arena(session: LearnerSession, where: Any) -> shm.ShmRing | None:
+        """Map the actor's frame buffers (checked like the actor checks our ring: an rlink
+        memfd, sealed, the announced size and nonce); None: its frames come through the ring."""
+        if where is None:
+            return None
+        try:
+            pid, fd, nonce, size = where
+            if int(pid) != session.hello.pid:
+                raise OSError(f"the arena is announced in process {pid}, the actor is {session.hello.pid}")
+            return shm.ShmRing.open(int(pid), int(fd), bytes(nonce), int(size), shm.ARENA_NAME)
+        except (OSError, ValueError, TypeError) as exc:
+            log.info("actor %s: its frame buffers cannot be mapped (%s); its frames come through the ring",
+                     session.actor_id, exc)  # fmt: skip
+            return None
 
     async def _start_ucx_plane(self) -> None:
         """Start the UCX plane off the event loop: its worker takes a good part of a second to

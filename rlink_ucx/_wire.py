@@ -53,6 +53,7 @@ class Attach(_Msg):
     session: int
     mac: bytes
     shm: bool = False  # for an shm session: the actor mapped the shared ring (else: tcp on this connection)
+    arena: Union[list, None] = None  # shm: the actor's frame buffers [pid, memfd number, nonce, bytes]
 
 
 # --- session ----------------------------------------------------------------------------------
@@ -100,6 +101,7 @@ class Ready(_Msg):
     """The data plane of this session is attached and authenticated."""
 
     transport: str
+    arena: bool = False  # shm: the learner mapped the actor's arena (frames may point into it)
 
 
 class Credit(_Msg):

@@ -7,13 +7,20 @@ process of the same user in the same PID namespace may open, and checks the nonc
 it mapped the right object. Whoever cannot map it says so in ``Attach`` and the session falls
 back to the tcp plane over the same data connection.
 
-The ring is a byte stream with the tcp plane's framing (header, then payload). The data
-connection carries only counters, 8 bytes each, both cumulative: the actor writes bytes into
-the ring and then sends how many it has written in all (the doorbell); the learner copies
-bytes out into its receive ring and sends how many it has consumed in all (the release). A
-counter that goes backwards or claims more than the ring holds is a ``ProtocolError``.
-Copies run in ``ctypes.memmove``, which releases the GIL, so the other threads keep running.
+The data connection carries small records only. The actor announces each frame (its header)
+and where its payload is:
 
+- in the actor's *arena*: a sealed memfd of its own holding its frame buffers, mapped by the
+  learner when the data connection attaches (after checking the seals). The record lists the
+  payload's extents and the learner copies straight out of the frame buffer: one copy in all
+  after ``put``'s. Only while the actor keeps sent frames until they are acknowledged
+  (``Config.resend_buffer_bytes`` > 0, the default), so it never refills one being read;
+- or in the ring, a byte stream: the actor copies the payload in and sends how many bytes it
+  has written in all; the learner copies them out and sends back how many it has consumed.
+  Both counters are cumulative; one that goes backwards or claims more than the ring holds is
+  a ``ProtocolError``, as are extents outside the arena.
+
+Copies run in ``ctypes.memmove``, which releases the GIL, so the other threads keep running.
 Each side sends its counter before it waits for the other's, so neither can wait on the other
 forever; every wait is bounded by the socket timeout.
 """
@@ -31,6 +38,7 @@ import stat
 import struct
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -42,7 +50,14 @@ from .tcp import _close, tune_socket
 DATA_OFFSET = 4096  # the first page holds the nonce; the ring's bytes start page-aligned
 NONCE_BYTES = 16
 COUNTER = struct.Struct("<Q")
-MEMFD_NAME = "rlink-shm"
+RING_NAME = "rlink-shm"  # the learner's ring, one per session
+ARENA_NAME = "rlink-arena"  # an actor's frame buffers, one per actor
+SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
+# Actor -> learner records on the data connection: bytes written to the ring so far; a frame
+# whose payload follows in the ring; a frame whose payload lies in the actor's arena.
+WRITTEN, RING_FRAME, ARENA_FRAME = b"W", b"R", b"A"
+EXTENT = struct.Struct("<QQ")  # offset, length in the arena
+MAX_EXTENTS = 4096
 
 
 def available() -> bool:
@@ -56,7 +71,8 @@ def _address(buf: memoryview) -> int:
 
 
 class ShmRing:
-    """One mapped ring; ``size`` data bytes after the nonce page."""
+    """A sealed shared memfd, mapped: ``size`` data bytes after the nonce page. The learner's
+    ring (a byte stream) or an actor's arena (its frame buffers)."""
 
     def __init__(self, mm: mmap.mmap, size: int, fd: int | None = None):
         self.mm = mm
@@ -65,12 +81,12 @@ class ShmRing:
         self.base = _address(memoryview(mm)) + DATA_OFFSET
 
     @classmethod
-    def create(cls, size: int) -> tuple[ShmRing, bytes]:
-        """Learner: a new sealed ring and the nonce written into it."""
-        fd = os.memfd_create(MEMFD_NAME, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    def create(cls, size: int, name: str = RING_NAME) -> tuple[ShmRing, bytes]:
+        """A new sealed region and the nonce written into it."""
+        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             os.ftruncate(fd, DATA_OFFSET + size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL)
+            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
             mm = mmap.mmap(fd, DATA_OFFSET + size)
         except BaseException:
             os.close(fd)
@@ -80,18 +96,21 @@ class ShmRing:
         return cls(mm, size, fd), nonce
 
     @classmethod
-    def open(cls, pid: int, fd: int, nonce: bytes, size: int) -> ShmRing:
-        """Actor: map the learner's ring; ``OSError`` when it is not reachable from here."""
+    def open(cls, pid: int, fd: int, nonce: bytes, size: int, name: str = RING_NAME) -> ShmRing:
+        """Map the other side's region; ``OSError`` when it is not reachable from here."""
         path = f"/proc/{pid}/fd/{fd}"
         # In another PID namespace the same numbers name some other process's file: look
         # before opening (never open a device or a FIFO by accident), then check the nonce.
-        if not os.readlink(path).startswith(f"/memfd:{MEMFD_NAME} "):
-            raise OSError(f"{path} is not an rlink ring")
+        if not os.readlink(path).startswith(f"/memfd:{name} "):
+            raise OSError(f"{path} is not an rlink {name}")
         own = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
         try:
             info = os.fstat(own)
             if not stat.S_ISREG(info.st_mode) or info.st_size != DATA_OFFSET + size:
-                raise OSError(f"{path} is not the announced ring")
+                raise OSError(f"{path} is not the announced {name}")
+            # Unsealed, its owner could shrink it under our mapping: reads would fault (SIGBUS).
+            if fcntl.fcntl(own, fcntl.F_GET_SEALS) & SEALS != SEALS:
+                raise OSError(f"{path} is not sealed against shrinking")
             mm = mmap.mmap(own, DATA_OFFSET + size)
         finally:
             os.close(own)
@@ -129,9 +148,61 @@ class ShmRing:
                 ctypes.memmove(addr, self.base + at, k)
             pos, addr, n = pos + k, addr + k, n - k
 
+    def extents(self, views: list[memoryview]) -> bytes | None:
+        """``views`` as packed (offset, length) extents if every one lies in this region."""
+        out = []
+        for view in views:
+            at = _address(view) - self.base
+            if not 0 <= at <= self.size - len(view):
+                return None
+            out.append(EXTENT.pack(at, len(view)))
+        return b"".join(out)
 
-class _Counters:
-    """The other side's cumulative counter, read from the data connection."""
+    def copy_extents(self, extents: list[tuple[int, int]], dst: list[memoryview]) -> None:
+        """Copy the region's ``extents`` (validated) into ``dst``, in order."""
+        i, used = 0, 0  # position in dst
+        for at, n in extents:
+            while n:
+                view = dst[i]
+                k = min(n, len(view) - used)
+                ctypes.memmove(_address(view) + used, self.base + at, k)
+                at, n, used = at + k, n - k, used + k
+                if used == len(view):
+                    i, used = i + 1, 0
+
+
+class Arena:
+    """An actor's frame buffers in a sealed memfd the learner maps: frames whose payload lies
+    here reach the learner with one copy, straight out of the frame buffer. Blocks are handed
+    out once and live as long as the actor (frame buffers are reused, never freed)."""
+
+    def __init__(self, size: int):
+        self.region, self.nonce = ShmRing.create(size, ARENA_NAME)
+        self._next = 0
+
+    def describe(self) -> list[Any]:
+        assert self.region.fd is not None
+        return [os.getpid(), self.region.fd, self.nonce, self.region.size]
+
+    def block(self, nbytes: int) -> np.ndarray | None:
+        """``nbytes`` of arena memory (page-aligned), or None once the arena is full."""
+        start = self._next
+        if start + nbytes > self.region.size:
+            return None
+        self._next = start + -(-nbytes // 4096) * 4096
+        return np.frombuffer(self.region.mm, np.uint8, nbytes, DATA_OFFSET + start)
+
+    def close(self) -> None:
+        """The actor is closing; the mapping goes once no frame buffer uses it any more."""
+        self.region.release_fd()
+        try:
+            self.region.mm.close()
+        except BufferError:  # frame buffers still reference it: unmapped with the last of them
+            pass
+
+
+class _Releases:
+    """The learner's cumulative release counters, read from the data connection."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
@@ -139,56 +210,65 @@ class _Counters:
         self._partial = b""
         self.last = 0
 
-    def read(self, block: bool) -> int | None:
-        """The newest whole counter waiting in the socket (None: none yet); with ``block``,
-        waits for bytes first. The socket is blocking without a timeout (a timeout would make
-        Python poll before every call, even a non-blocking one): callers bound waits with poll."""
+    def read(self) -> int | None:
+        """The newest whole counter waiting in the socket (None: none yet), without blocking.
+        The socket is blocking without a timeout (a timeout would make Python poll before every
+        call, even a non-blocking one): callers bound waits with poll."""
         try:
-            n = self.sock.recv_into(self._buf, len(self._buf), 0 if block else socket.MSG_DONTWAIT)
+            n = self.sock.recv_into(self._buf, len(self._buf), socket.MSG_DONTWAIT)
         except BlockingIOError:
             return None
         if n == 0:
-            raise EOFError("peer closed the data connection")
+            raise EOFError("learner closed the data connection")
         data = self._partial + bytes(self._buf[:n])
         whole = len(data) - len(data) % COUNTER.size
         self._partial = data[whole:]
-        if not whole:
-            return None
         for (value,) in COUNTER.iter_unpack(data[:whole]):
             if value < self.last:
-                raise ProtocolError(f"the peer's shared ring counter went back from {self.last} to {value}")
+                raise ProtocolError(f"the learner's shared ring counter went back from {self.last} to {value}")
             self.last = value
-        return self.last
+        return self.last if whole else None
 
 
 class ShmSender:
-    """Actor side: copies each frame into the ring, then rings the doorbell."""
+    """Actor side: announces each frame on the data connection. A frame whose payload lies in
+    the actor's arena is announced with its extents (the learner copies it out from there);
+    any other payload is copied into the learner's ring first."""
 
     name = "shm"
     any_thread = True  # like tcp: any thread may send, under the connection's send lock
 
-    def __init__(self, sock: socket.socket, ring: ShmRing, timeout: float):
+    def __init__(self, sock: socket.socket, ring: ShmRing, timeout: float, arena: Arena | None = None):
         tune_socket(sock)
         sock.setblocking(True)
         self.sock = sock
         self.ring = ring
+        self.arena = arena  # only while frame buffers are kept until acknowledged (see Arena)
         self.timeout = timeout
+        self.written = 0
+        self.released = 0
+        self.arena_frames = 0
         self._lock = threading.Lock()  # close() unmaps only between sends
         self._closed = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
-        self.written = 0
-        self.released = 0
-        self._releases = _Counters(sock)
+        self._releases = _Releases(sock)
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         with self._lock:
             if self._closed:
                 raise ConnectionResetError("the shm data plane is closed")
-            self._send(header, payload)
+            extents = self.arena.region.extents(payload) if self.arena is not None else None
+            if extents is not None:
+                self.sock.sendall(b"".join((ARENA_FRAME, header, COUNTER.pack(len(payload)), extents)))
+                self.arena_frames += 1
+            else:
+                self.sock.sendall(RING_FRAME + header)
+                self._stream(payload)
+            self._await_release(block=False)
 
-    def _send(self, header: bytes, payload: list[memoryview]) -> None:
-        for buf in (memoryview(header), *payload):
+    def _stream(self, payload: list[memoryview]) -> None:
+        for buf in payload:
             while len(buf):
                 free = self.ring.size - (self.written - self.released)
                 if not free:
@@ -200,17 +280,16 @@ class ShmSender:
                 self.written += k
                 buf = buf[k:]
         self._doorbell()
-        self._await_release(block=False)
 
     def _doorbell(self) -> None:
-        self.sock.sendall(COUNTER.pack(self.written))
+        self.sock.sendall(WRITTEN + COUNTER.pack(self.written))
 
     def _await_release(self, block: bool) -> None:
         deadline = time.monotonic() + self.timeout
         while True:
             if block and not self._poll.poll(max(0.0, deadline - time.monotonic()) * 1000):
                 raise TimeoutError(f"the learner freed no room in the shared ring for {self.timeout:.3g}s")
-            released = self._releases.read(block=False)
+            released = self._releases.read()
             if released is None:
                 if block:
                     continue  # half a counter arrived; the rest follows
@@ -228,23 +307,60 @@ class ShmSender:
                 self.ring.close()
 
 
+class _Records:
+    """The actor's records, read from the data connection (blocking)."""
+
+    def __init__(self, sock: socket.socket):
+        self.sock = sock
+        self._buf = bytearray(65536)
+        self._data = b""
+
+    def _need(self, n: int) -> bytes:
+        while len(self._data) < n:
+            got = self.sock.recv_into(self._buf)
+            if got == 0:
+                raise EOFError("actor closed the data connection")
+            self._data += self._buf[:got]
+        out, self._data = self._data[:n], self._data[n:]
+        return out
+
+    def next(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
+        """``(kind, header or counter, extents)``."""
+        kind = self._need(1)
+        if kind == WRITTEN:
+            return kind, self._need(COUNTER.size), []
+        if kind == RING_FRAME:
+            return kind, self._need(FRAME_HEADER_BYTES), []
+        if kind == ARENA_FRAME:
+            header = self._need(FRAME_HEADER_BYTES)
+            (n,) = COUNTER.unpack(self._need(COUNTER.size))
+            if n > MAX_EXTENTS:
+                raise ProtocolError(f"a frame in {n} pieces of the actor's arena; the limit is {MAX_EXTENTS}")
+            raw = self._need(n * EXTENT.size)
+            return kind, header, list(EXTENT.iter_unpack(raw))
+        raise ProtocolError(f"unknown record {kind!r} on the shm data connection")
+
+
 class ShmReceiver:
-    """Learner side: one thread per actor copies frames out of the ring into the sink's views."""
+    """Learner side: one thread per actor copies frames out of the ring, or out of the actor's
+    arena, into the sink's views."""
 
     name = "shm"
 
-    def __init__(self, sock: socket.socket, ring: ShmRing, sink: FrameSink, name: str = "rlink-shm-recv"):
+    def __init__(self, sock: socket.socket, ring: ShmRing, sink: FrameSink, name: str = "rlink-shm-recv",
+                 arena: ShmRing | None = None):  # fmt: skip
         sock.setblocking(True)
         tune_socket(sock)
         self.sock = sock
         self.ring = ring
+        self.arena = arena
         self.sink = sink
         self.frame_started: float | None = None
         self._closed = False
         self._written = 0  # what the actor announced
         self._consumed = 0  # copied out
         self._released = 0  # what we told the actor
-        self._doorbells = _Counters(sock)
+        self._records = _Records(sock)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> None:
@@ -271,28 +387,45 @@ class ShmReceiver:
     def _wait_for_bytes(self) -> None:
         if self._consumed != self._released:
             self._release()  # before waiting: the actor may be waiting for room
-        written = self._doorbells.read(block=True)
-        while written is None:
-            written = self._doorbells.read(block=True)
-        if written > self._consumed + self.ring.size:
+        kind, body, _ = self._records.next()
+        if kind != WRITTEN:
+            raise ProtocolError("a new frame was announced before the last one's payload was written")
+        self._note_written(body)
+
+    def _note_written(self, body: bytes) -> None:
+        (written,) = COUNTER.unpack(body)
+        if not self._written <= written <= self._consumed + self.ring.size:
             raise ProtocolError(f"actor announced {written} bytes in the shared ring; {self._consumed} consumed, "
                                 f"ring of {self.ring.size}")  # fmt: skip
         self._written = written
 
+    def _copy_from_arena(self, extents: list[tuple[int, int]], views: list[memoryview]) -> None:
+        if self.arena is None:
+            raise ProtocolError("a frame in an arena this actor did not announce")
+        size = self.arena.size
+        if any(not (0 <= at <= size and 0 <= n <= size - at) for at, n in extents):
+            raise ProtocolError("a frame's extents leave the actor's arena")
+        if sum(n for _, n in extents) != sum(len(v) for v in views):
+            raise ProtocolError("a frame's extents do not add up to its payload")
+        self.arena.copy_extents(extents, views)
+
     def _run(self) -> None:
-        header = bytearray(FRAME_HEADER_BYTES)
         try:
             while True:
-                if self._written == self._consumed:
-                    try:
-                        self._wait_for_bytes()
-                    except EOFError:  # between frames: the control channel says why
-                        raise EOFError("actor closed the data connection") from None
-                self._read_into([memoryview(header)])
-                self.frame_started = time.monotonic()
-                payload = [v for v in self.sink.begin(bytes(header)) if len(v)]
                 try:
-                    self._read_into(payload)
+                    kind, body, extents = self._records.next()
+                except EOFError:  # between frames: the control channel says why
+                    raise EOFError("actor closed the data connection") from None
+                if kind == WRITTEN:
+                    self._note_written(body)
+                    continue
+                self.frame_started = time.monotonic()
+                payload = [v for v in self.sink.begin(body) if len(v)]
+                try:
+                    if kind == ARENA_FRAME:
+                        self._copy_from_arena(extents, payload)
+                    else:
+                        self._read_into(payload)
                 except EOFError:
                     raise ConnectionResetError("actor closed the data connection mid-frame") from None
                 self.frame_started = None
@@ -305,7 +438,9 @@ class ShmReceiver:
         finally:
             self.frame_started = None
             self.sink.abandon()
-            self.ring.close()  # this thread was the only one copying out of it
+            self.ring.close()  # this thread was the only one copying out of them
+            if self.arena is not None:
+                self.arena.close()
 
     def close(self) -> None:
         if not self._closed:

@@ -14,8 +14,8 @@ import pytest
 import rlink_ucx
 from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
 from tests.conftest import TRANSPORTS, shm_possible
-from tests.integration.procs import (encoded_steps, int_actor, lingering_actor, stream_actor, unmappable_shm_actor,
-                                     version_of)
+from tests.integration.procs import (encoded_steps, int_actor, lingering_actor, steady_actor, stream_actor,
+                                     unmappable_shm_actor, version_of)
 
 SPAWN = mp.get_context("spawn")
 
@@ -63,7 +63,10 @@ def test_four_actors_every_step_exactly_once_bit_exact(transport):
         assert cat["version"][mine].tolist() == [version_of(s) for s in range(n_steps)]
     assert stats["total"]["steps"] == n_actors * n_steps
     assert {a["transport"] for a in stats["actors"] + stats["ended_actors"]} == {transport}
-    if transport == "shm":  # each ended session unmapped its ring and closed its descriptor
+    if transport == "shm":
+        # The learner mapped each actor process's frame buffers (so frames were read in place)...
+        assert all("read in place" in a["transport_reason"] for a in stats["actors"] + stats["ended_actors"])
+        # ...and each ended session unmapped them and its ring, and closed their descriptors.
         assert wait_until(lambda: shm_rings_held() == (0, 0), 10), shm_rings_held()
 
 
@@ -72,11 +75,11 @@ def shm_rings_held() -> tuple[int, int]:
     fds = 0
     for fd in os.listdir("/proc/self/fd"):
         try:
-            fds += os.readlink(f"/proc/self/fd/{fd}").startswith("/memfd:rlink-shm")
+            fds += os.readlink(f"/proc/self/fd/{fd}").startswith(("/memfd:rlink-shm", "/memfd:rlink-arena"))
         except OSError:
             pass
     with open("/proc/self/maps") as maps:
-        return fds, sum("/memfd:rlink-shm" in line for line in maps)
+        return fds, sum("/memfd:rlink-shm" in line or "/memfd:rlink-arena" in line for line in maps)
 
 
 def wait_until(check, timeout: float) -> bool:
@@ -104,6 +107,26 @@ def test_a_same_host_actor_that_cannot_map_the_shared_ring_streams_over_tcp_inst
     assert got.tolist() == list(range(5000))
     assert transport == "tcp" and "cannot be mapped" in reason
     assert [a["transport"] for a in actors] == ["tcp"] and "could not map" in actors[0]["transport_reason"]
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not shm_possible(), reason="no memfd (not Linux)")
+def test_an_shm_actor_that_keeps_no_frames_for_resending_sends_them_through_the_ring(monkeypatch):
+    # Without resending, a frame buffer is refilled as soon as it is sent: the learner must not
+    # read it in place, so the actor offers no arena and copies every frame into the ring.
+    monkeypatch.setenv("RLINK_RESEND_BUFFER_BYTES", "0")
+    with Learner("127.0.0.1:0", transport="shm") as learner:
+        dataset = RLinkDataset(learner, batch_size=500)
+        results = SPAWN.Queue()
+        proc = SPAWN.Process(target=steady_actor, args=(learner.address, 1, 20_000, 500, results),
+                             kwargs={"transport": "shm"})  # fmt: skip
+        proc.start()
+        got = np.concatenate([dataset.fetch(timeout=60)["x"].numpy() for _ in range(40)])
+        assert results.get(timeout=60)["steps_sent"] == 20_000
+        assert join_all([proc]) == [0]
+        actors = learner.stats()["actors"] + learner.stats()["ended_actors"]
+    assert got.tolist() == list(range(20_000))
+    assert [a["transport"] for a in actors] == ["shm"] and "read in place" not in actors[0]["transport_reason"]
 
 
 @pytest.mark.timeout(60)

@@ -52,13 +52,17 @@ def connection():
     learner_side.close()
 
 
-def _pair(connection, sink):
+def _pair(connection, sink, arena=None):
     ring, nonce = shm.ShmRing.create(RING)
     mapped = shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING)
     ring.release_fd()
-    receiver = shm.ShmReceiver(connection[1], ring, sink)
+    learner_view = None
+    if arena is not None:  # the learner maps the actor's arena, as at Attach
+        pid, fd, arena_nonce, size = arena.describe()
+        learner_view = shm.ShmRing.open(pid, fd, arena_nonce, size, shm.ARENA_NAME)
+    receiver = shm.ShmReceiver(connection[1], ring, sink, arena=learner_view)
     receiver.start()
-    return shm.ShmSender(connection[0], mapped, timeout=5), receiver
+    return shm.ShmSender(connection[0], mapped, timeout=5, arena=arena), receiver
 
 
 def _header(size: int) -> bytes:
@@ -92,7 +96,7 @@ def test_the_ring_is_sealed_against_shrinking_and_checked_by_nonce():
         os.close(own)
     with pytest.raises(OSError, match="nonce"):
         shm.ShmRing.open(os.getpid(), ring.fd, bytes(16), RING)
-    with pytest.raises(OSError, match="not the announced ring"):
+    with pytest.raises(OSError, match="not the announced"):
         shm.ShmRing.open(os.getpid(), ring.fd, nonce, 2 * RING)
     ring.release_fd()
     with pytest.raises(OSError):
@@ -103,9 +107,9 @@ def test_the_ring_is_sealed_against_shrinking_and_checked_by_nonce():
 def test_a_doorbell_that_overstates_or_rewinds_the_ring_is_a_protocol_error(connection, counter):
     sink = RecordingSink()
     sender, receiver = _pair(connection, sink)
-    sender.send(_header(10), [memoryview(b"0123456789")])  # 74 bytes: header and payload
+    sender.send(_header(10), [memoryview(b"0123456789")])  # 10 bytes through the ring
     assert sink.ended.acquire(timeout=10)  # delivered before the bad counter comes
-    connection[0].sendall(shm.COUNTER.pack(counter))
+    connection[0].sendall(shm.WRITTEN + shm.COUNTER.pack(counter))
     assert sink.failed.wait(10)
     assert isinstance(sink.failure, ProtocolError) and "shared ring" in str(sink.failure)
     assert receiver.sock.fileno() == -1  # the connection was closed
@@ -125,3 +129,48 @@ def test_a_sender_whose_ring_is_never_freed_times_out():
     for s in (actor_side, learner_side, server):
         s.close()
     ring.release_fd()
+
+
+def test_frames_in_the_arena_are_read_in_place_and_others_go_through_the_ring(connection):
+    sink = RecordingSink()
+    arena = shm.Arena(4 * RING)
+    sender, _ = _pair(connection, sink, arena)
+    rng = np.random.default_rng(3)
+    block = arena.block(3 * RING)  # a frame buffer with two fields
+    sent = []
+    for i in range(60):
+        a, b = block[: RING], block[RING : 3 * RING]
+        a[:] = rng.integers(0, 256, RING, dtype=np.uint8)
+        b[:] = rng.integers(0, 256, 2 * RING, dtype=np.uint8)
+        n = int(rng.integers(1, RING))
+        if i % 3:  # parts of the frame buffer: announced by extents
+            parts = [memoryview(a)[:n], memoryview(b)[: 2 * n]]
+        else:  # private memory (a large put from the caller's array): through the ring
+            parts = [memoryview(rng.integers(0, 256, 2 * n, dtype=np.uint8))]
+        sender.send(_header(sum(len(p) for p in parts)), parts)
+        sent.append(b"".join(bytes(p) for p in parts))
+        assert sink.ended.acquire(timeout=10)  # the learner copied it: the buffer may be refilled
+    sender.close()
+    assert sink.failed.wait(10) and isinstance(sink.failure, EOFError)
+    assert [bytes(f) for f in sink.frames] == sent
+    assert sender.arena_frames == 40
+
+
+def test_extents_outside_the_arena_are_a_protocol_error(connection):
+    sink = RecordingSink()
+    arena = shm.Arena(RING)
+    _pair(connection, sink, arena)
+    record = shm.ARENA_FRAME + _header(100) + shm.COUNTER.pack(1) + shm.EXTENT.pack(RING - 50, 100)
+    connection[0].sendall(record)
+    assert sink.failed.wait(10)
+    assert isinstance(sink.failure, ProtocolError) and "leave the actor's arena" in str(sink.failure)
+
+
+def test_an_unsealed_memfd_is_refused(tmp_path):
+    fd = os.memfd_create(shm.ARENA_NAME, os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, shm.DATA_OFFSET + RING)  # its owner could shrink it under our mapping
+    try:
+        with pytest.raises(OSError, match="not sealed"):
+            shm.ShmRing.open(os.getpid(), fd, bytes(16), RING, shm.ARENA_NAME)
+    finally:
+        os.close(fd)

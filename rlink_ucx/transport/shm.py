@@ -45,7 +45,7 @@ import numpy as np
 from .._errors import ProtocolError
 from .._wire import FRAME_HEADER_BYTES
 from .base import FrameSink
-from .tcp import _close, tune_socket
+from .tcp import SocketReceiver, _close, tune_socket
 
 DATA_OFFSET = 4096  # the first page holds the nonce; the ring's bytes start page-aligned
 NONCE_BYTES = 16
@@ -341,7 +341,7 @@ class _Records:
         raise ProtocolError(f"unknown record {kind!r} on the shm data connection")
 
 
-class ShmReceiver:
+class ShmReceiver(SocketReceiver):
     """Learner side: one thread per actor copies frames out of the ring, or out of the actor's
     arena, into the sink's views."""
 
@@ -349,22 +349,13 @@ class ShmReceiver:
 
     def __init__(self, sock: socket.socket, ring: ShmRing, sink: FrameSink, name: str = "rlink-shm-recv",
                  arena: ShmRing | None = None):  # fmt: skip
-        sock.setblocking(True)
-        tune_socket(sock)
-        self.sock = sock
+        super().__init__(sock, sink, name)
         self.ring = ring
         self.arena = arena
-        self.sink = sink
-        self.frame_started: float | None = None
-        self._closed = False
         self._written = 0  # what the actor announced
         self._consumed = 0  # copied out
         self._released = 0  # what we told the actor
         self._records = _Records(sock)
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
 
     def _read_into(self, views: list[memoryview]) -> None:
         for view in views:
@@ -409,40 +400,28 @@ class ShmReceiver:
             raise ProtocolError("a frame's extents do not add up to its payload")
         self.arena.copy_extents(extents, views)
 
-    def _run(self) -> None:
-        try:
-            while True:
-                try:
-                    kind, body, extents = self._records.next()
-                except EOFError:  # between frames: the control channel says why
-                    raise EOFError("actor closed the data connection") from None
-                if kind == WRITTEN:
-                    self._note_written(body)
-                    continue
-                self.frame_started = time.monotonic()
-                payload = [v for v in self.sink.begin(body) if len(v)]
-                try:
-                    if kind == ARENA_FRAME:
-                        self._copy_from_arena(extents, payload)
-                    else:
-                        self._read_into(payload)
-                except EOFError:
-                    raise ConnectionResetError("actor closed the data connection mid-frame") from None
-                self.frame_started = None
-                self.sink.end_threadsafe()
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to the session
-            if not self._closed:
-                self._closed = True
-                _close(self.sock)
-                self.sink.fail_threadsafe(exc)
-        finally:
+    def _receive(self) -> None:
+        while True:
+            try:
+                kind, body, extents = self._records.next()
+            except EOFError:  # between frames: the control channel says why
+                raise EOFError("actor closed the data connection") from None
+            if kind == WRITTEN:
+                self._note_written(body)
+                continue
+            self.frame_started = time.monotonic()
+            payload = [v for v in self.sink.begin(body) if len(v)]
+            try:
+                if kind == ARENA_FRAME:
+                    self._copy_from_arena(extents, payload)
+                else:
+                    self._read_into(payload)
+            except EOFError:
+                raise ConnectionResetError("actor closed the data connection mid-frame") from None
             self.frame_started = None
-            self.sink.abandon()
-            self.ring.close()  # this thread was the only one copying out of them
-            if self.arena is not None:
-                self.arena.close()
+            self.sink.end_threadsafe()
 
-    def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            _close(self.sock)
+    def _finished(self) -> None:
+        self.ring.close()  # this thread was the only one copying out of them
+        if self.arena is not None:
+            self.arena.close()

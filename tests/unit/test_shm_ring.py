@@ -126,9 +126,10 @@ def test_a_sender_whose_ring_is_never_freed_times_out():
     with pytest.raises(TimeoutError, match="freed no room"):
         sender.send(_header(2 * RING), [memoryview(bytes(2 * RING))])
     assert 0.4 < time.monotonic() - started < 5
-    for s in (actor_side, learner_side, server):
+    sender.close()
+    for s in (learner_side, server):
         s.close()
-    ring.release_fd()
+    ring.close()
 
 
 def test_frames_in_the_arena_are_read_in_place_and_others_go_through_the_ring(connection):
@@ -154,6 +155,8 @@ def test_frames_in_the_arena_are_read_in_place_and_others_go_through_the_ring(co
     assert sink.failed.wait(10) and isinstance(sink.failure, EOFError)
     assert [bytes(f) for f in sink.frames] == sent
     assert sender.arena_frames == 40
+    del a, b, block
+    arena.close()
 
 
 def test_extents_outside_the_arena_are_a_protocol_error(connection):
@@ -164,6 +167,7 @@ def test_extents_outside_the_arena_are_a_protocol_error(connection):
     connection[0].sendall(record)
     assert sink.failed.wait(10)
     assert isinstance(sink.failure, ProtocolError) and "leave the actor's arena" in str(sink.failure)
+    arena.close()
 
 
 def test_an_unsealed_memfd_is_refused(tmp_path):

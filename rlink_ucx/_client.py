@@ -20,6 +20,7 @@ from ._config import Config
 from ._errors import (AuthError, Backpressure, Closed, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch,
                       Superseded)
 from ._io import ControlConnection, ticks
+from ._memory import Reserve
 from ._version import __version__
 from ._wire import FrameHeader
 from .transport import hostname, shm, ucx_available
@@ -131,6 +132,7 @@ class ActorConnection:
         self.latest_version = 0  # the newest model version the learner announced
         self.weights_listener: Any = None  # the Subscriber's deliver(), once subscribed
         self.arena: shm.Arena | None = None  # shm plane: frame buffers the learner can read directly
+        self._frame_reserve: Reserve | None = None  # the other planes: frame buffers in populated memory
 
     # --- connecting -------------------------------------------------------------------------------
     async def _open(self) -> tuple[ControlConnection, _wire.Challenge]:
@@ -229,19 +231,24 @@ class ActorConnection:
         else:
             self.sender = TcpSender(data.sock, self.loop, timeout)
 
-    def _new_arena(self) -> shm.Arena | None:
+    def _frame_memory_bytes(self) -> int:
         """Room for every frame buffer the actor may hold: those kept for resending, those
-        being filled, and a few spare (beyond it, frame buffers are private memory and their
-        frames go through the ring)."""
+        being filled, and a few spare (beyond it, frame buffers are plain memory, and on the
+        shm plane their frames go through the ring)."""
         c = self.config
+        return c.resend_buffer_bytes + (c.frame_buffers + 4) * c.frame_bytes
+
+    def _new_arena(self) -> shm.Arena | None:
         try:
-            return shm.Arena(c.resend_buffer_bytes + (c.frame_buffers + 4) * c.frame_bytes)
+            return shm.Arena(self._frame_memory_bytes())
         except OSError as exc:
             log.info("no shared frame buffers (%s): frames go through the ring", exc)
             return None
 
     def release_arena(self) -> None:
         """After close: drop the frame buffers and unmap the arena (any thread)."""
+        if self._frame_reserve is not None:
+            self._frame_reserve.close()
         arena, self.arena = self.arena, None
         if arena is not None:
             with self.changed:
@@ -252,8 +259,13 @@ class ActorConnection:
             arena.close()
 
     def frame_memory(self, nbytes: int) -> Any:
-        """Memory for a new frame buffer: from the arena while it has room, else None (private)."""
-        return self.arena.block(nbytes) if self.arena is not None else None
+        """Memory for a new frame buffer: from the arena, else from a populated reserve, while
+        they have room; else None (plain memory)."""
+        if self.arena is not None:
+            return self.arena.block(nbytes)
+        if self._frame_reserve is None:
+            self._frame_reserve = Reserve(self._frame_memory_bytes(), "frames")
+        return self._frame_reserve.take(nbytes)
 
     def _map_shm_ring(self, welcome: _wire.Welcome) -> shm.ShmRing | None:
         """Map the learner's ring; None (tcp on the data connection instead) where it cannot be

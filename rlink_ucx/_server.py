@@ -18,6 +18,7 @@ from ._codec import Schema
 from ._config import Config
 from ._errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ._io import ControlConnection, ticks
+from ._memory import Reserve
 from ._publisher import Publisher
 from ._session import LearnerSession
 from ._store import StepRing
@@ -42,6 +43,9 @@ class LearnerServer:
         self.ring: StepRing | None = None
         self.ring_ready = threading.Event()
         self.pin_memory = False
+        # The receive ring's memory, populated from now on so the first frames land in warm
+        # pages (rlink_ucx/_memory.py); handed to the ring when the schema is known.
+        self.reserve: Reserve | None = Reserve(config.buffer_bytes, "learner")
         self.batch_steps: int | None = None  # the dataset's batch size: ring chunks match it
         self.version = 0
         self.rejected_connections = 0
@@ -103,6 +107,9 @@ class LearnerServer:
             await self.ucx.close()
         if self.ring is not None:
             self.ring.close()
+        if self.reserve is not None:
+            self.reserve.close()
+            self.reserve = None
 
     # --- accepting ----------------------------------------------------------------------------
     async def _accept_loop(self) -> None:
@@ -313,8 +320,11 @@ class LearnerServer:
                     f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
                 )
             max_steps = max(1, self.config.frame_bytes // max(schema.step_bytes, 1))
+            reserve, self.reserve = self.reserve, None
             self.ring = StepRing(schema, self.config.buffer_bytes, max_steps, chunk_steps=self.batch_steps,
-                                 pin_memory=self.pin_memory)  # fmt: skip
+                                 pin_memory=self.pin_memory, reserve=None if self.pin_memory else reserve)  # fmt: skip
+            if reserve is not None and self.pin_memory:
+                reserve.close()
             self.ring.on_space_freed = lambda: self.loop.call_soon_threadsafe(self.grant_credits)
             self.ring_ready.set()
             log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())

@@ -32,6 +32,7 @@ import numpy as np
 from ._codec import Schema
 from ._errors import Closed, ProtocolError
 from ._errors import TimeoutError as RLinkTimeout
+from ._memory import Reserve
 
 _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
 _MAX_CHUNKS = 256
@@ -83,7 +84,8 @@ class StepRing:
     """A bounded FIFO of steps of one schema, written by the I/O threads, read by fetch()."""
 
     def __init__(self, schema: Schema, capacity_bytes: int, max_frame_steps: int, *,
-                 chunk_steps: int | None = None, pin_memory: bool = False):  # fmt: skip
+                 chunk_steps: int | None = None, pin_memory: bool = False,
+                 reserve: Reserve | None = None):  # fmt: skip
         self.schema = schema
         self.step_bytes = max(schema.step_bytes, 1)
         self.max_frame_steps = max_frame_steps
@@ -96,6 +98,13 @@ class StepRing:
         self.capacity = max(2, -(-wanted // chunk)) * chunk
         self._sizes = [spec.step_bytes for spec in schema.fields]
         self._pin_memory = pin_memory
+        # Chunks (and the spares lending swaps in) come from populated memory: the learner's
+        # reserve, made when it started, and one made here for what does not fit in it.
+        self._reserves: list[Reserve] = []
+        if not pin_memory:  # pinned chunks are allocated (and so populated) by CUDA
+            chunk_bytes = sum(-(-chunk * sb // 64) * 64 for sb in self._sizes)
+            short = (self.capacity // chunk + _POOL_CHUNKS) * chunk_bytes - (reserve.free if reserve else 0)
+            self._reserves = [r for r in (reserve, Reserve(short, "ring") if short > 0 else None) if r is not None]
         self.chunks: list[list[np.ndarray]] = [self._new_chunk() for _ in range(self.capacity // chunk)]
         self._pool: list[list[np.ndarray]] = []  # spare chunks, ready to swap in
         self._lent: list[list[np.ndarray]] = []  # chunks handed out as batches
@@ -117,7 +126,14 @@ class StepRing:
             import torch
 
             return [torch.empty(self.chunk_steps * sb, dtype=torch.uint8, pin_memory=True).numpy() for sb in self._sizes]
-        return [np.empty(self.chunk_steps * sb, dtype=np.uint8) for sb in self._sizes]
+        return [self._empty(self.chunk_steps * sb) for sb in self._sizes]
+
+    def _empty(self, nbytes: int) -> np.ndarray:
+        for reserve in self._reserves:
+            out = reserve.take(nbytes)
+            if out is not None:
+                return out
+        return np.empty(nbytes, dtype=np.uint8)
 
     # --- credit accounting (I/O thread) ---------------------------------------------------
     def grantable(self) -> int:
@@ -353,6 +369,8 @@ class StepRing:
         with self._ready:
             self._closed = True
             self._ready.notify_all()
+        for reserve in self._reserves:
+            reserve.close()
 
     def wake(self) -> None:
         with self._ready:

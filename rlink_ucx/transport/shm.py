@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import ProtocolError
+from .._memory import Reserve
 from .._wire import FRAME_HEADER_BYTES
 from .base import FrameSink
 from .tcp import SocketReceiver, _close, tune_socket
@@ -178,7 +179,8 @@ class Arena:
 
     def __init__(self, size: int):
         self.region, self.nonce = ShmRing.create(size, ARENA_NAME)
-        self._next = 0
+        # Populated ahead of the frames written into it (rlink_ucx/_memory.py).
+        self._memory = Reserve(size, "arena", mapping=self.region.mm, offset=DATA_OFFSET, align=4096)
 
     def describe(self) -> list[Any]:
         assert self.region.fd is not None
@@ -186,14 +188,11 @@ class Arena:
 
     def block(self, nbytes: int) -> np.ndarray | None:
         """``nbytes`` of arena memory (page-aligned), or None once the arena is full."""
-        start = self._next
-        if start + nbytes > self.region.size:
-            return None
-        self._next = start + -(-nbytes // 4096) * 4096
-        return np.frombuffer(self.region.mm, np.uint8, nbytes, DATA_OFFSET + start)
+        return self._memory.take(nbytes)
 
     def close(self) -> None:
         """The actor is closing; the mapping goes once no frame buffer uses it any more."""
+        self._memory.close()
         self.region.release_fd()
         try:
             self.region.mm.close()

@@ -23,7 +23,7 @@ from ._io import ControlConnection, ticks
 from ._memory import Reserve
 from ._version import __version__
 from ._wire import FrameHeader
-from .transport import hostname, shm, ucx_available
+from .transport import cma, hostname, shm, ucx_available
 from .transport.base import FrameSender
 from .transport.tcp import TcpSender
 
@@ -133,6 +133,7 @@ class ActorConnection:
         self.weights_listener: Any = None  # the Subscriber's deliver(), once subscribed
         self.arena: shm.Arena | None = None  # shm plane: frame buffers the learner can read directly
         self._frame_reserve: Reserve | None = None  # the other planes: frame buffers in populated memory
+        self._probe: cma.Probe | None = None  # shm: lets the learner prove it may read our memory
 
     # --- connecting -------------------------------------------------------------------------------
     async def _open(self) -> tuple[ControlConnection, _wire.Challenge]:
@@ -218,10 +219,13 @@ class ActorConnection:
         if ring is not None and self.arena is None and self.resend:
             self.arena = self._new_arena()
         arena = self.arena.describe() if ring is not None and self.arena is not None else None
+        if ring is not None and self._probe is None and self.config.shm_direct_read and cma.available():
+            self._probe = cma.Probe()  # lives as long as the connection: the learner reads it at each attach
+        probe = self._probe.describe() if ring is not None and self._probe is not None else None
         data, challenge = await self._open()
         data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
                                _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session),
-                               ring is not None, arena))  # fmt: skip
+                               ring is not None, arena, probe))  # fmt: skip
         # A send that makes no progress for a heartbeat timeout means a frozen or vanished
         # learner; the blocking send holds the I/O thread, so the heartbeat could not tell.
         timeout = min(self.config.frame_timeout, self.config.heartbeat_timeout)
@@ -307,8 +311,10 @@ class ActorConnection:
                 elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed)):
                     self._on_weights(msg)
                 elif isinstance(msg, _wire.Ready):
-                    if not msg.arena and isinstance(self.sender, shm.ShmSender):
-                        self.sender.arena = None  # the learner could not map it: use the ring
+                    if isinstance(self.sender, shm.ShmSender):
+                        if not msg.arena:
+                            self.sender.arena = None  # the learner could not map it: use the ring
+                        self.sender.direct = msg.cma
                     if not self._ready.done():
                         self._ready.set_result(msg.transport)
                 elif isinstance(msg, (_wire.Accept, _wire.Reject)):

@@ -19,7 +19,8 @@ KiB = 1024
 MiB = 1024 * KiB
 
 
-_MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after"}  # 0 switches the feature off
+_MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after",
+                "shm_direct_read"}  # 0 switches the feature off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,9 @@ class Config:
 
     # --- transport ------------------------------------------------------------------------
     shm_ring_bytes: int = 8 * MiB  # per same-host actor on the shm plane
+    # shm plane: an actor lets the learner read large payloads straight out of its memory
+    # (process_vm_readv: one copy instead of two) where the kernel allows it; docs/transports.md.
+    shm_direct_read: bool = True
     ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
     # The learner's UCX worker keeps the shared memory of every actor process it talked to
     # (docs/reliability.md). Once this many ucx sessions, and at least twice as many as are

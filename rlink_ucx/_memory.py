@@ -2,8 +2,8 @@
 
 The first write to a fresh page is a page fault. Measured on the 2-core VM we develop on:
 1.2-1.4 GiB/s into fresh memory, as slow as 0.17 GiB/s when the host backs the page lazily,
-against 15-20 GiB/s into warm memory (``/tmp``-free numbers: docs/benchmarks.md). A learner
-that writes its first 256 MiB of receive ring at fault speed loses its first second.
+against 15-20 GiB/s into warm memory (``python bench/large_steps.py`` prints this machine's).
+A learner that wrote its first 256 MiB of receive ring at fault speed lost its first second.
 
 So the buffers the data path writes at full speed (the learner's receive ring, an actor's frame
 buffers) come from a :class:`Reserve`: one anonymous or shared mapping whose pages a background

@@ -23,7 +23,7 @@ from ._publisher import Publisher
 from ._session import LearnerSession
 from ._store import StepRing
 from ._version import __version__
-from .transport import choose, hostname, shm, ucx_available
+from .transport import choose, cma, hostname, shm, ucx_available
 from .transport.tcp import TcpReceiver
 
 log = logging.getLogger(__name__)
@@ -256,14 +256,17 @@ class LearnerServer:
             raise ProtocolError("session already has its data plane")
         conn.handed_off = True
         ring, session.shm_ring = session.shm_ring, None
-        arena = None
+        arena, direct = None, False
         if ring is not None and msg.shm:
             ring.release_fd()  # the actor mapped it before attaching
             arena = self._map_arena(session, msg.arena)
             if arena is not None:
                 session.transport_reason += "; frames read in place from the actor's shared frame buffers"
+            direct = self._probe_memory(session, msg.cma)
+            if direct:
+                session.transport_reason += "; large payloads read straight from the actor's memory"
             session.receiver = shm.ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}",
-                                               arena=arena)  # fmt: skip
+                                               arena=arena, actor_pid=session.hello.pid if direct else None)
         else:
             if ring is not None:
                 ring.close()
@@ -272,7 +275,7 @@ class LearnerServer:
                 log.info("actor %s: %s", session.actor_id, session.transport_reason)
             session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}")
         session.receiver.start()
-        session.control.send(_wire.Ready(session.transport, arena is not None))
+        session.control.send(_wire.Ready(session.transport, arena is not None, direct))
         self.grant_credits()
 
     @staticmethod
@@ -290,6 +293,20 @@ class LearnerServer:
             log.info("actor %s: its frame buffers cannot be mapped (%s); its frames come through the ring",
                      session.actor_id, exc)  # fmt: skip
             return None
+
+    @staticmethod
+    def _probe_memory(session: LearnerSession, where: Any) -> bool:
+        """Whether the kernel lets us read the actor's memory (its probe holds the nonce it
+        announced): then its large payloads come by address (transport/cma.py)."""
+        if where is None:
+            return False
+        try:
+            cma.verify(session.hello.pid, where)
+            return True
+        except (OSError, ValueError, TypeError) as exc:
+            log.info("actor %s: its memory cannot be read directly (%s); large payloads come through the ring",
+                     session.actor_id, exc)  # fmt: skip
+            return False
 
     async def _start_ucx_plane(self) -> None:
         """Start the UCX plane off the event loop: its worker takes a good part of a second to

@@ -16,7 +16,7 @@ import msgspec
 from ._errors import ProtocolError
 from ._weights import Manifest
 
-PROTOCOL_VERSION = 2  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm)
+PROTOCOL_VERSION = 3  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma)
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -54,6 +54,7 @@ class Attach(_Msg):
     mac: bytes
     shm: bool = False  # for an shm session: the actor mapped the shared ring (else: tcp on this connection)
     arena: Union[list, None] = None  # shm: the actor's frame buffers [pid, memfd number, nonce, bytes]
+    cma: Union[list, None] = None  # shm: [address, nonce] for the learner to read back (transport/cma.py)
 
 
 # --- session ----------------------------------------------------------------------------------
@@ -102,6 +103,7 @@ class Ready(_Msg):
 
     transport: str
     arena: bool = False  # shm: the learner mapped the actor's arena (frames may point into it)
+    cma: bool = False  # shm: the learner read the probe: large payloads may be sent by address
 
 
 class Credit(_Msg):

@@ -10,6 +10,10 @@ back to the tcp plane over the same data connection.
 The data connection carries small records only. The actor announces each frame (its header)
 and where its payload is:
 
+- at addresses in the actor's memory, for a large payload outside the arena, where the
+  learner proved at attach time that it may read the actor's memory (``cma.py``): the
+  learner copies it out with ``process_vm_readv`` and says so; the actor's ``send`` waits for
+  that, so the caller's arrays are never read after ``put`` returns;
 - in the actor's *arena*: a sealed memfd of its own holding its frame buffers, mapped by the
   learner when the data connection attaches (after checking the seals). The record lists the
   payload's extents and the learner copies straight out of the frame buffer: one copy in all
@@ -18,7 +22,8 @@ and where its payload is:
 - or in the ring, a byte stream: the actor copies the payload in and sends how many bytes it
   has written in all; the learner copies them out and sends back how many it has consumed.
   Both counters are cumulative; one that goes backwards or claims more than the ring holds is
-  a ``ProtocolError``, as are extents outside the arena.
+  a ``ProtocolError``, as are extents outside the arena. So is a direct read the actor's
+  memory refuses.
 
 Copies run in ``ctypes.memmove``, which releases the GIL, so the other threads keep running.
 Each side sends its counter before it waits for the other's, so neither can wait on the other
@@ -28,6 +33,7 @@ forever; every wait is bounded by the socket timeout.
 from __future__ import annotations
 
 import ctypes
+import errno
 import fcntl
 import mmap
 import os
@@ -45,6 +51,7 @@ import numpy as np
 from .._errors import ProtocolError
 from .._memory import Reserve
 from .._wire import FRAME_HEADER_BYTES
+from . import cma
 from .base import FrameSink
 from .tcp import SocketReceiver, _close, tune_socket
 
@@ -55,9 +62,12 @@ RING_NAME = "rlink-shm"  # the learner's ring, one per session
 ARENA_NAME = "rlink-arena"  # an actor's frame buffers, one per actor
 SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 # Actor -> learner records on the data connection: bytes written to the ring so far; a frame
-# whose payload follows in the ring; a frame whose payload lies in the actor's arena.
-WRITTEN, RING_FRAME, ARENA_FRAME = b"W", b"R", b"A"
-EXTENT = struct.Struct("<QQ")  # offset, length in the arena
+# whose payload follows in the ring; in the actor's arena; at addresses in the actor's memory.
+WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME = b"W", b"R", b"A", b"C"
+EXTENT = struct.Struct("<QQ")  # offset in the arena (or address), length
+# Learner -> actor: ring bytes freed so far; payload bytes read from the actor's memory so far.
+FREED, READ = b"F", b"D"
+REPLY = struct.Struct("<cQ")
 MAX_EXTENTS = 4096
 
 
@@ -200,39 +210,48 @@ class Arena:
             pass
 
 
-class _Releases:
-    """The learner's cumulative release counters, read from the data connection."""
+class _Replies:
+    """The learner's cumulative counters (ring bytes freed, bytes read directly), read from the
+    data connection."""
 
     def __init__(self, sock: socket.socket):
         self.sock = sock
         self._buf = bytearray(4096)
         self._partial = b""
-        self.last = 0
+        self.freed = 0
+        self.read_directly = 0
 
-    def read(self) -> int | None:
-        """The newest whole counter waiting in the socket (None: none yet), without blocking.
+    def read(self) -> bool:
+        """Take the replies waiting in the socket without blocking; whether any whole one came.
         The socket is blocking without a timeout (a timeout would make Python poll before every
         call, even a non-blocking one): callers bound waits with poll."""
         try:
             n = self.sock.recv_into(self._buf, len(self._buf), socket.MSG_DONTWAIT)
         except BlockingIOError:
-            return None
+            return False
         if n == 0:
             raise EOFError("learner closed the data connection")
         data = self._partial + bytes(self._buf[:n])
-        whole = len(data) - len(data) % COUNTER.size
+        whole = len(data) - len(data) % REPLY.size
         self._partial = data[whole:]
-        for (value,) in COUNTER.iter_unpack(data[:whole]):
-            if value < self.last:
-                raise ProtocolError(f"the learner's shared ring counter went back from {self.last} to {value}")
-            self.last = value
-        return self.last if whole else None
+        for kind, value in REPLY.iter_unpack(data[:whole]):
+            last = self.freed if kind == FREED else self.read_directly if kind == READ else None
+            if last is None:
+                raise ProtocolError(f"unknown reply {kind!r} on the shm data connection")
+            if value < last:
+                raise ProtocolError(f"the learner's shm counter {kind!r} went back from {last} to {value}")
+            if kind == FREED:
+                self.freed = value
+            else:
+                self.read_directly = value
+        return whole > 0
 
 
 class ShmSender:
-    """Actor side: announces each frame on the data connection. A frame whose payload lies in
-    the actor's arena is announced with its extents (the learner copies it out from there);
-    any other payload is copied into the learner's ring first."""
+    """Actor side: announces each frame on the data connection. A payload in the actor's arena
+    is announced with its extents (the learner copies it out from there); a large one elsewhere
+    by its addresses, once the learner showed it may read them (:attr:`direct`); any other is
+    copied into the learner's ring first."""
 
     name = "shm"
     any_thread = True  # like tcp: any thread may send, under the connection's send lock
@@ -243,15 +262,17 @@ class ShmSender:
         self.sock = sock
         self.ring = ring
         self.arena = arena  # only while frame buffers are kept until acknowledged (see Arena)
+        self.direct = False  # the learner read our probe (its Ready says so)
         self.timeout = timeout
-        self.written = 0
-        self.released = 0
+        self.written = 0  # into the ring, in all
+        self.sent_directly = 0  # payload bytes announced by address, in all
         self.arena_frames = 0
+        self.direct_frames = 0
         self._lock = threading.Lock()  # close() unmaps only between sends
         self._closed = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
-        self._releases = _Releases(sock)
+        self._replies = _Replies(sock)
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         with self._lock:
@@ -261,18 +282,31 @@ class ShmSender:
             if extents is not None:
                 self.sock.sendall(b"".join((ARENA_FRAME, header, COUNTER.pack(len(payload)), extents)))
                 self.arena_frames += 1
+            elif self.direct and sum(len(v) for v in payload) >= cma.MIN_BYTES:
+                self._send_direct(header, payload)
             else:
                 self.sock.sendall(RING_FRAME + header)
                 self._stream(payload)
-            self._await_release(block=False)
+            self._replies.read()
+            self._check_replies()
+
+    def _send_direct(self, header: bytes, payload: list[memoryview]) -> None:
+        pieces = [v for v in payload if len(v)]
+        where = b"".join(EXTENT.pack(_address(v), len(v)) for v in pieces)
+        self.sock.sendall(b"".join((DIRECT_FRAME, header, COUNTER.pack(len(pieces)), where)))
+        self.sent_directly += sum(len(v) for v in pieces)
+        self.direct_frames += 1
+        # The payload (often the caller's own arrays) must stay as it is until it was read.
+        self._wait(lambda: self._replies.read_directly >= self.sent_directly, "read the frame from our memory")
 
     def _stream(self, payload: list[memoryview]) -> None:
         for buf in payload:
             while len(buf):
-                free = self.ring.size - (self.written - self.released)
+                free = self.ring.size - (self.written - self._replies.freed)
                 if not free:
                     self._doorbell()
-                    self._await_release(block=True)
+                    self._wait(lambda: self.written - self._replies.freed < self.ring.size,
+                               "free room in the shared ring")  # fmt: skip
                     continue
                 k = min(free, len(buf))
                 self.ring.copy_in(self.written, buf[:k])
@@ -283,20 +317,20 @@ class ShmSender:
     def _doorbell(self) -> None:
         self.sock.sendall(WRITTEN + COUNTER.pack(self.written))
 
-    def _await_release(self, block: bool) -> None:
+    def _wait(self, done: Any, what: str) -> None:
         deadline = time.monotonic() + self.timeout
-        while True:
-            if block and not self._poll.poll(max(0.0, deadline - time.monotonic()) * 1000):
-                raise TimeoutError(f"the learner freed no room in the shared ring for {self.timeout:.3g}s")
-            released = self._releases.read()
-            if released is None:
-                if block:
-                    continue  # half a counter arrived; the rest follows
-                return
-            if released > self.written:
-                raise ProtocolError(f"learner released {released} bytes of the shared ring; {self.written} written")
-            self.released = released
-            return
+        while not done():
+            if not self._poll.poll(max(0.0, deadline - time.monotonic()) * 1000):
+                raise TimeoutError(f"the learner did not {what} for {self.timeout:.3g}s")
+            self._replies.read()  # may be half a reply: the rest follows
+            self._check_replies()
+
+    def _check_replies(self) -> None:
+        if self._replies.freed > self.written:
+            raise ProtocolError(f"learner freed {self._replies.freed} bytes of the shared ring; {self.written} written")
+        if self._replies.read_directly > self.sent_directly:
+            raise ProtocolError(f"learner read {self._replies.read_directly} bytes directly; "
+                                f"{self.sent_directly} announced")  # fmt: skip
 
     def close(self) -> None:
         _close(self.sock)  # wakes a send waiting for room: it fails and lets go of the lock
@@ -330,11 +364,11 @@ class _Records:
             return kind, self._need(COUNTER.size), []
         if kind == RING_FRAME:
             return kind, self._need(FRAME_HEADER_BYTES), []
-        if kind == ARENA_FRAME:
+        if kind in (ARENA_FRAME, DIRECT_FRAME):
             header = self._need(FRAME_HEADER_BYTES)
             (n,) = COUNTER.unpack(self._need(COUNTER.size))
             if n > MAX_EXTENTS:
-                raise ProtocolError(f"a frame in {n} pieces of the actor's arena; the limit is {MAX_EXTENTS}")
+                raise ProtocolError(f"a frame in {n} pieces; the limit is {MAX_EXTENTS}")
             raw = self._need(n * EXTENT.size)
             return kind, header, list(EXTENT.iter_unpack(raw))
         raise ProtocolError(f"unknown record {kind!r} on the shm data connection")
@@ -347,10 +381,12 @@ class ShmReceiver(SocketReceiver):
     name = "shm"
 
     def __init__(self, sock: socket.socket, ring: ShmRing, sink: FrameSink, name: str = "rlink-shm-recv",
-                 arena: ShmRing | None = None):  # fmt: skip
+                 arena: ShmRing | None = None, actor_pid: int | None = None):  # fmt: skip
         super().__init__(sock, sink, name)
         self.ring = ring
         self.arena = arena
+        self.actor_pid = actor_pid  # set once we proved we may read the actor's memory
+        self._read_directly = 0
         self._written = 0  # what the actor announced
         self._consumed = 0  # copied out
         self._released = 0  # what we told the actor
@@ -372,7 +408,7 @@ class ShmReceiver(SocketReceiver):
 
     def _release(self) -> None:
         self._released = self._consumed
-        self.sock.sendall(COUNTER.pack(self._consumed))
+        self.sock.sendall(REPLY.pack(FREED, self._consumed))
 
     def _wait_for_bytes(self) -> None:
         if self._consumed != self._released:
@@ -399,6 +435,35 @@ class ShmReceiver(SocketReceiver):
             raise ProtocolError("a frame's extents do not add up to its payload")
         self.arena.copy_extents(extents, views)
 
+    def _copy_directly(self, extents: list[tuple[int, int]], views: list[memoryview]) -> None:
+        if self.actor_pid is None:
+            raise ProtocolError("a frame by address from an actor whose memory we did not probe")
+        total = sum(n for _, n in extents)
+        if total != sum(len(v) for v in views):
+            raise ProtocolError("a frame's pieces do not add up to its payload")
+        try:
+            cma.read(self.actor_pid, extents, views)
+        except OSError as exc:
+            # An actor killed mid-frame loses its memory before its sockets close: give them a
+            # moment to close before calling it a bad address.
+            if exc.errno == errno.ESRCH or self._peer_closed(within=0.2):
+                raise ConnectionResetError("the actor exited mid-frame") from None
+            raise ProtocolError(f"the actor's frame could not be read from its memory: {exc}") from None
+        self._read_directly += total
+        self.sock.sendall(REPLY.pack(READ, self._read_directly))
+
+    def _peer_closed(self, within: float) -> bool:
+        poll = select.poll()
+        poll.register(self.sock, select.POLLIN | select.POLLHUP)
+        if not poll.poll(within * 1000):
+            return False
+        try:
+            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+
     def _receive(self) -> None:
         while True:
             try:
@@ -413,6 +478,8 @@ class ShmReceiver(SocketReceiver):
             try:
                 if kind == ARENA_FRAME:
                     self._copy_from_arena(extents, payload)
+                elif kind == DIRECT_FRAME:
+                    self._copy_directly(extents, payload)
                 else:
                     self._read_into(payload)
             except EOFError:

@@ -208,6 +208,21 @@ def steady_actor(address: str, actor: int, n: int, chunk: int, results, large: b
         results.put(a.stats())
 
 
+def reused_array_actor(address: str, n: int, elements: int, results) -> None:
+    """Put ``n`` steps of ``elements`` int64 full of their seq from one array, refilled as
+    soon as ``put`` returns: the learner must have read each step by then."""
+    from rlink_ucx import Actor
+
+    x = np.empty(elements, dtype=np.int64)
+    with Actor(address, transport="shm", actor_id=1) as a:
+        for seq in range(n):
+            x.fill(seq)
+            a.put({"x": x})
+        x.fill(-1)
+        a.flush(60)
+        results.put(a._conn.sender.direct_frames)
+
+
 def big_frame_actor(address: str, actor: int, transport: str = "tcp", elements: int = 1 << 17) -> None:
     """Send steps of ``elements`` int64 (1 MiB by default), each full of its seq, forever:
     killed mid-frame by the test."""

@@ -24,11 +24,13 @@ from tests.integration.procs import (
     pressing_actor,
     proxied_actor,
     restartable_learner,
+    reused_array_actor,
     seq_flood_actor,
     stall_watching_learner,
     steady_actor,
 )
-from tests.conftest import TRANSPORTS, ucx_importable
+from rlink_ucx.transport import cma
+from tests.conftest import TRANSPORTS, shm_possible, ucx_importable
 from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")
@@ -374,13 +376,39 @@ def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return
         assert learner.stats()["buffer"]["buffered_bytes"] <= 2 * (1 << 20)
 
 
-def _kill_a_big_frame_actor_mid_stream(learner: Learner, dataset: RLinkDataset, actor_id: int, transport: str) -> None:
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not shm_possible(), reason="no memfd (not Linux)")
+def test_large_shm_puts_read_from_the_actors_memory_arrive_once_and_a_killed_actor_tears_nothing():
+    n, elements = 12, cma.MIN_BYTES // 8  # 4 MiB steps: read by address (transport/cma.py)
+    with Learner("127.0.0.1:0", transport="shm") as learner:
+        dataset = RLinkDataset(learner, batch_size=1)
+        results = SPAWN.Queue()
+        proc = SPAWN.Process(target=reused_array_actor, args=(learner.address, n, elements, results))
+        proc.start()
+        seqs = []
+        for _ in range(n):
+            b = dataset.fetch(timeout=60)
+            seqs.append(int(b.seq[0]))
+            assert bool((b["x"][0] == seqs[-1]).all()), "a step changed after put returned"
+        assert seqs == list(range(n))
+        assert results.get(timeout=60) == n  # every step went by address
+        proc.join(30)
+        reason = (learner.stats()["actors"] + learner.stats()["ended_actors"])[0]["transport_reason"]
+        assert "straight from the actor's memory" in reason
+        for victim_id in (3, 4):  # killed while the learner may be reading its memory
+            _kill_a_big_frame_actor_mid_stream(learner, dataset, victim_id, "shm", elements)
+        # a death mid-read is a lost actor, not a bad address
+        assert [e["protocol_errors"] for e in learner.stats()["ended_actors"]] == [0, 0, 0]
+
+
+def _kill_a_big_frame_actor_mid_stream(learner: Learner, dataset: RLinkDataset, actor_id: int, transport: str,
+                                       elements: int = 1 << 15) -> None:  # fmt: skip
     """Stream 256 KiB steps from a fresh actor process, SIGKILL it mid-stream and drain: every
     step yielded is intact, and the learner reports the actor lost."""
     lost_before = learner.stats()["lost_actors"]
     # Frames of four 256 KiB steps cross the dataset's two-step ring chunks: over ucx they land
     # in the session's landing buffer first.
-    victim = SPAWN.Process(target=big_frame_actor, args=(learner.address, actor_id, transport, 1 << 15))
+    victim = SPAWN.Process(target=big_frame_actor, args=(learner.address, actor_id, transport, elements))
     victim.start()
     seen = 0
     while seen < 20:

@@ -10,7 +10,7 @@ import pytest
 
 from rlink_ucx._errors import ProtocolError
 from rlink_ucx._wire import FRAME_HEADER_BYTES
-from rlink_ucx.transport import shm
+from rlink_ucx.transport import cma, shm
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shm.available(), reason="no memfd (not Linux)")]
 
@@ -52,7 +52,7 @@ def connection():
     learner_side.close()
 
 
-def _pair(connection, sink, arena=None):
+def _pair(connection, sink, arena=None, direct=False):
     ring, nonce = shm.ShmRing.create(RING)
     mapped = shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING)
     ring.release_fd()
@@ -60,9 +60,14 @@ def _pair(connection, sink, arena=None):
     if arena is not None:  # the learner maps the actor's arena, as at Attach
         pid, fd, arena_nonce, size = arena.describe()
         learner_view = shm.ShmRing.open(pid, fd, arena_nonce, size, shm.ARENA_NAME)
-    receiver = shm.ShmReceiver(connection[1], ring, sink, arena=learner_view)
+    if direct:  # as at Attach: the learner reads the actor's probe before it accepts addresses
+        probe = cma.Probe()
+        cma.verify(os.getpid(), probe.describe())
+    receiver = shm.ShmReceiver(connection[1], ring, sink, arena=learner_view, actor_pid=os.getpid() if direct else None)
     receiver.start()
-    return shm.ShmSender(connection[0], mapped, timeout=5, arena=arena), receiver
+    sender = shm.ShmSender(connection[0], mapped, timeout=5, arena=arena)
+    sender.direct = direct
+    return sender, receiver
 
 
 def _header(size: int) -> bytes:
@@ -123,7 +128,7 @@ def test_a_sender_whose_ring_is_never_freed_times_out():
     ring, nonce = shm.ShmRing.create(RING)
     sender = shm.ShmSender(actor_side, shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING), timeout=0.5)
     started = time.monotonic()
-    with pytest.raises(TimeoutError, match="freed no room"):
+    with pytest.raises(TimeoutError, match="free room in the shared ring"):
         sender.send(_header(2 * RING), [memoryview(bytes(2 * RING))])
     assert 0.4 < time.monotonic() - started < 5
     sender.close()
@@ -178,3 +183,58 @@ def test_an_unsealed_memfd_is_refused(tmp_path):
             shm.ShmRing.open(os.getpid(), fd, bytes(16), RING, shm.ARENA_NAME)
     finally:
         os.close(fd)
+
+
+def test_large_payloads_are_read_straight_from_the_actors_memory_small_ones_through_the_ring(connection):
+    sink = RecordingSink()
+    sender, receiver = _pair(connection, sink, direct=True)
+    rng = np.random.default_rng(11)
+    sent = []
+    small = (100, 7, 3 * RING + 5)
+    for size in (100, cma.MIN_BYTES - 3, 7, 2 * cma.MIN_BYTES + 12345, 3 * RING + 5):
+        parts = [rng.integers(0, 256, size, dtype=np.uint8), rng.integers(0, 256, 3, dtype=np.uint8)]
+        sender.send(_header(size + 3), [memoryview(p) for p in parts])
+        # send returned: the learner has read the payload, so the caller may reuse its arrays
+        sent.append(b"".join(p.tobytes() for p in parts))
+        parts[0][:] = 0
+    sender.close()
+    assert sink.failed.wait(10) and isinstance(sink.failure, EOFError)
+    assert [bytes(f) for f in sink.frames] == sent
+    assert sender.direct_frames == 2 and sender.sent_directly == receiver._read_directly == 3 * cma.MIN_BYTES + 12345 + 3
+    assert sender.written == sum(small) + 3 * len(small)  # the smaller frames went through the ring
+
+
+def test_a_frame_by_address_is_refused_unless_the_learner_probed_the_actor(connection):
+    sink = RecordingSink()
+    sender, receiver = _pair(connection, sink, direct=False)
+    sender.direct = True  # the actor claims what the learner never agreed to
+    data = np.ones(cma.MIN_BYTES, np.uint8)
+    with pytest.raises((ConnectionError, EOFError, TimeoutError)):
+        sender.send(_header(data.size), [memoryview(data)])
+    assert sink.failed.wait(10)
+    assert isinstance(sink.failure, ProtocolError) and "did not probe" in str(sink.failure)
+
+
+def test_a_frame_at_a_bad_address_is_a_protocol_error_and_earlier_frames_are_kept(connection):
+    sink = RecordingSink()
+    sender, receiver = _pair(connection, sink, direct=True)
+    sender.send(_header(10), [memoryview(b"0123456789")])
+    assert sink.ended.acquire(timeout=10)
+    size = cma.MIN_BYTES
+    record = shm.DIRECT_FRAME + _header(size) + shm.COUNTER.pack(1) + shm.EXTENT.pack(4096, size)  # unmapped
+    connection[0].sendall(record)
+    assert sink.failed.wait(10)
+    assert isinstance(sink.failure, ProtocolError) and "could not be read" in str(sink.failure)
+    assert bytes(sink.frames[0]) == b"0123456789"
+
+
+def test_a_probe_with_the_wrong_nonce_or_address_is_refused():
+    probe = cma.Probe()
+    address, nonce = probe.describe()
+    cma.verify(os.getpid(), [address, nonce])
+    with pytest.raises(OSError, match="nonce"):
+        cma.verify(os.getpid(), [address, bytes(16)])
+    with pytest.raises(OSError):
+        cma.verify(os.getpid(), [4096, nonce])
+    with pytest.raises(OSError):
+        cma.verify(2**22 + 12345, [address, nonce])  # no such process

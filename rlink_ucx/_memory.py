@@ -84,7 +84,10 @@ class Reserve:
                  align: int = _ALIGN):  # fmt: skip
         self.size = max(0, int(nbytes))
         self._align = align
-        self._mm = mapping if mapping is not None else mmap.mmap(-1, max(self.size, 1))
+        # Private, like malloc's: Python's default for anonymous maps is MAP_SHARED (shmem),
+        # which a forked child would share and which counts as shared memory.
+        private = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        self._mm = mapping if mapping is not None else mmap.mmap(-1, max(self.size, 1), flags=private)
         self._all: np.ndarray | None = np.frombuffer(self._mm, np.uint8, self.size, offset)
         self._next = 0
         self._populator = _Populator(self._all, name)

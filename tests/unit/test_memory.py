@@ -93,3 +93,12 @@ def test_ring_without_room_in_the_reserve_makes_its_own():
     ring = StepRing(schema, 4096 * 64, max_frame_steps=4, chunk_steps=4, reserve=small)
     assert len(ring._reserves) == 2 and ring._reserves[1].size >= 4096 * (64 + 4 * 4) - small.size
     ring.close()
+
+
+def test_a_reserve_is_private_memory_not_shared_with_forked_children():
+    reserve = Reserve(4 * PAGE, "private")
+    start = reserve._all.ctypes.data
+    with open("/proc/self/maps") as maps:
+        line = next(ln for ln in maps if int(ln.split("-")[0], 16) <= start < int(ln.split()[0].split("-")[1], 16))
+    assert line.split()[1] == "rw-p", line  # Python's anonymous mmap default would be rw-s (shmem)
+    reserve.close()

@@ -57,6 +57,7 @@ class LearnerServer:
         self._ids = itertools.count(1)
         self._auto_actor_ids = itertools.count(1)
         self._rotation = 0
+        self._grant_pending = False  # a grant_credits is scheduled on the loop and has not run yet
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listener: socket.socket | None = None
         self._connections = 0
@@ -342,7 +343,7 @@ class LearnerServer:
                                  pin_memory=self.pin_memory, reserve=None if self.pin_memory else reserve)  # fmt: skip
             if reserve is not None and self.pin_memory:
                 reserve.close()
-            self.ring.on_space_freed = lambda: self.loop.call_soon_threadsafe(self.grant_credits)
+            self.ring.on_space_freed = self._space_freed
             self.ring_ready.set()
             log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())
         elif schema != self.schema:
@@ -353,6 +354,22 @@ class LearnerServer:
         assert self.schema is not None
         return (f"actor schema {schema.describe()} does not match the learner's {self.schema.describe()}: "
                 f"{self.schema.compare(schema)}")  # fmt: skip
+
+    def _space_freed(self) -> None:
+        """The consumer freed ring space (its thread). Wake the loop only if an actor is low on
+        credit: only those get any (see grant_credits), and each wake is a thread switch."""
+        if any(s.credit <= s.low_water for s in list(self.sessions.values())):
+            self.request_grant()
+
+    def request_grant(self) -> None:
+        """Run grant_credits on the loop soon (any thread); at most one pending at a time."""
+        if not self._grant_pending:
+            self._grant_pending = True
+            self.loop.call_soon_threadsafe(self._grant_now)
+
+    def _grant_now(self) -> None:
+        self._grant_pending = False
+        self.grant_credits()
 
     def grant_credits(self) -> None:
         """Top up each ready actor's credit while the ring has room (round robin, for fairness)."""

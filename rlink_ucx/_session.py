@@ -226,9 +226,10 @@ class LearnerSession:
         self._commit()
         # Credit can only be topped up where the ring has room; otherwise the consumer's next
         # release triggers the grant.
-        needs_credit = self.credit <= self.low_water and self.ring is not None and self.ring.grantable() > 0
-        if (self.next_seq or 0) >= self.ack_wanted or needs_credit:
+        if (self.next_seq or 0) >= self.ack_wanted:
             self.server.loop.call_soon_threadsafe(self._after_frame)
+        elif self.credit <= self.low_water and self.ring is not None and self.ring.grantable() > 0:
+            self.server.request_grant()
 
     def _commit(self) -> None:
         with self._lock:

@@ -39,8 +39,11 @@ class _Field:
         self.spec = spec
         self.dtype = DTYPES[spec.dtype]
         self.shape = spec.shape
-        # Python scalar types a 0-d field takes as they are (bool for a bool field, ...).
-        self.scalars = frozenset(t for t, kinds in _SCALAR_KINDS.items() if not self.shape and self.dtype.kind in kinds)
+        # Scalar types a 0-d field takes as they are: Python's (bool for a bool field, ...) and
+        # the numpy scalar of its exact dtype (np.float32 for a float32 field), which policies
+        # and environments often return; any other goes through the converting path.
+        python = [t for t, kinds in _SCALAR_KINDS.items() if self.dtype.kind in kinds]
+        self.scalars = frozenset([*python, self.dtype.type] if not self.shape else [])
 
     def mismatch(self, value: Any, got: str) -> SchemaMismatch:
         return SchemaMismatch(f"field {self.name!r}: the negotiated schema says {self.spec.describe()}, got {got}")

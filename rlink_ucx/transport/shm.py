@@ -69,6 +69,8 @@ EXTENT = struct.Struct("<QQ")  # offset in the arena (or address), length
 FREED, READ = b"F", b"D"
 REPLY = struct.Struct("<cQ")
 MAX_EXTENTS = 4096
+# poll events that mean the actor shut its end (POLLRDHUP even with data still queued before it)
+_PEER_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
 
 
 def available() -> bool:
@@ -297,7 +299,13 @@ class ShmSender:
         self.sent_directly += sum(len(v) for v in pieces)
         self.direct_frames += 1
         # The payload (often the caller's own arrays) must stay as it is until it was read.
-        self._wait(lambda: self._replies.read_directly >= self.sent_directly, "read the frame from our memory")
+        try:
+            self._wait(lambda: self._replies.read_directly >= self.sent_directly, "read the frame from our memory")
+        except BaseException:
+            # Shut the connection before the caller gets control back: a learner still reading
+            # sees it and drops the frame rather than deliver memory that changed under it.
+            _close(self.sock)
+            raise
 
     def _stream(self, payload: list[memoryview]) -> None:
         for buf in payload:
@@ -449,20 +457,20 @@ class ShmReceiver(SocketReceiver):
             if exc.errno == errno.ESRCH or self._peer_closed(within=0.2):
                 raise ConnectionResetError("the actor exited mid-frame") from None
             raise ProtocolError(f"the actor's frame could not be read from its memory: {exc}") from None
+        # An actor gives up waiting for a read (its timeout) by shutting the connection before
+        # its caller gets control back and may change the memory: a shutdown seen now means
+        # the read may have raced with that, so the frame is dropped, never yielded torn.
+        if self._peer_closed(within=0):
+            raise ConnectionResetError("the actor gave up waiting for this frame to be read")
         self._read_directly += total
         self.sock.sendall(REPLY.pack(READ, self._read_directly))
 
     def _peer_closed(self, within: float) -> bool:
+        """Whether the actor shut its end of the data connection (waiting up to ``within``
+        seconds), even with records still unread before the shutdown."""
         poll = select.poll()
-        poll.register(self.sock, select.POLLIN | select.POLLHUP)
-        if not poll.poll(within * 1000):
-            return False
-        try:
-            return self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT) == b""
-        except BlockingIOError:
-            return False
-        except OSError:
-            return True
+        poll.register(self.sock, _PEER_GONE)
+        return any(events & _PEER_GONE for _, events in poll.poll(within * 1000))
 
     def _receive(self) -> None:
         while True:

@@ -238,3 +238,43 @@ def test_a_probe_with_the_wrong_nonce_or_address_is_refused():
         cma.verify(os.getpid(), [4096, nonce])
     with pytest.raises(OSError):
         cma.verify(2**22 + 12345, [address, nonce])  # no such process
+
+
+def test_a_direct_frame_whose_actor_gave_up_waiting_is_dropped_not_delivered(connection):
+    # The actor shuts the connection when it stops waiting for a read (and only then lets its
+    # caller change the memory): a learner that finishes the read afterwards must drop it.
+    sink = RecordingSink()
+    ring, nonce = shm.ShmRing.create(RING)
+    ring.release_fd()
+    probe = cma.Probe()
+    cma.verify(os.getpid(), probe.describe())
+    data = np.arange(cma.MIN_BYTES, dtype=np.uint8)
+    record = shm.DIRECT_FRAME + _header(data.size) + shm.COUNTER.pack(1) + shm.EXTENT.pack(data.ctypes.data, data.size)
+    connection[0].sendall(record)
+    connection[0].shutdown(socket.SHUT_WR)  # what ShmSender does when its wait for the read fails
+    receiver = shm.ShmReceiver(connection[1], ring, sink, actor_pid=os.getpid())
+    receiver.start()  # reads the record only now: the memory is still readable, the actor gone
+    assert sink.failed.wait(10)
+    assert isinstance(sink.failure, ConnectionResetError) and "gave up" in str(sink.failure)
+    assert sink.ended.acquire(timeout=0.2) is False  # the frame was never completed
+
+
+def test_a_sender_that_stops_waiting_for_a_direct_read_shuts_the_connection_first():
+    server = socket.create_server(("127.0.0.1", 0))
+    actor_side = socket.create_connection(server.getsockname())
+    learner_side, _ = server.accept()  # a learner that never answers
+    ring, nonce = shm.ShmRing.create(RING)
+    sender = shm.ShmSender(actor_side, shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING), timeout=0.3)
+    sender.direct = True
+    data = np.ones(cma.MIN_BYTES, np.uint8)
+    with pytest.raises(TimeoutError, match="read the frame"):
+        sender.send(_header(data.size), [memoryview(data)])
+    learner_side.settimeout(5)
+    received = b""
+    while chunk := learner_side.recv(65536):  # the record, then EOF: shut before send raised
+        received += chunk
+    assert received.startswith(shm.DIRECT_FRAME)
+    sender.close()
+    for s in (learner_side, server):
+        s.close()
+    ring.close()

@@ -8,7 +8,12 @@ buffers, not yet delivered) plus what an actor reported lost (``steps_lost``); a
 learner's memory (beyond its receive ring's high-water mark, which its cap bounds), threads
 and file descriptors are flat after the first third of the run. Exit status 1 otherwise.
 
-Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--json soak.json] [--trace DIR]   (not part of CI)
+With ``--step-mib N`` each actor puts one large step at a time (``x`` plus ``pad``, N MiB of
+its seq) from one array it refills as soon as ``put`` returns, and the learner checks every
+byte: on the shm plane, steps of 4 MiB and more are read straight from the actor's memory,
+so this soaks that path (and its give-up rule) under the same faults.
+
+Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--step-mib N] [--json soak.json] [--trace DIR]   (not part of CI)
 """
 
 from __future__ import annotations
@@ -40,7 +45,7 @@ def log_to(trace_dir: str | None, name: str) -> None:
                             format="%(created).2f %(threadName)s %(name)s %(levelname)s %(message)s")
 
 
-def learner_main(port: int, reports, drain, transport: str, trace_dir: str | None = None) -> None:
+def learner_main(port: int, reports, drain, transport: str, trace_dir: str | None = None, step_mib: int = 0) -> None:
     from rlink_ucx import Learner, RLinkDataset
 
     log_to(trace_dir, "learner")
@@ -49,10 +54,11 @@ def learner_main(port: int, reports, drain, transport: str, trace_dir: str | Non
     expected: dict[tuple[int, int], int] = {}
     errors: list[str] = []
     with Learner(f"127.0.0.1:{port}", transport=transport) as learner:
-        dataset = RLinkDataset(learner, batch_size=200)
+        dataset = RLinkDataset(learner, batch_size=4 if step_mib else 200)
         # At the end: batches of 50, then single steps (a killed actor's last frame may have
         # ended mid-chunk, so what is left need not fill a batch of 50).
-        tail, single, tail_empty = RLinkDataset(learner, batch_size=50), RLinkDataset(learner, batch_size=1), False
+        tail = RLinkDataset(learner, batch_size=1 if step_mib else 50)
+        single, tail_empty = RLinkDataset(learner, batch_size=1), False
         reports.put(("ready", None))
         last = 0.0
         while True:
@@ -60,6 +66,11 @@ def learner_main(port: int, reports, drain, transport: str, trace_dir: str | Non
                 source = dataset if not drain.is_set() else single if tail_empty else tail
                 tail_empty = False
                 b = source.fetch(timeout=0.5)
+                if step_mib:  # every byte of a large step is its seq's: never torn, never changed
+                    pads = b["pad"].numpy()
+                    for x, pad in zip(b["x"].tolist(), pads):
+                        if not (pad == x[1] % 251).all() and len(errors) < 20:
+                            errors.append(f"incarnation {x[0]} seq {x[1]}: a large step with bytes of another")
                 for a, x in zip(b.actor_id.tolist(), b["x"].tolist()):
                     key = (a, x[0])
                     if x[1] != expected.get(key, 0) and len(errors) < 20:
@@ -84,7 +95,7 @@ def learner_main(port: int, reports, drain, transport: str, trace_dir: str | Non
 
 
 def actor_main(address: str, actor: int, incarnation: int, put_count, stop, results, transport: str,
-               trace_dir: str | None = None) -> None:  # fmt: skip
+               trace_dir: str | None = None, step_mib: int = 0) -> None:  # fmt: skip
     from rlink_ucx import Actor, Config
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -93,13 +104,26 @@ def actor_main(address: str, actor: int, incarnation: int, put_count, stop, resu
     if trace_dir:  # open while the process lives (it may be SIGKILLed)
         trace = open(os.path.join(trace_dir, f"{actor}_{incarnation}.trace"), "w", buffering=1)  # noqa: SIM115
     traced = 0.0
+
+    def progress(seq: int) -> None:
+        nonlocal traced
+        if trace is not None and time.monotonic() - traced > TRACE_EVERY:  # wall time, steps put, steps sent
+            traced = time.monotonic()
+            trace.write(f"{time.time():.2f} {seq} {a.stats()['steps_sent']}\n")
+
     config = Config.from_env(reconnect_timeout=120, frame_bytes=16 << 10, put_timeout=120)
     with Actor(address, transport=transport, actor_id=actor, config=config) as a:
         seq = 0
-        while not stop.value:
-            if trace is not None and time.monotonic() - traced > TRACE_EVERY:  # wall time, steps put, steps sent
-                traced = time.monotonic()
-                trace.write(f"{time.time():.2f} {seq} {a.stats()['steps_sent']}\n")
+        pad = np.empty(step_mib << 20, np.uint8)
+        while not stop.value and step_mib:  # one large step per put, sent from ``pad`` (refilled at once)
+            progress(seq)
+            pad.fill(seq % 251)
+            put_count.value = seq + 1
+            a.put({"x": np.array([incarnation, seq], np.int64), "pad": pad})
+            seq += 1
+            time.sleep(0.002)
+        while not stop.value and not step_mib:
+            progress(seq)
             chunk = np.empty((50, 2), np.int64)
             chunk[:, 0] = incarnation
             chunk[:, 1] = np.arange(seq, seq + 50)
@@ -139,6 +163,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--transport", default="tcp", choices=["tcp", "ucx", "shm"])
     parser.add_argument("--no-faults", action="store_true", help="stream only: a baseline for the resource figures")
+    parser.add_argument("--step-mib", type=int, default=0,
+                        help="stream large steps of this many MiB, one per put, each byte checked at the learner "
+                             "(4+: read by address on the shm plane)")  # fmt: skip
     parser.add_argument("--json")
     parser.add_argument("--trace", metavar="DIR", help="write every process's rlink log and each actor's "
                         "steps put/sent every 0.25 s to DIR, and report the streams' stalls")  # fmt: skip
@@ -153,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     # Lock-free shared flags and counters: an actor SIGKILLed while holding a lock (an Event's
     # or a Value's) would leave it held, and every other process touching it would hang.
     stop = ctx.RawValue("b", 0)
-    learner = ctx.Process(target=learner_main, args=(port, reports, drain, args.transport, args.trace))
+    learner = ctx.Process(target=learner_main, args=(port, reports, drain, args.transport, args.trace, args.step_mib))
     learner.start()
     assert reports.get(timeout=60)[0] == "ready"
     proxies = {a: FaultProxy(("127.0.0.1", port)) for a in (1, 2, 3)}
@@ -165,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     def start(a: int, inc: int) -> None:
         counter = ctx.RawValue("q", 0)
         p = ctx.Process(target=actor_main, args=(proxies[a].address, a, inc, counter, stop, results, args.transport,
-                                                         args.trace))  # fmt: skip
+                                                         args.trace, args.step_mib))  # fmt: skip
         p.start()
         actors[a] = (p, inc, counter)
 

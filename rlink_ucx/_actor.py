@@ -15,7 +15,7 @@ from ._address import parse_address
 from ._client import ActorConnection, BorrowedFrame, FrameBuffer
 from ._codec import DTYPES, Schema, as_host_array, infer_schema
 from ._config import Config, resolve
-from ._errors import Backpressure, Closed, SchemaMismatch
+from ._errors import Backpressure, Closed, PeerLost, ProtocolError, SchemaMismatch
 from ._errors import TimeoutError as RLinkTimeout
 from ._io import IOThread
 from ._subscriber import Subscriber
@@ -259,8 +259,15 @@ class Actor:
                 direct = conn.outstanding == 0 and self._direct()
         try:
             if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
-                conn.send_direct(frame, deadline)
-                return
+                try:
+                    conn.send_direct(frame, deadline)
+                    return
+                except (PeerLost, ProtocolError):
+                    # The connection broke mid-put. The caller's arrays stay ours until we
+                    # return, so the frame goes to the I/O thread, which resends it from where
+                    # the learner stopped once it has reconnected (or fails it for good).
+                    if conn.error is not None or self.config.reconnect_timeout <= 0:
+                        raise
             frame.done = done = threading.Event()
             self._hand_off(frame)
             if not done.wait(self.config.put_timeout):

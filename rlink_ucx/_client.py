@@ -541,6 +541,8 @@ class ActorConnection:
         through the loop's FIFO ready queue); the sender checks that they leave that way."""
         self.queue.append(fb)
         self._wake.set()
+        if self.error is not None and isinstance(fb, BorrowedFrame) and fb.done is not None:
+            fb.done.set()  # failed for good before it arrived: its caller raises the error
 
     def _send_part(self, frame: FrameBuffer | BorrowedFrame, k: int) -> None:
         """Send steps ``[sent, sent + k)`` of ``frame`` as one wire frame (send_lock held)."""
@@ -568,7 +570,9 @@ class ActorConnection:
 
     def send_part_or_fail(self, frame: FrameBuffer | BorrowedFrame, k: int) -> bool:
         """``_send_part`` from a caller's thread. A failure starts a reconnect; it is raised as
-        PeerLost only for a frame that is not kept for resending. Returns whether it was sent."""
+        PeerLost only for a frame that is not kept for resending (a large put then hands its
+        frame to the I/O thread, which resends it after the reconnect). Returns whether it was
+        sent."""
         try:
             self._send_part(frame, k)
             return True

@@ -101,6 +101,7 @@ class StepRing:
         # Chunks (and the spares lending swaps in) come from populated memory: the learner's
         # reserve, made when it started, and one made here for what does not fit in it.
         self._reserves: list[Reserve] = []
+        self._reserved: set[int] = set()  # ids of the chunks (lists) carved from the reserves
         if not pin_memory:  # pinned chunks are allocated (and so populated) by CUDA
             chunk_bytes = sum(-(-chunk * sb // 64) * 64 for sb in self._sizes)
             short = (self.capacity // chunk + _POOL_CHUNKS) * chunk_bytes - (reserve.free if reserve else 0)
@@ -126,14 +127,18 @@ class StepRing:
             import torch
 
             return [torch.empty(self.chunk_steps * sb, dtype=torch.uint8, pin_memory=True).numpy() for sb in self._sizes]
-        return [self._empty(self.chunk_steps * sb) for sb in self._sizes]
+        arrays = [self._empty(self.chunk_steps * sb) for sb in self._sizes]
+        if all(a is not None for a in arrays):
+            self._reserved.add(id(arrays))  # kept for good (see _reclaim): never dropped, so the id stays its own
+            return arrays  # type: ignore[return-value]
+        return [np.empty(self.chunk_steps * sb, dtype=np.uint8) for sb in self._sizes]
 
-    def _empty(self, nbytes: int) -> np.ndarray:
+    def _empty(self, nbytes: int) -> np.ndarray | None:
         for reserve in self._reserves:
             out = reserve.take(nbytes)
             if out is not None:
                 return out
-        return np.empty(nbytes, dtype=np.uint8)
+        return None
 
     # --- credit accounting (I/O thread) ---------------------------------------------------
     def grantable(self) -> int:
@@ -227,7 +232,10 @@ class StepRing:
             # storage; 3 = the list slot, the loop variable and getrefcount's argument.
             if any(sys.getrefcount(a) > 3 for a in arrays):
                 still.append(arrays)
-            elif len(self._pool) < _POOL_CHUNKS:
+            elif len(self._pool) < _POOL_CHUNKS or id(arrays) in self._reserved:
+                # A chunk carved from a reserve is kept whatever the pool's size: dropping it
+                # would free nothing (the reserve stays mapped) and the next spare would come
+                # from fresh memory.
                 self._pool.append(arrays)
         self._lent = still
 

@@ -237,6 +237,13 @@ def main(argv: list[str] | None = None) -> int:
     for a, (p, inc, counter) in actors.items():
         p.join(60)
         put[f"{a}/{inc}"] = counter.value
+    # Resources are judged on the last sample taken while streaming: the drain below reads
+    # through two more datasets (batches of 50, then of 1), whose staging is the harness's.
+    while not reports.empty():
+        kind, value = reports.get()
+        if kind == "stats":
+            stats_log.append(value)
+    streaming = stats_log[-1] if stats_log else None
     drain.set()  # the last steps of each stream may not fill a whole batch of 200
     deadline = time.monotonic() + 30
     last = None
@@ -265,9 +272,10 @@ def main(argv: list[str] | None = None) -> int:
     warm = next((s for s in stats_log if s["time"] - stats_log[0]["time"] >= args.minutes * 20), stats_log[0])
     # The receive ring's pages are touched the first time the learner falls that far behind,
     # so part of any RSS step is the ring reaching a new high-water mark (bounded by its cap).
-    growth = {"rss_mb": (last["rss"] - warm["rss"]) / 2**20,
-              "ring_peak_mb": (last["ring_peak"] - warm["ring_peak"]) / 2**20,
-              "threads": last["threads"] - warm["threads"], "fds": last["fds"] - warm["fds"]}  # fmt: skip
+    end = streaming or last
+    growth = {"rss_mb": (end["rss"] - warm["rss"]) / 2**20,
+              "ring_peak_mb": (end["ring_peak"] - warm["ring_peak"]) / 2**20,
+              "threads": end["threads"] - warm["threads"], "fds": end["fds"] - warm["fds"]}  # fmt: skip
     # Flat: after warm-up, RSS beyond the ring's new high-water mark grows less than FLAT_MIB,
     # and there are no more threads or file descriptors than then (one connection's fds may be
     # mid-reconnect at either sample).

@@ -358,7 +358,7 @@ class LearnerServer:
     def _space_freed(self) -> None:
         """The consumer freed ring space (its thread). Wake the loop only if an actor is low on
         credit: only those get any (see grant_credits), and each wake is a thread switch."""
-        if any(s.credit <= s.low_water for s in list(self.sessions.values())):
+        if any(s.low_on_credit for s in list(self.sessions.values())):
             self.request_grant()
 
     def request_grant(self) -> None:

@@ -147,6 +147,11 @@ class LearnerSession:
             return
         self.control.send(_wire.Heartbeat())
 
+    @property
+    def low_on_credit(self) -> bool:
+        """At or below the low-water mark: the only state in which grant_credits gives more."""
+        return self.credit <= self.low_water
+
     def grant(self, steps: int, low_water: int) -> None:
         with self._lock:
             self.credit += steps
@@ -228,7 +233,7 @@ class LearnerSession:
         # release triggers the grant.
         if (self.next_seq or 0) >= self.ack_wanted:
             self.server.loop.call_soon_threadsafe(self._after_frame)
-        elif self.credit <= self.low_water and self.ring is not None and self.ring.grantable() > 0:
+        elif self.low_on_credit and self.ring is not None and self.ring.grantable() > 0:
             self.server.request_grant()
 
     def _commit(self) -> None:

@@ -53,7 +53,8 @@ def available() -> bool:
     return _readv is not None
 
 
-def _address(buf: Any) -> int:
+def address(buf: Any) -> int:
+    """The address of a contiguous buffer, read-only or not."""
     return np.frombuffer(buf, np.uint8).ctypes.data
 
 
@@ -62,7 +63,7 @@ def read(pid: int, remote: list[tuple[int, int]], local: list[memoryview]) -> No
     Their total lengths must match. ``OSError`` (errno of the kernel) when it cannot."""
     if _readv is None:
         raise OSError(errno.ENOSYS, "process_vm_readv is not available here")
-    dst = [(_address(v), len(v)) for v in local if len(v)]
+    dst = [(address(v), len(v)) for v in local if len(v)]
     src = [(a, n) for a, n in remote if n]
     while src and dst:  # at most IOV_MAX pieces a side per call; the kernel stops at the shorter
         r, d = src[:_IOV_MAX], dst[:_IOV_MAX]

@@ -78,11 +78,6 @@ def available() -> bool:
     return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")
 
 
-def _address(buf: memoryview) -> int:
-    """The address of a contiguous buffer, read-only or not."""
-    return np.frombuffer(buf, np.uint8).ctypes.data
-
-
 class ShmRing:
     """A sealed shared memfd, mapped: ``size`` data bytes after the nonce page. The learner's
     ring (a byte stream) or an actor's arena (its frame buffers)."""
@@ -91,7 +86,7 @@ class ShmRing:
         self.mm = mm
         self.size = size
         self.fd = fd  # the learner's memfd until the actor has mapped it
-        self.base = _address(memoryview(mm)) + DATA_OFFSET
+        self.base = cma.address(memoryview(mm)) + DATA_OFFSET
 
     @classmethod
     def create(cls, size: int, name: str = RING_NAME) -> tuple[ShmRing, bytes]:
@@ -146,10 +141,10 @@ class ShmRing:
 
     def copy_in(self, pos: int, src: memoryview) -> None:
         """Copy ``src`` into the ring at stream position ``pos`` (wrapping)."""
-        self._move(pos, _address(src), len(src), into_ring=True)
+        self._move(pos, cma.address(src), len(src), into_ring=True)
 
     def copy_out(self, pos: int, dst: memoryview) -> None:
-        self._move(pos, _address(dst), len(dst), into_ring=False)
+        self._move(pos, cma.address(dst), len(dst), into_ring=False)
 
     def _move(self, pos: int, addr: int, n: int, into_ring: bool) -> None:
         while n:
@@ -165,7 +160,7 @@ class ShmRing:
         """``views`` as packed (offset, length) extents if every one lies in this region."""
         out = []
         for view in views:
-            at = _address(view) - self.base
+            at = cma.address(view) - self.base
             if not 0 <= at <= self.size - len(view):
                 return None
             out.append(EXTENT.pack(at, len(view)))
@@ -178,7 +173,7 @@ class ShmRing:
             while n:
                 view = dst[i]
                 k = min(n, len(view) - used)
-                ctypes.memmove(_address(view) + used, self.base + at, k)
+                ctypes.memmove(cma.address(view) + used, self.base + at, k)
                 at, n, used = at + k, n - k, used + k
                 if used == len(view):
                     i, used = i + 1, 0
@@ -294,7 +289,7 @@ class ShmSender:
 
     def _send_direct(self, header: bytes, payload: list[memoryview]) -> None:
         pieces = [v for v in payload if len(v)]
-        where = b"".join(EXTENT.pack(_address(v), len(v)) for v in pieces)
+        where = b"".join(EXTENT.pack(cma.address(v), len(v)) for v in pieces)
         self.sock.sendall(b"".join((DIRECT_FRAME, header, COUNTER.pack(len(pieces)), where)))
         self.sent_directly += sum(len(v) for v in pieces)
         self.direct_frames += 1

@@ -411,7 +411,16 @@ class ShmReceiver(SocketReceiver):
 
     def _release(self) -> None:
         self._released = self._consumed
-        self.sock.sendall(REPLY.pack(FREED, self._consumed))
+        self._reply(FREED, self._consumed)
+
+    def _reply(self, kind: bytes, value: int) -> None:
+        """Tell the actor a counter. An actor that has closed its end needs it no more: the
+        next read sees the EOF and decides whether that was a clean close or mid-frame (a
+        write failing first used to turn a clean close into a lost actor)."""
+        try:
+            self.sock.sendall(REPLY.pack(kind, value))
+        except (BrokenPipeError, ConnectionResetError):
+            pass
 
     def _wait_for_bytes(self) -> None:
         if self._consumed != self._released:
@@ -458,7 +467,7 @@ class ShmReceiver(SocketReceiver):
         if self._peer_closed(within=0):
             raise ConnectionResetError("the actor gave up waiting for this frame to be read")
         self._read_directly += total
-        self.sock.sendall(REPLY.pack(READ, self._read_directly))
+        self._reply(READ, self._read_directly)
 
     def _peer_closed(self, within: float) -> bool:
         """Whether the actor shut its end of the data connection (waiting up to ``within``

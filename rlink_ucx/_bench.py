@@ -94,6 +94,8 @@ def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int)
             }
             for _ in range(count // chunk):
                 actor.put_many(steps)
+            if count % chunk:  # the learner waits for exactly `count` steps
+                actor.put_many({name: value[: count % chunk] for name, value in steps.items()})
         actor.flush(120)
 
 

@@ -1,0 +1,44 @@
+"""The throughput scripts under bench/ run end to end (small sizes) and print real numbers."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.timeout(300)
+
+
+def _run(*args: str) -> str:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return done.stdout
+
+
+def test_throughput_measures_the_raw_socket_and_the_tcp_plane(tmp_path):
+    out = tmp_path / "tp.json"
+    _run("bench/throughput.py", "--sizes", "1K", "--transports", "tcp", "--reps", "1", "--steps", "20000",
+         "--json", str(out))  # fmt: skip
+    rows = {(r["workload"], r["system"]): r for r in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {("bytes-1K", "raw-socket"), ("bytes-1K", "rlink-tcp"), ("cartpole-put", "rlink-tcp"),
+                         ("cartpole-put_many", "rlink-tcp")}  # fmt: skip
+    assert rows[("bytes-1K", "raw-socket")]["ratio"] == 1.0
+    for row in rows.values():
+        assert row["min"] <= row["median"] <= row["max"] and row["median"] > 0
+
+
+def test_tcp_ab_alternates_variants_against_the_raw_socket():
+    text = _run("bench/tcp_ab.py", "--size", "1K", "--rounds", "2", "--variant", "", "--variant",
+                "RLINK_FRAME_BYTES=65536")  # fmt: skip
+    lines = {line.split("  ")[0].strip(): line for line in text.splitlines() if "GB/s" in line}
+    assert set(lines) == {"raw-socket", "rlink-tcp (defaults)", "rlink-tcp RLINK_FRAME_BYTES=65536"}
+    for line in lines.values():
+        median, rounds = re.search(r"([\d.]+) GB/s .*x\s+(.*)$", line).groups()
+        assert float(median) > 0 and len(rounds.split()) == 2

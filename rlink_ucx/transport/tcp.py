@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import struct
+import sys
 import threading
 import time
 
@@ -49,6 +50,8 @@ def _send_timeout_in_kernel(sock: socket.socket, timeout: float) -> bool:
     so a frame larger than the free socket buffer goes out in many partial sends, each a trip
     through Python. A blocking send with a kernel timeout is one call per frame.
     """
+    if sys.platform == "win32":  # there SO_SNDTIMEO is a DWORD of milliseconds, not a timeval
+        return False
     sec = int(timeout)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, struct.pack("ll", sec, int((timeout - sec) * 1e6)))

@@ -185,7 +185,8 @@ class TcpReceiver(SocketReceiver):
         view = memoryview(header)
         got = 0  # bytes of the next header already read
         while True:
-            self._wake_after(0)  # between frames nothing is owed: the actor may go quiet
+            if got < FRAME_HEADER_BYTES:  # (a streaming actor's header usually came with the last read)
+                self._wake_after(0)  # between frames nothing is owed: the actor may go quiet
             while got < FRAME_HEADER_BYTES:
                 n = self.sock.recv_into(view[got:])
                 if n == 0:

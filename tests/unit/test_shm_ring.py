@@ -41,17 +41,6 @@ class RecordingSink:
         self.failed.set()
 
 
-@pytest.fixture
-def connection():
-    server = socket.create_server(("127.0.0.1", 0))
-    actor_side = socket.create_connection(server.getsockname())
-    learner_side, _ = server.accept()
-    server.close()
-    yield actor_side, learner_side
-    actor_side.close()
-    learner_side.close()
-
-
 def _pair(connection, sink, arena=None, direct=False):
     ring, nonce = shm.ShmRing.create(RING)
     mapped = shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING)
@@ -121,10 +110,8 @@ def test_a_doorbell_that_overstates_or_rewinds_the_ring_is_a_protocol_error(conn
     assert [bytes(f) for f in sink.frames] == [b"0123456789"]  # what came before is kept
 
 
-def test_a_sender_whose_ring_is_never_freed_times_out():
-    server = socket.create_server(("127.0.0.1", 0))
-    actor_side = socket.create_connection(server.getsockname())
-    learner_side, _ = server.accept()  # nobody reads: no release ever comes
+def test_a_sender_whose_ring_is_never_freed_times_out(connection):
+    actor_side, _ = connection  # nobody reads: no release ever comes
     ring, nonce = shm.ShmRing.create(RING)
     sender = shm.ShmSender(actor_side, shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING), timeout=0.5)
     started = time.monotonic()
@@ -132,8 +119,6 @@ def test_a_sender_whose_ring_is_never_freed_times_out():
         sender.send(_header(2 * RING), [memoryview(bytes(2 * RING))])
     assert 0.4 < time.monotonic() - started < 5
     sender.close()
-    for s in (learner_side, server):
-        s.close()
     ring.close()
 
 
@@ -259,10 +244,8 @@ def test_a_direct_frame_whose_actor_gave_up_waiting_is_dropped_not_delivered(con
     assert sink.ended.acquire(timeout=0.2) is False  # the frame was never completed
 
 
-def test_a_sender_that_stops_waiting_for_a_direct_read_shuts_the_connection_first():
-    server = socket.create_server(("127.0.0.1", 0))
-    actor_side = socket.create_connection(server.getsockname())
-    learner_side, _ = server.accept()  # a learner that never answers
+def test_a_sender_that_stops_waiting_for_a_direct_read_shuts_the_connection_first(connection):
+    actor_side, learner_side = connection  # a learner that never answers
     ring, nonce = shm.ShmRing.create(RING)
     sender = shm.ShmSender(actor_side, shm.ShmRing.open(os.getpid(), ring.fd, nonce, RING), timeout=0.3)
     sender.direct = True
@@ -275,6 +258,4 @@ def test_a_sender_that_stops_waiting_for_a_direct_read_shuts_the_connection_firs
         received += chunk
     assert received.startswith(shm.DIRECT_FRAME)
     sender.close()
-    for s in (learner_side, server):
-        s.close()
     ring.close()

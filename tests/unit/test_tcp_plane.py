@@ -3,7 +3,6 @@ frames whose tail is below the receiver's low-water mark, and the sender's kerne
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 
@@ -39,26 +38,15 @@ class _Sink:
         self.done.release()
 
 
-@pytest.fixture
-def connected():
-    server = socket.create_server(("127.0.0.1", 0))
-    client = socket.create_connection(server.getsockname())
-    accepted, _ = server.accept()
-    server.close()
-    yield client, accepted
-    client.close()
-    accepted.close()
-
-
 def _header(seq: int, nbytes: int) -> bytes:
     return FrameHeader(1, 1, 7, 0, seq, 0, nbytes).pack()
 
 
-def test_a_frame_tail_below_the_low_water_mark_arrives_with_nothing_after_it(connected):
+def test_a_frame_tail_below_the_low_water_mark_arrives_with_nothing_after_it(connection):
     # The receiver sleeps until RECV_LOW_WATER bytes are in while a frame streams in. Linux
     # wakes a reader only at the low-water mark, even one that asks for less, so a mark above
     # the frame's remaining bytes would hold the tail back until the actor sent more.
-    client, accepted = connected
+    client, accepted = connection
     sink = _Sink()
     receiver = TcpReceiver(accepted, sink)
     receiver.start()
@@ -83,8 +71,8 @@ def test_a_frame_tail_below_the_low_water_mark_arrives_with_nothing_after_it(con
     assert isinstance(sink.failed[0], EOFError)  # a clean close between frames
 
 
-def test_a_send_nobody_reads_times_out_in_bounded_time(connected):
-    client, _accepted = connected  # the peer never reads
+def test_a_send_nobody_reads_times_out_in_bounded_time(connection):
+    client, _accepted = connection  # the peer never reads
     sender = TcpSender(client, loop=None, timeout=0.5)  # type: ignore[arg-type]
     payload = memoryview(np.zeros(256 << 20, np.uint8))
     started = time.monotonic()

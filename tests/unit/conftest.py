@@ -1,0 +1,19 @@
+"""Fixtures shared by the unit tests."""
+
+from __future__ import annotations
+
+import socket
+
+import pytest
+
+
+@pytest.fixture
+def connection():
+    """A real loopback TCP connection: ``(actor_side, learner_side)``, closed afterwards."""
+    server = socket.create_server(("127.0.0.1", 0))
+    actor_side = socket.create_connection(server.getsockname())
+    learner_side, _ = server.accept()
+    server.close()
+    yield actor_side, learner_side
+    actor_side.close()
+    learner_side.close()

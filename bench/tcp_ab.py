@@ -2,7 +2,9 @@
 
 Each variant is a set of ``RLINK_*`` settings (``""`` = the defaults) applied to a fresh
 learner and actor; rounds alternate raw socket, variant 1, variant 2, ... so that a slow spell
-of a noisy machine hits them alike. Prints the median GB/s and every round's value.
+of a noisy machine hits them alike. Prints the median GB/s and every round's value, and the
+ratio to the raw socket with the system's defaults. A second raw row gives that socket the
+congestion control rlink uses on loopback (``LOOPBACK_CONGESTION``): the same kernel path.
 
     python bench/tcp_ab.py --size 64K --rounds 6 --variant "" --variant "RLINK_RESEND_BUFFER_BYTES=0"
 """
@@ -16,6 +18,7 @@ import subprocess
 import sys
 
 from rlink_ucx._bench import SIZES, TOTAL_BYTES, raw_socket
+from rlink_ucx.transport.tcp import LOOPBACK_CONGESTION
 
 _RUN_ONE = "import sys; from rlink_ucx._bench import rlink; print(rlink('tcp', 'bytes', {size}, {count}, {size}) / 1e9)"
 
@@ -37,9 +40,12 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES[args.size]
     count = TOTAL_BYTES[size] // size
     variants = args.variant or [""]
-    runs: dict[str, list[float]] = {"raw-socket": [], **{f"rlink-tcp {v or '(defaults)'}": [] for v in variants}}
+    tuned_raw = f"raw-socket {LOOPBACK_CONGESTION.decode()}"
+    runs: dict[str, list[float]] = {"raw-socket": [], tuned_raw: [],
+                                    **{f"rlink-tcp {v or '(defaults)'}": [] for v in variants}}  # fmt: skip
     for _ in range(args.rounds):
         runs["raw-socket"].append(raw_socket(size, count) / 1e9)
+        runs[tuned_raw].append(raw_socket(size, count, LOOPBACK_CONGESTION) / 1e9)
         for v in variants:
             runs[f"rlink-tcp {v or '(defaults)'}"].append(rlink_tcp(size, count, v))
     base = statistics.median(runs["raw-socket"])

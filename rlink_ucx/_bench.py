@@ -34,9 +34,11 @@ BATCH_BYTES = 4 << 20
 
 
 # --- raw socket baseline ---------------------------------------------------------------------
-def _raw_sender(port: int, size: int, count: int) -> None:
+def _raw_sender(port: int, size: int, count: int, congestion: bytes | None) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if congestion:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion)
     payload = np.random.randint(0, 255, size, dtype=np.uint8)
     view = memoryview(payload)
     for _ in range(count):
@@ -45,10 +47,12 @@ def _raw_sender(port: int, size: int, count: int) -> None:
     sock.close()
 
 
-def raw_socket(size: int, count: int) -> float:
+def raw_socket(size: int, count: int, congestion: bytes | None = None) -> float:
+    """Bytes/s of ``sendall`` -> ``recv_into`` between two processes; ``congestion`` sets the
+    sender's TCP congestion control (None: the system's default)."""
     server = socket.create_server(("127.0.0.1", 0))
     port = server.getsockname()[1]
-    proc = mp.get_context("spawn").Process(target=_raw_sender, args=(port, size, count))
+    proc = mp.get_context("spawn").Process(target=_raw_sender, args=(port, size, count, congestion))
     proc.start()
     conn, _ = server.accept()
     buf = bytearray(size)

@@ -38,7 +38,7 @@ def test_tcp_ab_alternates_variants_against_the_raw_socket():
     text = _run("bench/tcp_ab.py", "--size", "1K", "--rounds", "2", "--variant", "", "--variant",
                 "RLINK_FRAME_BYTES=65536")  # fmt: skip
     lines = {line.split("  ")[0].strip(): line for line in text.splitlines() if "GB/s" in line}
-    assert set(lines) == {"raw-socket", "rlink-tcp (defaults)", "rlink-tcp RLINK_FRAME_BYTES=65536"}
+    assert set(lines) == {"raw-socket", "raw-socket reno", "rlink-tcp (defaults)", "rlink-tcp RLINK_FRAME_BYTES=65536"}
     for line in lines.values():
         median, rounds = re.search(r"([\d.]+) GB/s .*x\s+(.*)$", line).groups()
         assert float(median) > 0 and len(rounds.split()) == 2

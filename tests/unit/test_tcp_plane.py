@@ -1,8 +1,11 @@
 """The tcp data plane's socket handling, over real loopback sockets (one process, no learner):
-frames whose tail is below the receiver's low-water mark, and the sender's kernel timeout."""
+frames whose tail is below the receiver's low-water mark, the sender's kernel timeout, and
+the congestion control chosen for a connection that stays on this host."""
 
 from __future__ import annotations
 
+import socket
+import sys
 import threading
 import time
 
@@ -10,7 +13,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx._wire import FrameHeader
-from rlink_ucx.transport.tcp import RECV_LOW_WATER, TcpReceiver, TcpSender
+from rlink_ucx.transport.tcp import LOOPBACK_CONGESTION, RECV_LOW_WATER, TcpReceiver, TcpSender, same_host
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -79,3 +82,33 @@ def test_a_send_nobody_reads_times_out_in_bounded_time(connection):
     with pytest.raises(TimeoutError, match="took no data for 0.5s"):
         sender.send(_header(0, len(payload)), [payload])
     assert time.monotonic() - started < 10
+
+
+@pytest.mark.parametrize(
+    ("peer", "local", "expected"),
+    [
+        ("127.0.0.1", "127.0.0.1", True),
+        ("127.0.0.2", "127.0.0.1", True),
+        ("::1", "::1", True),
+        ("::ffff:127.0.0.1", "::ffff:127.0.0.1", True),  # IPv4 on a dual-stack socket
+        ("10.1.2.3", "10.1.2.3", True),  # this host's own address: routed through loopback
+        ("fe80::1%eth0", "fe80::1%eth0", True),
+        ("10.1.2.4", "10.1.2.3", False),
+        ("::ffff:10.1.2.4", "::ffff:10.1.2.3", False),
+        ("fe80::2%eth0", "fe80::1%eth0", False),
+        ("not-an-address", "10.1.2.3", False),
+    ],
+)
+def test_same_host_tells_loopback_and_own_addresses_from_remote_ones(peer, local, expected):
+    assert same_host(peer, local) is expected
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
+def test_both_ends_of_a_loopback_data_connection_stop_pacing(connection):
+    # The system default may be BBR, which paces; on loopback that only costs timers.
+    client, accepted = connection
+    TcpSender(client, loop=None, timeout=5)  # type: ignore[arg-type]
+    TcpReceiver(accepted, _Sink())
+    for sock in (client, accepted):
+        name = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
+        assert name == LOOPBACK_CONGESTION

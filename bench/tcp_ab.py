@@ -18,7 +18,7 @@ import subprocess
 import sys
 
 from rlink_ucx._bench import SIZES, TOTAL_BYTES, raw_socket
-from rlink_ucx.transport.tcp import LOOPBACK_CONGESTION
+from rlink_ucx._sockopts import LOOPBACK_CONGESTION
 
 _RUN_ONE = "import sys; from rlink_ucx._bench import rlink; print(rlink('tcp', 'bytes', {size}, {count}, {size}) / 1e9)"
 

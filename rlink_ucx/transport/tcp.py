@@ -8,22 +8,19 @@ reads the header into a small buffer, asks the sink for destination views and fi
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import socket
 import struct
 import sys
 import threading
 import time
 
+from .._sockopts import no_pacing_on_loopback
 from .._wire import FRAME_HEADER_BYTES
 from .base import FrameSink
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting
-# Congestion control for a connection that never leaves this host. Reno is built into every
-# Linux kernel and any user may choose it; unlike BBR it never paces.
-LOOPBACK_CONGESTION = b"reno"
 
 
 def tune_socket(sock: socket.socket) -> None:
@@ -33,42 +30,7 @@ def tune_socket(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
         except OSError:
             pass
-    if on_loopback(sock):
-        _no_pacing(sock)
-
-
-def on_loopback(sock: socket.socket) -> bool:
-    """Does ``sock`` connect this host to itself?"""
-    try:
-        return same_host(sock.getpeername()[0], sock.getsockname()[0])
-    except (OSError, IndexError, TypeError):  # not connected, or not an IP socket
-        return False
-
-
-def same_host(peer: str, local: str) -> bool:
-    """Is ``peer`` a loopback address or ``local`` itself (both IP address strings)?"""
-    try:
-        a, b = (ipaddress.ip_address(x.split("%")[0]) for x in (peer, local))
-    except ValueError:
-        return False
-    a, b = (x.ipv4_mapped or x if isinstance(x, ipaddress.IPv6Address) else x for x in (a, b))
-    return a.is_loopback or a == b
-
-
-def _no_pacing(sock: socket.socket) -> None:
-    """Use a congestion control that does not pace, where the system's default may (BBR).
-
-    Why: with no network in between there is nothing to pace for, while BBR's pacing arms a
-    timer for each burst it holds back, and on a virtual machine each one traps to the
-    hypervisor. Measured on loopback at 64 KiB steps: 3.2 -> 4.5 GB/s (docs/benchmarks.md).
-    """
-    option = getattr(socket, "TCP_CONGESTION", None)
-    if option is None:  # not Linux
-        return
-    try:
-        sock.setsockopt(socket.IPPROTO_TCP, option, LOOPBACK_CONGESTION)
-    except OSError:  # e.g. a kernel without it: the default stays
-        pass
+    no_pacing_on_loopback(sock)
 
 
 def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:

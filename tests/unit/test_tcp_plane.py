@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 
 from rlink_ucx._wire import FrameHeader
-from rlink_ucx.transport.tcp import LOOPBACK_CONGESTION, RECV_LOW_WATER, TcpReceiver, TcpSender, same_host
+from rlink_ucx._io import ControlConnection
+from rlink_ucx._sockopts import LOOPBACK_CONGESTION, same_host
+from rlink_ucx.transport.tcp import RECV_LOW_WATER, TcpReceiver, TcpSender
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -103,12 +105,36 @@ def test_same_host_tells_loopback_and_own_addresses_from_remote_ones(peer, local
     assert same_host(peer, local) is expected
 
 
+def _congestion(sock: socket.socket) -> bytes:
+    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
+
+
+def _not_reno(*socks: socket.socket) -> None:
+    """Start from another congestion control where the kernel has one, so the test can fail
+    even on a host whose default is Reno already."""
+    for sock in socks:
+        for name in (b"bbr", b"cubic"):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
+                break
+            except OSError:
+                pass
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
 def test_both_ends_of_a_loopback_data_connection_stop_pacing(connection):
     # The system default may be BBR, which paces; on loopback that only costs timers.
     client, accepted = connection
+    _not_reno(client, accepted)
     TcpSender(client, loop=None, timeout=5)  # type: ignore[arg-type]
     TcpReceiver(accepted, _Sink())
-    for sock in (client, accepted):
-        name = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
-        assert name == LOOPBACK_CONGESTION
+    assert [_congestion(s) for s in (client, accepted)] == [LOOPBACK_CONGESTION] * 2
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
+def test_a_loopback_control_connection_stops_pacing_too(connection):
+    # The learner answers a weights pull (a whole model) on one of these.
+    client, accepted = connection
+    _not_reno(accepted)
+    ControlConnection(accepted, loop=None)  # type: ignore[arg-type]
+    assert _congestion(accepted) == LOOPBACK_CONGESTION

@@ -11,6 +11,7 @@ baseline and of the rlink planes alternate; each row is the median of its repeti
   reward float32, done bool), one ``put`` per step, or ``put_many`` chunks of 64 steps.
 
 Usage: rlink bench  (or python bench/throughput.py) [--sizes 1K,64K,1M,16M] [--reps 3] [--json out.json]
+       [--device cuda:0]  (CUDA steps from the actor, batches on the GPU; the raw socket stays on the host)
 """
 
 from __future__ import annotations
@@ -76,12 +77,16 @@ def raw_socket(size: int, count: int, congestion: bytes | None = None) -> float:
 
 
 # --- rlink ----------------------------------------------------------------------------------------
-def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int) -> None:
+def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int, device: str = "cpu") -> None:
     from rlink_ucx import Actor
 
     with Actor(address, transport=transport) as actor:
         if kind == "bytes":
             step = {"x": np.random.randint(0, 255, size, dtype=np.uint8)}
+            if device != "cpu":  # the actor's steps live on the GPU too
+                import torch
+
+                step = {"x": torch.from_numpy(step["x"]).to(device)}
             for _ in range(count):
                 actor.put(step)
         elif kind == "cartpole-put":
@@ -103,15 +108,17 @@ def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int)
         actor.flush(120)
 
 
-def rlink(transport: str, kind: str, size: int, count: int, step_bytes: int) -> float:
-    """Returns bytes/s (kind == "bytes") or steps/s, measured at the learner."""
+def rlink(transport: str, kind: str, size: int, count: int, step_bytes: int, device: str = "cpu") -> float:
+    """Returns bytes/s (kind == "bytes") or steps/s, measured at the learner. ``device``: where
+    the actor's steps and the learner's batches live ("cuda:0": both on the GPU)."""
     from rlink_ucx import Learner, RLinkDataset
 
     with Learner("127.0.0.1:0", transport=transport) as learner:
         batch = max(1, BATCH_BYTES // step_bytes) if kind == "bytes" else 16384
         batch = min(batch, count // 4)
-        dataset = RLinkDataset(learner, batch_size=batch)
-        proc = mp.get_context("spawn").Process(target=_rlink_actor, args=(learner.address, transport, kind, size, count))
+        dataset = RLinkDataset(learner, batch_size=batch, device=device)
+        args = (learner.address, transport, kind, size, count, device)
+        proc = mp.get_context("spawn").Process(target=_rlink_actor, args=args)
         proc.start()
         batches = count // batch
         warm = max(1, batches // 20)  # the same 5% warm-up the raw-socket baseline skips
@@ -139,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default="tcp,ucx,shm")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400_000, help="CartPole steps per repetition")
+    parser.add_argument("--device", default="cpu",
+                        help='where the bytes rows\' steps and batches live: "cpu", or "cuda:0" (CUDA steps, batches on the GPU)')
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
     from rlink_ucx.transport import shm, ucx_available
@@ -155,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.reps):
             runs["raw-socket"].append(raw_socket(size, count))
             for transport in transports:
-                runs[f"rlink-{transport}"].append(rlink(transport, "bytes", size, count, size))
+                runs[f"rlink-{transport}"].append(rlink(transport, "bytes", size, count, size, args.device))
         base = statistics.median(runs["raw-socket"])
         for system, values in runs.items():
             med, ratio = statistics.median(values), statistics.median(values) / base
@@ -172,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
     if args.json:
         with open(args.json, "w") as fh:
-            json.dump({"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}, "rows": rows}, fh, indent=1)
+            json.dump({"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0], "device": args.device},
+                       "rows": rows}, fh, indent=1)
     return 0
 
 

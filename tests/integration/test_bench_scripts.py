@@ -15,18 +15,21 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.timeout(300)
 
 
-def _run(*args: str) -> str:
+def _run(*args: str, ok: bool = True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout
+    if ok:
+        assert done.returncode == 0, done.stderr[-2000:]
+    return done
 
 
 def test_throughput_measures_the_raw_socket_and_the_tcp_plane(tmp_path):
     out = tmp_path / "tp.json"
     _run("bench/throughput.py", "--sizes", "1K", "--transports", "tcp", "--reps", "1", "--steps", "20000",
          "--json", str(out))  # fmt: skip
-    rows = {(r["workload"], r["system"]): r for r in json.loads(out.read_text())["rows"]}
+    report = json.loads(out.read_text())
+    assert report["machine"]["device"] == "cpu"
+    rows = {(r["workload"], r["system"]): r for r in report["rows"]}
     assert set(rows) == {("bytes-1K", "raw-socket"), ("bytes-1K", "rlink-tcp"), ("cartpole-put", "rlink-tcp"),
                          ("cartpole-put_many", "rlink-tcp")}  # fmt: skip
     assert rows[("bytes-1K", "raw-socket")]["ratio"] == 1.0
@@ -36,9 +39,19 @@ def test_throughput_measures_the_raw_socket_and_the_tcp_plane(tmp_path):
 
 def test_tcp_ab_alternates_variants_against_the_raw_socket():
     text = _run("bench/tcp_ab.py", "--size", "1K", "--rounds", "2", "--variant", "", "--variant",
-                "RLINK_FRAME_BYTES=65536")  # fmt: skip
+                "RLINK_FRAME_BYTES=65536").stdout  # fmt: skip
     lines = {line.split("  ")[0].strip(): line for line in text.splitlines() if "GB/s" in line}
     assert set(lines) == {"raw-socket", "raw-socket reno", "rlink-tcp (defaults)", "rlink-tcp RLINK_FRAME_BYTES=65536"}
     for line in lines.values():
         median, rounds = re.search(r"([\d.]+) GB/s .*x\s+(.*)$", line).groups()
         assert float(median) > 0 and len(rounds.split()) == 2
+
+
+def test_throughput_on_a_gpu_that_is_not_there_fails_with_a_clear_error():
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: ci/gpu-check.sh runs the GPU benchmark there")
+    done = _run("bench/throughput.py", "--device", "cuda:0", "--sizes", "1K", "--transports", "tcp", "--reps", "1",
+                ok=False)  # fmt: skip
+    assert done.returncode != 0
+    assert "device cuda:0 requested but CUDA is not available" in done.stderr

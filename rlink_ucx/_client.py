@@ -233,7 +233,7 @@ class ActorConnection:
             # The arena goes with the Attach; the learner's Ready says whether it mapped it.
             self.sender = shm.ShmSender(data.sock, ring, timeout, self.arena)
         else:
-            self.sender = TcpSender(data.sock, self.loop, timeout)
+            self.sender = TcpSender(data.sock, self.loop, timeout, self.config.tcp_congestion)
 
     def _frame_memory_bytes(self) -> int:
         """Room for every frame buffer the actor may hold: those kept for resending, those

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from typing import Any
 
 from ._errors import ConfigError
@@ -78,6 +79,11 @@ class Config:
     # (process_vm_readv: one copy instead of two) where the kernel allows it; docs/transports.md.
     shm_direct_read: bool = True
     ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
+    # Congestion control of the tcp plane's data connections: "auto" = Reno where the peer is
+    # this host (no pacing; docs/transports.md), the system's default elsewhere; "system" = the
+    # system's default everywhere; or a kernel's name for all of them ("reno", "cubic", ...),
+    # e.g. for containers on one machine, whose connections cross a bridge.
+    tcp_congestion: str = "auto"
     # The learner's UCX worker keeps the shared memory of every actor process it talked to
     # (docs/reliability.md). Once this many ucx sessions, and at least twice as many as are
     # live, have ended, it starts a fresh worker and moves the live ucx actors to it (they
@@ -89,6 +95,9 @@ class Config:
             value = getattr(self, field.name)
             if isinstance(value, (int, float)) and (value < 0 or (value == 0 and field.name not in _MAY_BE_ZERO)):
                 raise ConfigError(f"Config.{field.name} must be > 0, got {value!r}")
+        if not re.fullmatch(r"[a-z0-9_]{1,15}", self.tcp_congestion):
+            raise ConfigError(f'Config.tcp_congestion must be "auto", "system" or a congestion control\'s name '
+                              f"(lowercase letters, digits, _), got {self.tcp_congestion!r}")  # fmt: skip
         if self.frame_bytes > self.max_frame_bytes:
             raise ConfigError("Config.frame_bytes must not exceed Config.max_frame_bytes")
 

@@ -15,7 +15,6 @@ from collections.abc import AsyncIterator, Coroutine
 from typing import Any, TypeVar
 
 from . import _wire
-from ._sockopts import no_pacing_on_loopback
 from ._errors import Closed, PeerLost, ProtocolError
 from ._errors import TimeoutError as RLinkTimeout
 
@@ -103,7 +102,6 @@ class ControlConnection:
     def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, peer: str = "?"):
         sock.setblocking(False)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        no_pacing_on_loopback(sock)  # a weights pull sends a whole model over it
         self.sock = sock
         self.loop = loop
         self.peer = peer

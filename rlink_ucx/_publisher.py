@@ -22,6 +22,7 @@ import numpy as np
 from . import _auth, _wire
 from ._errors import AuthError, Closed
 from ._group import new_group, serve_store, wait_all
+from ._sockopts import set_congestion
 from .transport import hostname
 from ._weights import BufferPool, Snapshot, begin_snapshot, checksums, fill, state_dict_of
 
@@ -119,6 +120,7 @@ class Publisher:
             await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Version(self.server.version)))
             return
         host = await self.loop.run_in_executor(None, self._host_copy, snap) if snap.device != "cpu" else snap
+        set_congestion(conn.sock, self.config.tcp_congestion)  # a whole model goes out on it
         async with asyncio.timeout(self.config.weights_timeout):
             await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Publish(0, host.manifest)))
             await self.loop.sock_sendall(conn.sock, memoryview(host.flat))

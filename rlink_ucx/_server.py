@@ -274,7 +274,8 @@ class LearnerServer:
                 session.transport = "tcp"
                 session.transport_reason = "auto: the actor could not map the shared-memory ring; tcp instead"
                 log.info("actor %s: %s", session.actor_id, session.transport_reason)
-            session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}")
+            session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}",
+                                           congestion=self.config.tcp_congestion)
         session.receiver.start()
         session.control.send(_wire.Ready(session.transport, arena is not None, direct))
         self.grant_credits()

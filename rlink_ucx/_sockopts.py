@@ -1,13 +1,18 @@
-"""Socket options every rlink TCP connection shares: no pacing where it never leaves this host."""
+"""Socket options every rlink TCP connection shares: the congestion control (no pacing where a
+connection never leaves this host)."""
 
 from __future__ import annotations
 
 import ipaddress
+import logging
 import socket
+
+log = logging.getLogger("rlink_ucx")
 
 # Congestion control for a connection that never leaves this host. Reno is built into every
 # Linux kernel and any user may choose it; unlike BBR it never paces.
 LOOPBACK_CONGESTION = b"reno"
+_refused: set[str] = set()  # names the kernel refused (warned about once)
 
 
 def on_loopback(sock: socket.socket) -> bool:
@@ -28,18 +33,29 @@ def same_host(peer: str, local: str) -> bool:
     return a.is_loopback or a == b
 
 
-def no_pacing_on_loopback(sock: socket.socket) -> None:
-    """On a connection to this host, use a congestion control that does not pace.
+def set_congestion(sock: socket.socket, wanted: str = "auto") -> None:
+    """Apply ``Config.tcp_congestion`` to a connected socket.
 
-    Why: the system's default may be BBR, which paces: it holds back bursts above its pacing
-    rate and arms a timer to send them later. With no network in between there is nothing to
-    pace for, and on a virtual machine each such timer traps to the hypervisor. Measured on
-    loopback at 64 KiB steps: 2.6 -> 3.5 GB/s (docs/benchmarks.md). Other hosts keep the default.
+    ``"auto"``: Reno on a connection to this host, else the system's default. Why: the default
+    may be BBR, which paces: it holds back bursts above its pacing rate and arms a timer to
+    send them later. With no network in between there is nothing to pace for, and on a virtual
+    machine each such timer traps to the hypervisor. Measured on loopback at 64 KiB steps:
+    2.6 -> 3.5 GB/s (docs/benchmarks.md). ``"system"``: leave it. Any other name: use it
+    (a name the kernel refuses is logged once and the default stays).
     """
     option = getattr(socket, "TCP_CONGESTION", None)
-    if option is None or not on_loopback(sock):  # (the option is Linux-only)
+    if option is None or wanted == "system":  # (the option is Linux-only)
         return
+    if wanted == "auto":
+        if not on_loopback(sock):
+            return
+        name = LOOPBACK_CONGESTION
+    else:
+        name = wanted.encode()
     try:
-        sock.setsockopt(socket.IPPROTO_TCP, option, LOOPBACK_CONGESTION)
-    except OSError:  # e.g. a kernel without it: the default stays
-        pass
+        sock.setsockopt(socket.IPPROTO_TCP, option, name)
+    except OSError as exc:  # a kernel without it, or not in tcp_allowed_congestion_control
+        if wanted != "auto" and wanted not in _refused:
+            _refused.add(wanted)
+            log.warning("tcp_congestion=%r was refused (%s); the system's default stays (see "
+                        "/proc/sys/net/ipv4/tcp_allowed_congestion_control)", wanted, exc)  # fmt: skip

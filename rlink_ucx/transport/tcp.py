@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from .._sockopts import no_pacing_on_loopback
+from .._sockopts import set_congestion
 from .._wire import FRAME_HEADER_BYTES
 from .base import FrameSink
 
@@ -23,14 +23,15 @@ RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked rea
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting
 
 
-def tune_socket(sock: socket.socket) -> None:
+def tune_socket(sock: socket.socket, congestion: str = "auto") -> None:
+    """Options of a data connection: no Nagle, large buffers, ``Config.tcp_congestion``."""
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         try:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
         except OSError:
             pass
-    no_pacing_on_loopback(sock)
+    set_congestion(sock, congestion)
 
 
 def _advance(buffers: list[memoryview], n: int) -> list[memoryview]:
@@ -70,8 +71,8 @@ class TcpSender:
     name = "tcp"
     any_thread = True  # a socket may be written from any thread (under the send lock)
 
-    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, timeout: float):
-        tune_socket(sock)
+    def __init__(self, sock: socket.socket, loop: asyncio.AbstractEventLoop, timeout: float, congestion: str = "auto"):
+        tune_socket(sock, congestion)
         if not _send_timeout_in_kernel(sock, timeout):
             sock.settimeout(timeout)
         self.sock = sock
@@ -111,9 +112,9 @@ class SocketReceiver:
 
     name = "tcp"
 
-    def __init__(self, sock: socket.socket, sink: FrameSink, name: str):
+    def __init__(self, sock: socket.socket, sink: FrameSink, name: str, congestion: str = "auto"):
         sock.setblocking(True)
-        tune_socket(sock)
+        tune_socket(sock, congestion)
         self.sock = sock
         self.sink = sink
         self.frame_started: float | None = None
@@ -157,8 +158,8 @@ class TcpReceiver(SocketReceiver):
     loopback (waking us runs in its system call), and fewer trips through this loop.
     """
 
-    def __init__(self, sock: socket.socket, sink: FrameSink, name: str = "rlink-tcp-recv"):
-        super().__init__(sock, sink, name)
+    def __init__(self, sock: socket.socket, sink: FrameSink, name: str = "rlink-tcp-recv", congestion: str = "auto"):
+        super().__init__(sock, sink, name, congestion)
         self._low_water = 1  # the socket's SO_RCVLOWAT now (1 is the kernel's default)
         self._low_water_option = getattr(socket, "SO_RCVLOWAT", None)
 

@@ -2,7 +2,8 @@
 
 Needs root and iproute2 (`ip netns`); skipped otherwise. The link is cut for longer than the
 heartbeat timeout mid-stream, then restored: the actor reconnects over the real (non-loopback)
-addresses with its token and every step is delivered exactly once.
+addresses with its token and every step is delivered exactly once. And ``Config.tcp_congestion``
+on such a link: the system's default unless a name is given (loopback alone gets Reno).
 """
 
 from __future__ import annotations
@@ -90,3 +91,26 @@ def test_link_cut_between_two_hosts_reconnects_and_delivers_everything_once(two_
     assert got["address"] == "10.77.0.1:7443"
     assert stats["reconnects"] >= 1 and stats["steps_lost"] == 0, stats
     assert any(a["state"] == "lost" for a in got["ended"]), "the cut was not noticed by the learner"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("setting", ["auto", "reno"])
+def test_tcp_congestion_on_a_link_between_two_hosts(two_hosts, tmp_path, setting):
+    ns_learner, ns_actor, _ = two_hosts
+    with open("/proc/sys/net/ipv4/tcp_congestion_control") as fh:
+        expected = fh.read().strip() if setting == "auto" else setting  # not loopback: the default stays
+    token = "netns-" + uuid.uuid4().hex
+    learned, acted = tmp_path / "learner.json", tmp_path / "actor.json"
+    learner = run_in(ns_learner, f"netns_congestion_learner('10.77.0.1:7444', {token!r}, {setting!r}, {str(learned)!r})")
+    time.sleep(2)
+    actor = run_in(ns_actor, f"netns_congestion_actor('10.77.0.1:7444', {token!r}, {setting!r}, {str(acted)!r}, "
+                             f"{str(learned)!r})")  # fmt: skip
+    try:
+        out_actor, _ = actor.communicate(timeout=60)
+        out_learner, _ = learner.communicate(timeout=60)
+    finally:
+        actor.kill()
+        learner.kill()
+    assert learner.returncode == 0, out_learner[-3000:]
+    assert actor.returncode == 0, out_actor[-3000:]
+    assert [json.loads(path.read_text()) for path in (learned, acted)] == [{"congestion": expected}] * 2

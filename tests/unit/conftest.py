@@ -17,3 +17,17 @@ def connection():
     yield actor_side, learner_side
     actor_side.close()
     learner_side.close()
+
+
+@pytest.fixture
+def paced_connection(connection):
+    """``connection`` with both ends on a congestion control other than Reno where the kernel
+    has one (BBR or CUBIC), so a test that expects rlink to choose Reno can fail."""
+    for sock in connection:
+        for name in (b"bbr", b"cubic"):
+            try:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
+                break
+            except (OSError, AttributeError):  # (TCP_CONGESTION is Linux-only)
+                pass
+    return connection

@@ -1,6 +1,6 @@
 """The tcp data plane's socket handling, over real loopback sockets (one process, no learner):
 frames whose tail is below the receiver's low-water mark, the sender's kernel timeout, and
-the congestion control chosen for a connection that stays on this host."""
+the congestion control of a data connection (``Config.tcp_congestion``)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx._wire import FrameHeader
-from rlink_ucx._io import ControlConnection
-from rlink_ucx._sockopts import LOOPBACK_CONGESTION, same_host
+from rlink_ucx._sockopts import LOOPBACK_CONGESTION
 from rlink_ucx.transport.tcp import RECV_LOW_WATER, TcpReceiver, TcpSender
 
 pytestmark = pytest.mark.timeout(60)
@@ -86,55 +85,23 @@ def test_a_send_nobody_reads_times_out_in_bounded_time(connection):
     assert time.monotonic() - started < 10
 
 
-@pytest.mark.parametrize(
-    ("peer", "local", "expected"),
-    [
-        ("127.0.0.1", "127.0.0.1", True),
-        ("127.0.0.2", "127.0.0.1", True),
-        ("::1", "::1", True),
-        ("::ffff:127.0.0.1", "::ffff:127.0.0.1", True),  # IPv4 on a dual-stack socket
-        ("10.1.2.3", "10.1.2.3", True),  # this host's own address: routed through loopback
-        ("fe80::1%eth0", "fe80::1%eth0", True),
-        ("10.1.2.4", "10.1.2.3", False),
-        ("::ffff:10.1.2.4", "::ffff:10.1.2.3", False),
-        ("fe80::2%eth0", "fe80::1%eth0", False),
-        ("not-an-address", "10.1.2.3", False),
-    ],
-)
-def test_same_host_tells_loopback_and_own_addresses_from_remote_ones(peer, local, expected):
-    assert same_host(peer, local) is expected
-
-
 def _congestion(sock: socket.socket) -> bytes:
     return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
 
 
-def _not_reno(*socks: socket.socket) -> None:
-    """Start from another congestion control where the kernel has one, so the test can fail
-    even on a host whose default is Reno already."""
-    for sock in socks:
-        for name in (b"bbr", b"cubic"):
-            try:
-                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, name)
-                break
-            except OSError:
-                pass
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
-def test_both_ends_of_a_loopback_data_connection_stop_pacing(connection):
+def test_both_ends_of_a_loopback_data_connection_stop_pacing(paced_connection):
     # The system default may be BBR, which paces; on loopback that only costs timers.
-    client, accepted = connection
-    _not_reno(client, accepted)
+    client, accepted = paced_connection
     TcpSender(client, loop=None, timeout=5)  # type: ignore[arg-type]
     TcpReceiver(accepted, _Sink())
     assert [_congestion(s) for s in (client, accepted)] == [LOOPBACK_CONGESTION] * 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
-def test_a_loopback_control_connection_stops_pacing_too(connection):
-    # The learner answers a weights pull (a whole model) on one of these.
-    client, accepted = connection
-    _not_reno(accepted)
-    ControlConnection(accepted, loop=None)  # type: ignore[arg-type]
-    assert _congestion(accepted) == LOOPBACK_CONGESTION
+def test_config_system_keeps_the_default_on_a_data_connection(paced_connection):
+    client, accepted = paced_connection
+    before = [_congestion(s) for s in (client, accepted)]
+    TcpSender(client, loop=None, timeout=5, congestion="system")  # type: ignore[arg-type]
+    TcpReceiver(accepted, _Sink(), congestion="system")
+    assert [_congestion(s) for s in (client, accepted)] == before

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import pathlib
 import statistics
 import subprocess
 import sys
@@ -86,15 +87,15 @@ def _python_in(ns: str, code: str, env: dict[str, str]) -> subprocess.Popen:
 def one_run(namespaces: tuple[str, str], receiver: str, sender: str, size: int, count: int, env: dict[str, str]) -> float:
     """GB/s of one receiver (first namespace) / sender (second namespace) pair."""
     with tempfile.TemporaryDirectory() as tmp:
-        port_file = os.path.join(tmp, "port")
+        port_file = pathlib.Path(tmp, "port")
         fields = {"size": size, "count": count, "host": ADDRESS[0], "token": uuid.uuid4().hex}
-        recv = _python_in(namespaces[0], receiver.format(port_file=port_file, **fields), env)
+        recv = _python_in(namespaces[0], receiver.format(port_file=str(port_file), **fields), env)
         deadline = time.monotonic() + 60
-        while not (os.path.exists(port_file) and open(port_file).read().strip()):
+        while not (port_file.exists() and port_file.read_text().strip()):
             if recv.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"receiver did not start: {recv.communicate()[1][-2000:]}")
             time.sleep(0.05)
-        send = _python_in(namespaces[1], sender.format(port=int(open(port_file).read()), **fields), env)
+        send = _python_in(namespaces[1], sender.format(port=int(port_file.read_text()), **fields), env)
         out, err = recv.communicate(timeout=300)
         send_err = send.communicate(timeout=60)[1]
         if recv.returncode or send.returncode:

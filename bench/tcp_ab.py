@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     size = SIZES[args.size]
     count = TOTAL_BYTES[size] // size
     variants = args.variant or [""]
-    tuned_raw = f"raw-socket {LOOPBACK_CONGESTION.decode()}"
+    tuned_raw = f"raw-socket {LOOPBACK_CONGESTION}"
     runs: dict[str, list[float]] = {"raw-socket": [], tuned_raw: [],
                                     **{f"rlink-tcp {v or '(defaults)'}": [] for v in variants}}  # fmt: skip
     for _ in range(args.rounds):

@@ -35,11 +35,11 @@ BATCH_BYTES = 4 << 20
 
 
 # --- raw socket baseline ---------------------------------------------------------------------
-def _raw_sender(port: int, size: int, count: int, congestion: bytes | None) -> None:
+def _raw_sender(port: int, size: int, count: int, congestion: str | None) -> None:
     sock = socket.create_connection(("127.0.0.1", port))
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     if congestion:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
     payload = np.random.randint(0, 255, size, dtype=np.uint8)
     view = memoryview(payload)
     for _ in range(count):
@@ -48,7 +48,7 @@ def _raw_sender(port: int, size: int, count: int, congestion: bytes | None) -> N
     sock.close()
 
 
-def raw_socket(size: int, count: int, congestion: bytes | None = None) -> float:
+def raw_socket(size: int, count: int, congestion: str | None = None) -> float:
     """Bytes/s of ``sendall`` -> ``recv_into`` between two processes; ``congestion`` sets the
     sender's TCP congestion control (None: the system's default)."""
     server = socket.create_server(("127.0.0.1", 0))

@@ -23,8 +23,8 @@ from . import _auth, _wire
 from ._errors import AuthError, Closed
 from ._group import new_group, serve_store, wait_all
 from ._sockopts import set_congestion
-from .transport import hostname
 from ._weights import BufferPool, Snapshot, begin_snapshot, checksums, fill, state_dict_of
+from .transport import hostname
 
 if TYPE_CHECKING:
     from ._server import LearnerServer

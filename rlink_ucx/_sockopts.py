@@ -11,7 +11,7 @@ log = logging.getLogger("rlink_ucx")
 
 # Congestion control for a connection that never leaves this host. Reno is built into every
 # Linux kernel and any user may choose it; unlike BBR it never paces.
-LOOPBACK_CONGESTION = b"reno"
+LOOPBACK_CONGESTION = "reno"
 _refused: set[str] = set()  # names the kernel refused (warned about once)
 
 
@@ -33,6 +33,14 @@ def same_host(peer: str, local: str) -> bool:
     return a.is_loopback or a == b
 
 
+def congestion_of(sock: socket.socket) -> str:
+    """The congestion control ``sock`` uses ("" where the system cannot say)."""
+    option = getattr(socket, "TCP_CONGESTION", None)
+    if option is None:
+        return ""
+    return sock.getsockopt(socket.IPPROTO_TCP, option, 16).split(b"\0", 1)[0].decode()
+
+
 def set_congestion(sock: socket.socket, wanted: str = "auto") -> None:
     """Apply ``Config.tcp_congestion`` to a connected socket.
 
@@ -49,7 +57,7 @@ def set_congestion(sock: socket.socket, wanted: str = "auto") -> None:
     if wanted == "auto":
         if not on_loopback(sock):
             return
-        name = LOOPBACK_CONGESTION
+        name = LOOPBACK_CONGESTION.encode()
     else:
         name = wanted.encode()
     try:

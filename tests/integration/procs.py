@@ -316,23 +316,18 @@ def netns_actor(address: str, token: str, n: int, result_path: str) -> None:
         json.dump(stats, f)
 
 
-def _congestion(sock) -> str:
-    import socket
-
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0").decode()
-
-
 def netns_congestion_learner(address: str, token: str, congestion: str, result_path: str) -> None:
     """Take 1,000 steps from one tcp actor in another network namespace, with
     ``Config(tcp_congestion=congestion)``; record the congestion control of its data connection."""
     import json
 
     from rlink_ucx import Config, Learner, RLinkDataset
+    from rlink_ucx._sockopts import congestion_of
 
     with Learner(address, token=token, transport="tcp", config=Config(tcp_congestion=congestion)) as learner:
         RLinkDataset(learner, batch_size=1000).fetch(timeout=60)
         (session,) = learner._server.sessions.values()  # the actor stays until it sees the file below
-        result = {"congestion": _congestion(session.receiver.sock)}
+        result = {"congestion": congestion_of(session.receiver.sock)}
         with open(result_path + ".read", "w") as f:
             f.write("done")
         deadline = time.monotonic() + 30
@@ -348,11 +343,12 @@ def netns_congestion_actor(address: str, token: str, congestion: str, result_pat
     import os
 
     from rlink_ucx import Actor, Config
+    from rlink_ucx._sockopts import congestion_of
 
     with Actor(address, token=token, transport="tcp", config=Config(tcp_congestion=congestion)) as a:
         a.put_many({"x": np.arange(1000, dtype=np.int64)})
         a.flush(30)
-        result = {"congestion": _congestion(a._conn.sender.sock)}
+        result = {"congestion": congestion_of(a._conn.sender.sock)}
         deadline = time.monotonic() + 30
         while not os.path.exists(learner_result_path + ".read") and time.monotonic() < deadline:
             time.sleep(0.02)  # stay connected until the learner has read its end

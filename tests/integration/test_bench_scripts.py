@@ -6,6 +6,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -55,3 +56,13 @@ def test_throughput_on_a_gpu_that_is_not_there_fails_with_a_clear_error():
                 ok=False)  # fmt: skip
     assert done.returncode != 0
     assert "device cuda:0 requested but CUDA is not available" in done.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+def test_bridge_ab_measures_both_systems_across_two_namespaces():
+    text = _run("bench/bridge_ab.py", "--size", "1K", "--rounds", "1").stdout
+    rows = {line.split("  ")[0].strip(): line for line in text.splitlines() if "GB/s" in line}
+    assert set(rows) == {"raw-socket (system default)", "raw-socket reno", "rlink-tcp (defaults)",
+                         "rlink-tcp RLINK_TCP_CONGESTION=reno"}  # fmt: skip
+    for line in rows.values():
+        assert float(re.search(r"([\d.]+) GB/s", line).group(1)) > 0

@@ -9,21 +9,19 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner
+from rlink_ucx._sockopts import congestion_of
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")]
 
 
-def _congestion(sock: socket.socket) -> bytes:
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
 
-
-def _default() -> bytes:
+def _default() -> str:
     with socket.socket() as sock:
-        return _congestion(sock)
+        return congestion_of(sock)
 
 
-@pytest.mark.parametrize(("setting", "expected"), [("auto", b"reno"), ("system", None), ("reno", b"reno")])
+@pytest.mark.parametrize(("setting", "expected"), [("auto", "reno"), ("system", None), ("reno", "reno")])
 def test_both_ends_of_the_data_connection_follow_the_setting(setting, expected):
     config = Config(tcp_congestion=setting)
     with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
@@ -31,5 +29,5 @@ def test_both_ends_of_the_data_connection_follow_the_setting(setting, expected):
             actor.put({"x": np.arange(4, dtype=np.float32)})
             actor.flush(10)
             (session,) = learner._server.sessions.values()
-            ends = [_congestion(actor._conn.sender.sock), _congestion(session.receiver.sock)]
+            ends = [congestion_of(actor._conn.sender.sock), congestion_of(session.receiver.sock)]
     assert ends == [expected or _default()] * 2

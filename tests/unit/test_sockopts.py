@@ -5,22 +5,17 @@ one otherwise, and the same-host test behind it."""
 from __future__ import annotations
 
 import logging
-import socket
 import sys
 
 import pytest
 
-from rlink_ucx import Config
-from rlink_ucx import _sockopts
+from rlink_ucx import Config, _sockopts
 from rlink_ucx._errors import ConfigError
-from rlink_ucx._sockopts import LOOPBACK_CONGESTION, same_host, set_congestion
+from rlink_ucx._sockopts import LOOPBACK_CONGESTION, congestion_of, same_host, set_congestion
 
 pytestmark = pytest.mark.timeout(30)
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
 
-
-def _congestion(sock: socket.socket) -> bytes:
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
 
 
 @pytest.mark.parametrize(
@@ -46,18 +41,18 @@ def test_same_host_tells_loopback_and_own_addresses_from_remote_ones(peer, local
 def test_auto_chooses_reno_on_loopback(paced_connection):
     client, _ = paced_connection
     set_congestion(client)
-    assert _congestion(client) == LOOPBACK_CONGESTION
+    assert congestion_of(client) == LOOPBACK_CONGESTION
 
 
 @linux_only
 def test_auto_and_system_keep_the_default_where_it_should(paced_connection, monkeypatch):
     client, accepted = paced_connection
-    before = _congestion(client)
+    before = congestion_of(client)
     set_congestion(client, "system")  # on loopback, but asked to keep the default
-    assert _congestion(client) == before
+    assert congestion_of(client) == before
     monkeypatch.setattr(_sockopts, "on_loopback", lambda sock: False)  # as if the peer were remote
     set_congestion(accepted)
-    assert _congestion(accepted) == before
+    assert congestion_of(accepted) == before
 
 
 @linux_only
@@ -66,18 +61,18 @@ def test_a_named_congestion_control_applies_off_this_host_too(paced_connection, 
     client, _ = paced_connection
     monkeypatch.setattr(_sockopts, "on_loopback", lambda sock: False)
     set_congestion(client, "reno")  # built into every kernel, allowed for every user
-    assert _congestion(client) == b"reno"
+    assert congestion_of(client) == "reno"
 
 
 @linux_only
 def test_a_name_the_kernel_refuses_is_logged_once_and_changes_nothing(paced_connection, caplog, monkeypatch):
     monkeypatch.setattr(_sockopts, "_refused", set())
     client, accepted = paced_connection
-    before = _congestion(client)
+    before = congestion_of(client)
     with caplog.at_level(logging.WARNING, logger="rlink_ucx"):
         set_congestion(client, "nosuchcc")
         set_congestion(accepted, "nosuchcc")
-    assert _congestion(client) == before
+    assert congestion_of(client) == before
     warnings = [r.getMessage() for r in caplog.records if "nosuchcc" in r.getMessage()]
     assert len(warnings) == 1 and "the system's default stays" in warnings[0]
 

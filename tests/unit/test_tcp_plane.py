@@ -4,7 +4,6 @@ the congestion control of a data connection (``Config.tcp_congestion``)."""
 
 from __future__ import annotations
 
-import socket
 import sys
 import threading
 import time
@@ -12,8 +11,8 @@ import time
 import numpy as np
 import pytest
 
+from rlink_ucx._sockopts import LOOPBACK_CONGESTION, congestion_of
 from rlink_ucx._wire import FrameHeader
-from rlink_ucx._sockopts import LOOPBACK_CONGESTION
 from rlink_ucx.transport.tcp import RECV_LOW_WATER, TcpReceiver, TcpSender
 
 pytestmark = pytest.mark.timeout(60)
@@ -85,9 +84,6 @@ def test_a_send_nobody_reads_times_out_in_bounded_time(connection):
     assert time.monotonic() - started < 10
 
 
-def _congestion(sock: socket.socket) -> bytes:
-    return sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16).rstrip(b"\0")
-
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
 def test_both_ends_of_a_loopback_data_connection_stop_pacing(paced_connection):
@@ -95,13 +91,13 @@ def test_both_ends_of_a_loopback_data_connection_stop_pacing(paced_connection):
     client, accepted = paced_connection
     TcpSender(client, loop=None, timeout=5)  # type: ignore[arg-type]
     TcpReceiver(accepted, _Sink())
-    assert [_congestion(s) for s in (client, accepted)] == [LOOPBACK_CONGESTION] * 2
+    assert [congestion_of(s) for s in (client, accepted)] == [LOOPBACK_CONGESTION] * 2
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")
 def test_config_system_keeps_the_default_on_a_data_connection(paced_connection):
     client, accepted = paced_connection
-    before = [_congestion(s) for s in (client, accepted)]
+    before = [congestion_of(s) for s in (client, accepted)]
     TcpSender(client, loop=None, timeout=5, congestion="system")  # type: ignore[arg-type]
     TcpReceiver(accepted, _Sink(), congestion="system")
-    assert [_congestion(s) for s in (client, accepted)] == before
+    assert [congestion_of(s) for s in (client, accepted)] == before

@@ -81,8 +81,8 @@ class Config:
     ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
     # Congestion control of the tcp plane's data connections: "auto" = Reno where the peer is
     # this host (no pacing; docs/transports.md), the system's default elsewhere; "system" = the
-    # system's default everywhere; or a kernel's name for all of them ("reno", "cubic", ...),
-    # e.g. for containers on one machine, whose connections cross a bridge.
+    # system's default everywhere; or a kernel's name for all of them ("reno", "cubic", ...;
+    # between containers Reno measured slower for rlink, docs/transports.md).
     tcp_congestion: str = "auto"
     # The learner's UCX worker keeps the shared memory of every actor process it talked to
     # (docs/reliability.md). Once this many ucx sessions, and at least twice as many as are

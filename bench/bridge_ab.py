@@ -15,14 +15,13 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 
-from rlink_ucx._bench import SIZES, TOTAL_BYTES
+from rlink_ucx._bench import SIZES, TOTAL_BYTES, print_medians
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADDRESS = ("10.78.0.1", "10.78.0.2")
@@ -136,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for ns in namespaces:
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
-    base = statistics.median(runs["raw-socket (system default)"])
-    for name, values in runs.items():
-        med = statistics.median(values)
-        print(f"{name:<40} {med:6.2f} GB/s  {med / base:5.2f}x   {' '.join(f'{x:.2f}' for x in values)}")
+    print_medians(runs, "raw-socket (system default)")
     return 0
 
 

@@ -13,11 +13,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import subprocess
 import sys
 
-from rlink_ucx._bench import SIZES, TOTAL_BYTES, raw_socket
+from rlink_ucx._bench import SIZES, TOTAL_BYTES, print_medians, raw_socket
 from rlink_ucx._sockopts import LOOPBACK_CONGESTION
 
 _RUN_ONE = "import sys; from rlink_ucx._bench import rlink; print(rlink('tcp', 'bytes', {size}, {count}, {size}) / 1e9)"
@@ -48,10 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         runs[tuned_raw].append(raw_socket(size, count, LOOPBACK_CONGESTION) / 1e9)
         for v in variants:
             runs[f"rlink-tcp {v or '(defaults)'}"].append(rlink_tcp(size, count, v))
-    base = statistics.median(runs["raw-socket"])
-    for name, values in runs.items():
-        med = statistics.median(values)
-        print(f"{name:<48} {med:6.2f} GB/s  {med / base:5.2f}x   {' '.join(f'{x:.2f}' for x in values)}")
+    print_medians(runs, "raw-socket")
     return 0
 
 

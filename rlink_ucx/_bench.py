@@ -76,6 +76,16 @@ def raw_socket(size: int, count: int, congestion: str | None = None) -> float:
     return (count - warm) * size / elapsed
 
 
+def print_medians(runs: dict[str, list[float]], baseline: str) -> None:
+    """One line per system of an alternating A/B: median GB/s, its ratio to ``baseline``'s
+    median, and every round's value."""
+    base = statistics.median(runs[baseline])
+    width = max(map(len, runs)) + 1
+    for name, values in runs.items():
+        med = statistics.median(values)
+        print(f"{name:<{width}} {med:6.2f} GB/s  {med / base:5.2f}x   {' '.join(f'{x:.2f}' for x in values)}")
+
+
 # --- rlink ----------------------------------------------------------------------------------------
 def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int, device: str = "cpu") -> None:
     from rlink_ucx import Actor

@@ -8,6 +8,7 @@ on such a link: the system's default unless a name is given (loopback alone gets
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -51,6 +52,21 @@ def two_hosts():
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=10)
 
 
+@contextlib.contextmanager
+def killed_at_exit(*procs: subprocess.Popen):
+    """Whatever happens in the block, no process is left behind."""
+    try:
+        yield
+    finally:
+        for proc in procs:
+            proc.kill()
+
+
+def exits_cleanly(proc: subprocess.Popen, timeout: float) -> None:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out[-3000:]
+
+
 def run_in(ns: str, call: str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     code = f"from tests.integration.procs import *; {call}"
@@ -66,7 +82,7 @@ def test_link_cut_between_two_hosts_reconnects_and_delivers_everything_once(two_
     learner = run_in(ns_learner, f"netns_learner('10.77.0.1:7443', {token!r}, {n}, {str(progress)!r}, {str(learned)!r})")
     time.sleep(2)
     actor = run_in(ns_actor, f"netns_actor('10.77.0.1:7443', {token!r}, {n}, {str(acted)!r})")
-    try:
+    with killed_at_exit(actor, learner):
         deadline = time.monotonic() + 60
         def received() -> int:  # the learner rewrites the file: it may be caught empty
             text = progress.read_text() if progress.exists() else ""
@@ -78,13 +94,8 @@ def test_link_cut_between_two_hosts_reconnects_and_delivers_everything_once(two_
         ip("-n", ns_learner, "link", "set", dev, "down")  # cut, longer than the heartbeat timeout
         time.sleep(3.0)
         ip("-n", ns_learner, "link", "set", dev, "up")
-        out_actor, _ = actor.communicate(timeout=120)
-        out_learner, _ = learner.communicate(timeout=120)
-    finally:
-        actor.kill()
-        learner.kill()
-    assert learner.returncode == 0, out_learner[-3000:]
-    assert actor.returncode == 0, out_actor[-3000:]
+        exits_cleanly(actor, 120)
+        exits_cleanly(learner, 120)
     got, stats = json.loads(learned.read_text()), json.loads(acted.read_text())
     seqs = sorted(got["seqs"])
     assert len(seqs) == n and all(s == i for i, s in enumerate(seqs)), "lost or duplicated steps"
@@ -105,12 +116,7 @@ def test_tcp_congestion_on_a_link_between_two_hosts(two_hosts, tmp_path, setting
     time.sleep(2)
     actor = run_in(ns_actor, f"netns_congestion_actor('10.77.0.1:7444', {token!r}, {setting!r}, {str(acted)!r}, "
                              f"{str(learned)!r})")  # fmt: skip
-    try:
-        out_actor, _ = actor.communicate(timeout=60)
-        out_learner, _ = learner.communicate(timeout=60)
-    finally:
-        actor.kill()
-        learner.kill()
-    assert learner.returncode == 0, out_learner[-3000:]
-    assert actor.returncode == 0, out_actor[-3000:]
+    with killed_at_exit(actor, learner):
+        exits_cleanly(actor, 60)
+        exits_cleanly(learner, 60)
     assert [json.loads(path.read_text()) for path in (learned, acted)] == [{"congestion": expected}] * 2

@@ -21,7 +21,7 @@ import tempfile
 import time
 import uuid
 
-from rlink_ucx._bench import SIZES, TOTAL_BYTES, print_medians
+from rlink_ucx.bench.common import SIZES, TOTAL_BYTES, print_medians
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADDRESS = ("10.78.0.1", "10.78.0.2")

@@ -2,7 +2,7 @@
 
 import sys
 
-from rlink_ucx._bench_fanout import main
+from rlink_ucx.bench.fanout import main
 
 if __name__ == "__main__":
     sys.exit(main())

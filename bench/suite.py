@@ -2,7 +2,7 @@
 
 import sys
 
-from rlink_ucx._bench_suite import main
+from rlink_ucx.bench.suite import main
 
 if __name__ == "__main__":
     sys.exit(main())

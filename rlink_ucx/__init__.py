@@ -9,11 +9,11 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from ._actor import Actor
-from ._batch import Batch
-from ._codec import FieldSpec, Schema
-from ._config import Config
-from ._errors import (
+from ._version import __version__
+from .actor import Actor
+from .batch import Batch
+from .config import Config
+from .errors import (
     AuthError,
     Backpressure,
     Closed,
@@ -26,8 +26,8 @@ from ._errors import (
     Superseded,
     TimeoutError,
 )
-from ._learner import Learner
-from ._version import __version__
+from .learner import Learner
+from .wire.codec import FieldSpec, Schema
 
 __all__ = [
     "Actor",
@@ -58,7 +58,7 @@ def __getattr__(name: str) -> Any:
     # RLinkDataset subclasses torch's IterableDataset; importing it lazily keeps
     # `import rlink_ucx` free of torch for actors that only use numpy.
     if name == "RLinkDataset":
-        from ._dataset import RLinkDataset
+        from .dataset import RLinkDataset
 
         return RLinkDataset
     raise AttributeError(f"module 'rlink_ucx' has no attribute {name!r}")

@@ -64,7 +64,7 @@ def _cuda_state() -> str:
 def _smoke_actor(address: str, transport: str, actor: int, steps: int, token: str | None) -> None:
     import numpy as np
 
-    from ._actor import Actor
+    from .actor import Actor
 
     with Actor(address, transport=transport, actor_id=actor, token=token) as a:
         chunk = 64
@@ -82,8 +82,8 @@ def _smoke_actor(address: str, transport: str, actor: int, steps: int, token: st
 
 def _smoke(args: argparse.Namespace) -> int:
     """Start a learner and actor processes on loopback, stream, verify every step, report."""
-    from ._dataset import RLinkDataset
-    from ._learner import Learner
+    from .dataset import RLinkDataset
+    from .learner import Learner
 
     total = args.actors * args.steps
     batch_size = max(d for d in range(1, min(1024, total) + 1) if total % d == 0)  # fetch every step
@@ -118,9 +118,9 @@ def _smoke(args: argparse.Namespace) -> int:
 
 def _learner(args: argparse.Namespace) -> int:
     """A standalone learner that drains steps and logs stats (for smoke tests across hosts)."""
-    from ._dataset import RLinkDataset
-    from ._errors import TimeoutError as RLinkTimeout
-    from ._learner import Learner
+    from .dataset import RLinkDataset
+    from .errors import TimeoutError as RLinkTimeout
+    from .learner import Learner
 
     with Learner(args.address, token=args.token, transport=args.transport) as learner:
         print(f"listening on {learner.address}", flush=True)
@@ -141,7 +141,7 @@ def _learner(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
-    from ._bench_suite import main as bench_main
+    from .bench.suite import main as bench_main
 
     return bench_main(rest)
 

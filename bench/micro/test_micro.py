@@ -17,11 +17,11 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner, RLinkDataset
-from rlink_ucx._codec import Schema
-from rlink_ucx._gather import BatchAssembler
-from rlink_ucx._store import StepRing
-from rlink_ucx._wire import FrameHeader
+from rlink_ucx.store.gather import BatchAssembler
+from rlink_ucx.store.ring import StepRing
 from rlink_ucx.transport import cma, shm
+from rlink_ucx.wire.codec import Schema
+from rlink_ucx.wire.frame import FrameHeader
 
 CARTPOLE = Schema.from_spec({"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ()),
                              "done": ("bool", ())})  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import socket
 
-from .._errors import ConfigError
+from ..errors import ConfigError
 
 TRANSPORTS = ("auto", "tcp", "ucx", "shm")
 

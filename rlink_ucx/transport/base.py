@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from .._errors import PeerLost
+from ..errors import PeerLost
 
 
 class DataPlaneRetired(PeerLost):

@@ -48,9 +48,9 @@ from typing import Any
 
 import numpy as np
 
-from .._errors import ProtocolError
 from .._memory import Reserve
-from .._wire import FRAME_HEADER_BYTES
+from ..errors import ProtocolError
+from ..wire.frame import FRAME_HEADER_BYTES
 from . import cma
 from .base import FrameSink
 from .tcp import SocketReceiver, _close, tune_socket

@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 
-from .._sockopts import set_congestion
-from .._wire import FRAME_HEADER_BYTES
+from ..wire.frame import FRAME_HEADER_BYTES
 from .base import FrameSink
+from .sockopts import set_congestion
 
 SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns

@@ -32,14 +32,14 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from .._errors import PeerLost, ProtocolError
-from .._wire import FRAME_HEADER_BYTES
+from ..errors import PeerLost, ProtocolError
+from ..wire.frame import FRAME_HEADER_BYTES
 from .base import DataPlaneRetired
 
 if TYPE_CHECKING:
-    from .._config import Config
-    from .._session import LearnerSession
-    from .._wire import Welcome
+    from ..config import Config
+    from ..session.learner_session import LearnerSession
+    from ..wire.messages import Welcome
 
 log = logging.getLogger(__name__)
 
@@ -372,7 +372,7 @@ class UcxLearnerPlane:
 
 
 def _ready(transport: str) -> Any:
-    from .._wire import Ready
+    from ..wire.messages import Ready
 
     return Ready(transport)
 

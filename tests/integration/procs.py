@@ -322,7 +322,7 @@ def netns_congestion_learner(address: str, token: str, congestion: str, result_p
     import json
 
     from rlink_ucx import Config, Learner, RLinkDataset
-    from rlink_ucx._sockopts import congestion_of
+    from rlink_ucx.transport.sockopts import congestion_of
 
     with Learner(address, token=token, transport="tcp", config=Config(tcp_congestion=congestion)) as learner:
         RLinkDataset(learner, batch_size=1000).fetch(timeout=60)
@@ -343,7 +343,7 @@ def netns_congestion_actor(address: str, token: str, congestion: str, result_pat
     import os
 
     from rlink_ucx import Actor, Config
-    from rlink_ucx._sockopts import congestion_of
+    from rlink_ucx.transport.sockopts import congestion_of
 
     with Actor(address, token=token, transport="tcp", config=Config(tcp_congestion=congestion)) as a:
         a.put_many({"x": np.arange(1000, dtype=np.int64)})

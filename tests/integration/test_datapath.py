@@ -14,8 +14,15 @@ import pytest
 import rlink_ucx
 from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
 from tests.conftest import TRANSPORTS, shm_possible
-from tests.integration.procs import (encoded_steps, int_actor, lingering_actor, steady_actor, stream_actor,
-                                     unmappable_shm_actor, version_of)
+from tests.integration.procs import (
+    encoded_steps,
+    int_actor,
+    lingering_actor,
+    steady_actor,
+    stream_actor,
+    unmappable_shm_actor,
+    version_of,
+)
 
 SPAWN = mp.get_context("spawn")
 

@@ -18,7 +18,10 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded, _wire
+from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded
+from rlink_ucx.transport import cma
+from rlink_ucx.wire import messages as _wire
+from tests.conftest import TRANSPORTS, shm_possible, ucx_importable
 from tests.integration.procs import (
     big_frame_actor,
     pressing_actor,
@@ -29,8 +32,6 @@ from tests.integration.procs import (
     stall_watching_learner,
     steady_actor,
 )
-from rlink_ucx.transport import cma
-from tests.conftest import TRANSPORTS, shm_possible, ucx_importable
 from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")
@@ -241,7 +242,7 @@ def _handshake_refused(address: str, make_login) -> float:
 
 @pytest.mark.timeout(60)
 def test_missing_replayed_and_reflected_proofs_are_refused_within_the_handshake_timeout():
-    from rlink_ucx import _auth
+    from rlink_ucx.wire import auth as _auth
 
     token = b"s3cret-token"
     config = Config(handshake_timeout=2)
@@ -801,7 +802,8 @@ def test_a_ucx_actor_whose_session_ends_mid_send_reconnects_at_once(monkeypatch)
     # The learner refuses the header of the third 4 MiB frame and ends the session, so the
     # actor's payload send never completes. The actor used to spin in it until frame_timeout
     # (30 s here) with its I/O loop blocked, unable to read the learner's EOF.
-    from rlink_ucx import _errors, _session
+    from rlink_ucx import errors as _errors
+    from rlink_ucx.session import learner_session as _session
 
     real_begin, refused = _session.LearnerSession.begin, []
 

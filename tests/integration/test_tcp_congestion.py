@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner
-from rlink_ucx._sockopts import congestion_of
+from rlink_ucx.transport.sockopts import congestion_of
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")]

@@ -11,7 +11,14 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Config, Learner, RLinkDataset
-from tests.integration.procs import as_bytes, late_actor, learner_in_default_group, model_state, stamped_actor, weights_actor
+from tests.integration.procs import (
+    as_bytes,
+    late_actor,
+    learner_in_default_group,
+    model_state,
+    stamped_actor,
+    weights_actor,
+)
 from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")

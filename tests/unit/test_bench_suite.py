@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlink_ucx import _bench_suite as suite
+from rlink_ucx.bench import suite
 
 KEYS = {"system", "transport", "workload", "size_bytes", "actors", "gbps", "per_s", "p50_us", "p99_us", "reps"}
 

@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from rlink_ucx import ProtocolError, Schema, SchemaMismatch
-from rlink_ucx._client import FrameBuffer
-from rlink_ucx._codec import FieldSpec, as_host_array, infer_schema
-from rlink_ucx._gather import BatchAssembler
-from rlink_ucx._store import StepRing
+from rlink_ucx.session.actor_link import FrameBuffer
+from rlink_ucx.store.gather import BatchAssembler
+from rlink_ucx.store.ring import StepRing
+from rlink_ucx.wire.codec import FieldSpec, as_host_array, infer_schema
 
 DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, np.int64, np.uint8, np.bool_]
 SHAPES = [(), (3,), (2, 3), (2, 1, 3), (2, 2, 1, 3)]

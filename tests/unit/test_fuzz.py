@@ -12,9 +12,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rlink_ucx import ProtocolError, _wire
-from rlink_ucx._weights import Entry, Manifest
-from rlink_ucx._wire import FRAME_HEADER, FRAME_HEADER_BYTES
+from rlink_ucx import ProtocolError
+from rlink_ucx.wire import messages as _wire
+from rlink_ucx.wire.frame import FRAME_HEADER, FRAME_HEADER_BYTES
+from rlink_ucx.wire.manifest import Entry, Manifest
 from tests.unit.test_validation import SCHEMA, make_session
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])

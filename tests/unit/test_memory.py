@@ -9,9 +9,9 @@ import time
 import numpy as np
 import pytest
 
-from rlink_ucx._codec import Schema
 from rlink_ucx._memory import Reserve, populate
-from rlink_ucx._store import StepRing
+from rlink_ucx.store.ring import StepRing
+from rlink_ucx.wire.codec import Schema
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="MADV_POPULATE_WRITE is Linux")
 

@@ -5,9 +5,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from rlink_ucx import _wire
-from rlink_ucx._errors import ProtocolError
-from rlink_ucx._session import LearnerSession
+from rlink_ucx.errors import ProtocolError
+from rlink_ucx.session.learner_session import LearnerSession
+from rlink_ucx.wire import messages as _wire
 
 
 class _Control:
@@ -44,7 +44,7 @@ def test_a_failure_after_the_session_ended_is_ignored(caplog):
     session, control = _session(ended)
     session.close("no message from actor 7 for 1.5s", lost=True)
     caplog.clear()
-    caplog.set_level(logging.DEBUG, logger="rlink_ucx._session")
+    caplog.set_level(logging.DEBUG, logger="rlink_ucx.session.learner_session")
     session.fail(ProtocolError("session is closed"))  # the header of a frame already on its way
     assert session.stats.protocol_errors == 0 and control.sent == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]

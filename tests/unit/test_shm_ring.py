@@ -8,9 +8,9 @@ import time
 import numpy as np
 import pytest
 
-from rlink_ucx._errors import ProtocolError
-from rlink_ucx._wire import FRAME_HEADER_BYTES
+from rlink_ucx.errors import ProtocolError
 from rlink_ucx.transport import cma, shm
+from rlink_ucx.wire.frame import FRAME_HEADER_BYTES
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shm.available(), reason="no memfd (not Linux)")]
 

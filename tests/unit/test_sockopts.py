@@ -9,9 +9,10 @@ import sys
 
 import pytest
 
-from rlink_ucx import Config, _sockopts
-from rlink_ucx._errors import ConfigError
-from rlink_ucx._sockopts import LOOPBACK_CONGESTION, congestion_of, same_host, set_congestion
+from rlink_ucx import Config
+from rlink_ucx.errors import ConfigError
+from rlink_ucx.transport import sockopts as _sockopts
+from rlink_ucx.transport.sockopts import LOOPBACK_CONGESTION, congestion_of, same_host, set_congestion
 
 pytestmark = pytest.mark.timeout(30)
 linux_only = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="TCP_CONGESTION is Linux-only")

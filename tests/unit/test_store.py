@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Closed, TimeoutError
-from rlink_ucx._codec import Schema
-from rlink_ucx._gather import BatchAssembler
-from rlink_ucx._store import StepRing
+from rlink_ucx.store.gather import BatchAssembler
+from rlink_ucx.store.ring import StepRing
+from rlink_ucx.wire.codec import Schema
 
 SCHEMA = Schema.from_spec({"x": ("int64", ())})
 

@@ -11,9 +11,9 @@ import time
 import numpy as np
 import pytest
 
-from rlink_ucx._sockopts import LOOPBACK_CONGESTION, congestion_of
-from rlink_ucx._wire import FrameHeader
+from rlink_ucx.transport.sockopts import LOOPBACK_CONGESTION, congestion_of
 from rlink_ucx.transport.tcp import RECV_LOW_WATER, TcpReceiver, TcpSender
+from rlink_ucx.wire.frame import FrameHeader
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -6,11 +6,12 @@ import types
 import pytest
 
 from rlink_ucx import Config, ProtocolError
-from rlink_ucx import _auth, _wire
-from rlink_ucx._codec import Schema
-from rlink_ucx._session import LearnerSession
-from rlink_ucx._store import StepRing
-from rlink_ucx._wire import FRAME_HEADER, FrameHeader
+from rlink_ucx.session.learner_session import LearnerSession
+from rlink_ucx.store.ring import StepRing
+from rlink_ucx.wire import auth as _auth
+from rlink_ucx.wire import messages as _wire
+from rlink_ucx.wire.codec import Schema
+from rlink_ucx.wire.frame import FRAME_HEADER, FrameHeader
 
 SCHEMA = Schema.from_spec({"obs": ("float32", (4,)), "done": ("bool", ())})
 

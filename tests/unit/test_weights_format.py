@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from rlink_ucx import ProtocolError
-from rlink_ucx._weights import ALIGN, BufferPool, Entry, Manifest, Snapshot, snapshot, state_dict_of
-from rlink_ucx._wire import Publish, decode, encode
+from rlink_ucx.weights.snapshot import BufferPool, Snapshot, snapshot, state_dict_of
+from rlink_ucx.wire.manifest import ALIGN, Entry, Manifest
+from rlink_ucx.wire.messages import Publish, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -44,10 +44,10 @@ from typing import Any
 
 import numpy as np
 
-from . import _bench_peers as peers
-from ._bench import BATCH_BYTES
-from ._errors import TimeoutError as FetchTimeout
-from ._bench_peers import Receiver, Recorder, Sender, Timing, Workload, record
+from ..errors import TimeoutError as FetchTimeout
+from . import peers
+from .common import BATCH_BYTES
+from .peers import Receiver, Recorder, Sender, Timing, Workload, record
 
 MiB = 1 << 20
 MAX_BATCH_STEPS = 16384  # batches of about 4 MiB, at most this many steps (CartPole: 16384 steps, 0.6 MiB)
@@ -63,7 +63,7 @@ def rlink_config(workload: Workload) -> tuple[dict[str, int], int]:
 
 class RlinkSender(Sender):
     def __init__(self, info: Any, workload: Workload, index: int, timeout: float):
-        from . import Actor, Config
+        from .. import Actor, Config
 
         super().__init__(info, workload, index, timeout)
         address, transport, overrides, self.batch, api = info
@@ -95,7 +95,7 @@ class RlinkSender(Sender):
 
 class RlinkReceiver(Receiver):
     def __init__(self, workload: Workload, transport: str, timeout: float, api: str = "auto"):
-        from . import Config, Learner, RLinkDataset
+        from .. import Config, Learner, RLinkDataset
 
         self.api = api
         self.overrides, self.batch = rlink_config(workload)
@@ -191,7 +191,7 @@ TARGET_SIZES_RAW = ("64KiB", "1MiB", "16MiB")
 
 def missing(system: System) -> str | None:
     if system.transport == "shm":
-        from .transport import shm
+        from ..transport import shm
 
         if not shm.available():
             return "no memfd shared memory here (Linux only)"
@@ -244,7 +244,7 @@ def run_fanout(size_mb: int, subscribers: int, reps: int) -> list[dict[str, Any]
         if importlib.util.find_spec("torch") is None:
             return [record(n, t, workload, subscribers, "fanout", skipped="torch not installed")
                     for n, t in names.items()]  # fmt: skip
-        from . import _bench_fanout
+        from . import fanout as _bench_fanout
 
         out = _bench_fanout.run(size_mb=size_mb, subscribers=subscribers, reps=reps)
     except Exception as exc:  # noqa: BLE001

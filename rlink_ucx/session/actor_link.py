@@ -14,18 +14,30 @@ from typing import Any
 
 import msgspec
 
-from . import _auth, _wire
-from ._codec import Schema
-from ._config import Config
-from ._errors import (AuthError, Backpressure, Closed, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch,
-                      Superseded)
-from ._io import ControlConnection, ticks
-from ._memory import Reserve
-from ._version import __version__
-from ._wire import FrameHeader
-from .transport import cma, hostname, shm, ucx_available
-from .transport.base import FrameSender
-from .transport.tcp import TcpSender
+from .._memory import Reserve
+from .._version import __version__
+from ..config import Config
+from ..errors import (
+    AuthError,
+    Backpressure,
+    Closed,
+    ConnectError,
+    PeerLost,
+    ProtocolError,
+    RLinkError,
+    SchemaMismatch,
+    Superseded,
+)
+from ..transport import cma, hostname, shm, ucx_available
+from ..transport.address import is_loopback
+from ..transport.base import FrameSender
+from ..transport.control import ControlConnection
+from ..transport.loop import ticks
+from ..transport.tcp import TcpSender
+from ..wire import auth as _auth
+from ..wire import messages as _wire
+from ..wire.codec import Schema
+from ..wire.frame import FrameHeader
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +49,7 @@ class FrameBuffer:
     def __init__(self, schema: Schema, capacity: int, memory: Any = None):
         import numpy as np
 
-        from ._codec import DTYPES
+        from ..wire.codec import DTYPES
 
         self.capacity = capacity
         if memory is None:
@@ -192,10 +204,10 @@ class ActorConnection:
         if welcome.transport in ("tcp", "shm"):
             await self._attach_tcp(welcome)
         else:
-            from .transport.ucx import UcxActorPlane
+            from ..transport.ucx import UcxActorPlane
 
             self.sender = await UcxActorPlane.connect(self.loop, welcome, self.incarnation, self.config,
-                                                      loopback=_auth.is_loopback(self.host), control=conn.sock)  # fmt: skip
+                                                      loopback=is_loopback(self.host), control=conn.sock)  # fmt: skip
         await self._ready
         if self.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()

@@ -1,20 +1,15 @@
-"""Every message that crosses the network, in one place.
-
-Control messages are msgspec structs encoded as msgpack behind a 4-byte little-endian length
-prefix (never pickle). Data frames start with a fixed 56-byte binary header followed by the
-payload: each schema field's bytes for ``n_steps`` steps, one field after another.
-"""
+"""The control messages: msgspec structs encoded as msgpack behind a 4-byte little-endian
+length prefix (never pickle). Data frames have their own binary header (``frame.py``)."""
 
 from __future__ import annotations
 
 import struct
-from dataclasses import dataclass
 from typing import Any, Union
 
 import msgspec
 
-from ._errors import ProtocolError
-from ._weights import Manifest
+from ..errors import ProtocolError
+from .manifest import Manifest
 
 PROTOCOL_VERSION = 3  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma)
 
@@ -227,41 +222,6 @@ def decode(body: bytes | memoryview) -> Message:
 def check_length(length: int, limit: int) -> None:
     if length > limit:
         raise ProtocolError(f"control message of {length} bytes exceeds the {limit}-byte limit")
-
-
-# --- data frames -----------------------------------------------------------------------------
-FRAME_MAGIC = b"RLNK"
-FRAME_HEADER = struct.Struct("<4sHHIIQQQqQ")
-FRAME_HEADER_BYTES = FRAME_HEADER.size  # 56
-
-
-@dataclass(frozen=True, slots=True)
-class FrameHeader:
-    schema_id: int
-    n_steps: int
-    actor_id: int
-    incarnation: int
-    seq: int  # seq of the first step; step i has seq + i
-    version: int  # behaviour-policy version of every step in the frame
-    payload_bytes: int
-    flags: int = 0
-
-    def pack(self) -> bytes:
-        return FRAME_HEADER.pack(
-            FRAME_MAGIC, PROTOCOL_VERSION, self.flags, self.schema_id, self.n_steps,
-            self.actor_id, self.incarnation, self.seq, self.version, self.payload_bytes,
-        )  # fmt: skip
-
-    @classmethod
-    def unpack(cls, raw: bytes | bytearray | memoryview) -> FrameHeader:
-        if len(raw) != FRAME_HEADER_BYTES:
-            raise ProtocolError(f"frame header is {len(raw)} bytes, expected {FRAME_HEADER_BYTES}")
-        magic, proto, flags, schema_id, n_steps, actor_id, incarnation, seq, version, payload = FRAME_HEADER.unpack(raw)
-        if magic != FRAME_MAGIC:
-            raise ProtocolError(f"bad frame magic {magic!r}")
-        if proto != PROTOCOL_VERSION:
-            raise ProtocolError(f"frame protocol version {proto} is not {PROTOCOL_VERSION}")
-        return cls(schema_id, n_steps, actor_id, incarnation, seq, version, payload, flags)
 
 
 # --- blocking helpers (threads that own a socket outright, e.g. a weights pull) --------------

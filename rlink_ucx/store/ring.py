@@ -29,10 +29,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ._codec import Schema
-from ._errors import Closed, ProtocolError
-from ._errors import TimeoutError as RLinkTimeout
-from ._memory import Reserve
+from .._memory import Reserve
+from ..errors import Closed, ProtocolError
+from ..errors import TimeoutError as RLinkTimeout
+from ..wire.codec import Schema
 
 _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
 _MAX_CHUNKS = 256

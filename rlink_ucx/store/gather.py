@@ -14,9 +14,9 @@ from typing import Any
 
 import numpy as np
 
-from ._batch import Batch
-from ._store import Piece, StepRing
-from ._torch_dtypes import torch_dtype
+from ..batch import Batch
+from ..wire.codec import torch_dtype
+from .ring import Piece, StepRing
 
 _POOL_SIZE = 4
 

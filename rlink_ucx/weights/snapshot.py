@@ -8,7 +8,6 @@ manifest before allocating anything, and verifies every bucket before exposing t
 
 from __future__ import annotations
 
-import math
 import sys
 import threading
 from collections.abc import Mapping
@@ -18,66 +17,11 @@ import msgspec
 import numpy as np
 import xxhash
 
-from ._codec import DTYPES, MAX_DIMS, MAX_NAME_LEN
-from ._errors import ProtocolError, RLinkError
+from ..errors import ProtocolError, RLinkError
+from ..wire.codec import DTYPES
+from ..wire.manifest import ALIGN, Entry, Manifest
 
-__all__ = ["Entry", "Manifest", "Snapshot", "BufferPool", "snapshot", "state_dict_of"]
-
-ALIGN = 64
-MAX_BUCKETS = 1 << 16  # a manifest cannot make a receiver build a huge bucket list
-
-
-class Entry(msgspec.Struct, array_like=True, frozen=True):
-    name: str
-    dtype: str
-    shape: list[int]
-    offset: int
-
-    def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
-
-
-class Manifest(msgspec.Struct, array_like=True, frozen=True):
-    """Where every tensor of one version lives in the flat buffer, and its checksums."""
-
-    version: int
-    entries: list[Entry]
-    total_bytes: int
-    bucket_bytes: int
-    checksums: list[int]  # one per bucket; empty while streaming (they follow in a Sealed message)
-    checksum: str  # "xxh3" (host buffers) or "sum64" (device buffers, computed on the GPU)
-
-    def buckets(self) -> list[tuple[int, int]]:
-        """``(start, stop)`` byte ranges, one per collective."""
-        step = self.bucket_bytes
-        return [(start, min(start + step, self.total_bytes)) for start in range(0, self.total_bytes, step)]
-
-    def validate(self, *, max_bytes: int, max_entries: int) -> None:
-        """Reject a manifest that could make the receiver over-allocate or read out of bounds."""
-        if not 0 <= self.total_bytes <= max_bytes:
-            raise ProtocolError(f"weights of {self.total_bytes} bytes exceed max_weights_bytes={max_bytes}")
-        if self.bucket_bytes < ALIGN or self.version <= 0:
-            raise ProtocolError("weights manifest has a bad bucket size or version")
-        n_buckets = -(-self.total_bytes // self.bucket_bytes)  # counted, not listed: no allocation yet
-        if n_buckets > MAX_BUCKETS:
-            raise ProtocolError(f"weights manifest splits into {n_buckets} buckets; limit {MAX_BUCKETS}")
-        if len(self.entries) > max_entries:
-            raise ProtocolError(f"weights manifest lists {len(self.entries)} tensors; limit {max_entries}")
-        if self.checksum not in ("xxh3", "sum64") or len(self.checksums) not in (0, n_buckets):
-            raise ProtocolError("weights manifest checksums do not match its buckets")
-        names = set()
-        for e in self.entries:
-            if e.dtype not in DTYPES or not 0 < len(e.name) <= 4 * MAX_NAME_LEN or e.name in names:
-                raise ProtocolError(f"weights entry {e.name[:60]!r}: bad or duplicate name, or dtype {e.dtype!r}")
-            if len(e.shape) > MAX_DIMS or any(d < 0 or d > 2**40 for d in e.shape):
-                raise ProtocolError(f"weights entry {e.name[:60]!r}: bad shape {e.shape[:MAX_DIMS + 1]}")
-            if e.offset < 0 or e.offset % ALIGN or e.offset + e.nbytes() > self.total_bytes:
-                raise ProtocolError(f"weights entry {e.name[:60]!r} lies outside the buffer")
-            names.add(e.name)
-
-    def describe(self) -> str:
-        return f"version {self.version}: {len(self.entries)} tensors, {self.total_bytes} bytes"
-
+__all__ = ["Snapshot", "BufferPool", "snapshot", "state_dict_of"]
 
 def _np(t: Any) -> np.ndarray:
     """A numpy view of a CPU tensor's bytes (numpy copies are much faster than torch's here)."""
@@ -177,7 +121,7 @@ class Snapshot:
         """Zero-copy torch views of every tensor, keyed by name."""
         import torch
 
-        from ._torch_dtypes import torch_dtype
+        from ..wire.codec import torch_dtype
 
         out = {}
         for e in self.manifest.entries:

@@ -27,7 +27,7 @@ import time
 
 import numpy as np
 
-from ._wire import recv_exact_into
+from ..wire.messages import recv_exact_into
 
 SIZES = {"1K": 1 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20}
 TOTAL_BYTES = {1 << 10: 48 << 20, 64 << 10: 768 << 20, 1 << 20: 1536 << 20, 16 << 20: 2048 << 20}

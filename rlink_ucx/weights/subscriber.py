@@ -11,24 +11,25 @@ from __future__ import annotations
 
 import logging
 import queue
-import sys
 import socket
+import sys
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from . import _auth, _wire
-from ._errors import Closed, ProtocolError
-from ._errors import TimeoutError as RLinkTimeout
-from ._group import broadcast, connect_store, new_group
-from ._weights import BufferPool, Snapshot, checksum
+from ..errors import Closed, ProtocolError
+from ..errors import TimeoutError as RLinkTimeout
+from ..wire import auth as _auth
+from ..wire import messages as _wire
+from .group import broadcast, connect_store, new_group
+from .snapshot import BufferPool, Snapshot, checksum
 
 if TYPE_CHECKING:
-    from ._client import ActorConnection
-    from ._config import Config
-    from ._io import IOThread
+    from ..config import Config
+    from ..session.actor_link import ActorConnection
+    from ..transport.loop import IOThread
 
 log = logging.getLogger(__name__)
 

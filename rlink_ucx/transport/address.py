@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from ._errors import ConfigError
+import ipaddress
+
+from ..errors import ConfigError
 
 DEFAULT_PORT = 8443
 
@@ -30,3 +32,12 @@ def parse_address(address: str, *, default_host: str = "127.0.0.1") -> tuple[str
 
 def format_address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def is_loopback(host: str) -> bool:
+    if host in ("localhost", ""):
+        return host == "localhost"
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

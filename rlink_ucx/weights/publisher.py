@@ -19,16 +19,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import _auth, _wire
-from ._errors import AuthError, Closed
-from ._group import new_group, serve_store, wait_all
-from ._sockopts import set_congestion
-from ._weights import BufferPool, Snapshot, begin_snapshot, checksums, fill, state_dict_of
-from .transport import hostname
+from ..errors import AuthError, Closed
+from ..transport import hostname
+from ..transport.sockopts import set_congestion
+from ..wire import auth as _auth
+from ..wire import messages as _wire
+from .group import new_group, serve_store, wait_all
+from .snapshot import BufferPool, Snapshot, begin_snapshot, checksums, fill, state_dict_of
 
 if TYPE_CHECKING:
-    from ._server import LearnerServer
-    from ._session import LearnerSession
+    from ..session.learner_server import LearnerServer
+    from ..session.learner_session import LearnerSession
 
 log = logging.getLogger(__name__)
 

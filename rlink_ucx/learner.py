@@ -6,14 +6,13 @@ import logging
 import time
 from typing import Any
 
-from . import _auth
-from ._address import format_address, parse_address
-from ._codec import Schema
-from ._config import Config, resolve
-from ._errors import Closed, ConfigError
-from ._io import IOThread
-from ._server import LearnerServer
+from .config import Config, resolve, resolve_token
+from .errors import Closed, ConfigError
+from .session.learner_server import LearnerServer
 from .transport import check_transport
+from .transport.address import format_address, is_loopback, parse_address
+from .transport.loop import IOThread
+from .wire.codec import Schema
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +46,8 @@ class Learner:
                  schema: dict[str, Any] | Schema | None = None):  # fmt: skip
         self.config = resolve(config)
         host, port = parse_address(address)
-        self._token = _auth.resolve_token(token)
-        if self._token is None and not _auth.is_loopback(host):
+        self._token = resolve_token(token)
+        if self._token is None and not is_loopback(host):
             raise ConfigError(
                 f"refusing to listen on non-loopback address {host!r} without a token: pass token=... "
                 "or set RLINK_TOKEN (the data would otherwise be open to the network)"

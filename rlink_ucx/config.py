@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import stat
 from typing import Any
 
-from ._errors import ConfigError
+from .errors import ConfigError
 
 __all__ = ["Config"]
 
@@ -128,3 +129,25 @@ class Config:
 def resolve(config: Config | None) -> Config:
     """The config to use: the caller's, or one built from the environment."""
     return config if config is not None else Config.from_env()
+
+
+def resolve_token(token: str | bytes | None) -> bytes | None:
+    """The token as bytes: the argument, else ``RLINK_TOKEN``, else the file in ``RLINK_TOKEN_FILE``.
+
+    A token file must not be readable by group or others (mode 0600), like an ssh key.
+    """
+    if token is None:
+        token = os.environ.get("RLINK_TOKEN") or None
+    if token is None and os.environ.get("RLINK_TOKEN_FILE"):
+        path = os.environ["RLINK_TOKEN_FILE"]
+        mode = os.stat(path).st_mode
+        if mode & (stat.S_IRWXG | stat.S_IRWXO):
+            raise ConfigError(f"token file {path} is accessible by group/others; chmod 600 it")
+        with open(path, "rb") as fh:
+            token = fh.read().strip()
+    if token is None:
+        return None
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    if not raw:
+        raise ConfigError("an empty token is not a token")
+    return raw

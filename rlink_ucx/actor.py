@@ -3,23 +3,22 @@
 from __future__ import annotations
 
 import logging
-import time
 import threading
+import time
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from . import _auth
-from ._address import parse_address
-from ._client import ActorConnection, BorrowedFrame, FrameBuffer
-from ._codec import DTYPES, Schema, as_host_array, infer_schema
-from ._config import Config, resolve
-from ._errors import Backpressure, Closed, PeerLost, ProtocolError, SchemaMismatch
-from ._errors import TimeoutError as RLinkTimeout
-from ._io import IOThread
-from ._subscriber import Subscriber
+from .config import Config, resolve, resolve_token
+from .errors import Backpressure, Closed, PeerLost, ProtocolError, SchemaMismatch
+from .errors import TimeoutError as RLinkTimeout
+from .session.actor_link import ActorConnection, BorrowedFrame, FrameBuffer
 from .transport import check_transport
+from .transport.address import parse_address
+from .transport.loop import IOThread
+from .weights.subscriber import Subscriber
+from .wire.codec import DTYPES, Schema, as_host_array, infer_schema
 
 log = logging.getLogger(__name__)
 
@@ -100,7 +99,7 @@ class Actor:
         # replace an older one, never the reverse (the old process would otherwise reconnect
         # and push the new one out, back and forth).
         incarnation = time.time_ns()
-        self._conn = ActorConnection(host, port, token=_auth.resolve_token(token), transport=transport,
+        self._conn = ActorConnection(host, port, token=resolve_token(token), transport=transport,
                                      actor_id=actor_id, incarnation=incarnation & (2**63 - 1),
                                      config=self.config, loop=self._io.loop)  # fmt: skip
         budget = self.config.connect_timeout + self.config.handshake_timeout + 1
@@ -128,7 +127,7 @@ class Actor:
 
     def _negotiate(self, schema: Schema) -> None:
         reply = self._io.call(self._conn.propose(schema), self.config.handshake_timeout, "schema negotiation")
-        from ._wire import Reject
+        from .wire.messages import Reject
 
         if isinstance(reply, Reject):
             raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")

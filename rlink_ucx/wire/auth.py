@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import ipaddress
-import os
 import secrets
-import stat
 
-from ._errors import AuthError, ConfigError
+from ..errors import AuthError
 
 NONCE_BYTES = 32
 _ACTOR_LABEL = b"rlink-v1 actor"
@@ -52,34 +49,3 @@ def pull_proof(ticket: bytes, learner_nonce: bytes, session: int) -> bytes:
 def verify(expected: bytes, got: bytes, what: str) -> None:
     if not hmac.compare_digest(expected, got):
         raise AuthError(f"{what}: token proof did not match (wrong token?)")
-
-
-def resolve_token(token: str | bytes | None) -> bytes | None:
-    """The token as bytes: the argument, else ``RLINK_TOKEN``, else the file in ``RLINK_TOKEN_FILE``.
-
-    A token file must not be readable by group or others (mode 0600), like an ssh key.
-    """
-    if token is None:
-        token = os.environ.get("RLINK_TOKEN") or None
-    if token is None and os.environ.get("RLINK_TOKEN_FILE"):
-        path = os.environ["RLINK_TOKEN_FILE"]
-        mode = os.stat(path).st_mode
-        if mode & (stat.S_IRWXG | stat.S_IRWXO):
-            raise ConfigError(f"token file {path} is accessible by group/others; chmod 600 it")
-        with open(path, "rb") as fh:
-            token = fh.read().strip()
-    if token is None:
-        return None
-    raw = token.encode() if isinstance(token, str) else bytes(token)
-    if not raw:
-        raise ConfigError("an empty token is not a token")
-    return raw
-
-
-def is_loopback(host: str) -> bool:
-    if host in ("localhost", ""):
-        return host == "localhost"
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False

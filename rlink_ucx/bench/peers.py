@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from ._wire import recv_exact_into
+from ..wire.messages import recv_exact_into
 
 MiB = 1 << 20
 MARKER = -1
@@ -488,8 +488,8 @@ UCX_TAG = 0x5EED << 32
 
 def _ucx_worker() -> tuple[Any, Any, Any, Any]:
     """A worker made exactly like rlink's ucx plane makes its own (same UCX options)."""
-    from ._config import Config
-    from .transport.ucx import load_ucxx, make_worker
+    from ..config import Config
+    from ..transport.ucx import load_ucxx, make_worker
 
     u, context, worker = make_worker(Config.from_env())
     return u, load_ucxx()[1], context, worker
@@ -655,7 +655,7 @@ def run_zmq(workload: Workload, timing: Timing, copy: bool) -> dict[str, Any]:
 
 # --- torch.distributed gloo send/recv -------------------------------------------------------------------
 def _gloo_group(store: Any, rank: int, timeout: float) -> Any:
-    from ._group import new_group
+    from ..weights.group import new_group
 
     return new_group(store, "bench/", rank, 2, backend="gloo", hostname="127.0.0.1", timeout=timeout)
 
@@ -664,7 +664,7 @@ class GlooSender(Sender):
     """One ``send`` per field (tag = field index), as flat uint8 tensors; all waited for."""
 
     def __init__(self, info: Any, workload: Workload, index: int, timeout: float):
-        from ._group import connect_store
+        from ..weights.group import connect_store
 
         super().__init__(info, workload, index, timeout)
         self.group = _gloo_group(connect_store("127.0.0.1", info, timeout), 1, timeout)
@@ -689,7 +689,7 @@ class GlooReceiver(Receiver):
 
         import torch
 
-        from ._group import serve_store
+        from ..weights.group import serve_store
 
         self.store, self.port = serve_store("127.0.0.1", timeout)
         self.chunk = workload.chunk

@@ -9,13 +9,13 @@ from typing import Any
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from ._address import DEFAULT_PORT
-from ._batch import Batch
-from ._config import Config
-from ._errors import Closed, ConfigError
-from ._errors import TimeoutError as RLinkTimeout
-from ._gather import BatchAssembler
-from ._learner import Learner
+from .batch import Batch
+from .config import Config
+from .errors import Closed, ConfigError
+from .errors import TimeoutError as RLinkTimeout
+from .learner import Learner
+from .store.gather import BatchAssembler
+from .transport.address import DEFAULT_PORT
 
 __all__ = ["RLinkDataset"]
 

@@ -8,18 +8,18 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from . import _wire
-from ._codec import Schema
-from ._errors import PeerLost, ProtocolError, SchemaMismatch
-from ._io import ControlConnection
-from ._store import Segment, StepRing
-from ._wire import FrameHeader
-from .transport.base import DataPlaneRetired
+from ..errors import PeerLost, ProtocolError, SchemaMismatch
+from ..store.ring import Segment, StepRing
+from ..transport.base import DataPlaneRetired
+from ..transport.control import ControlConnection
+from ..wire import messages as _wire
+from ..wire.codec import Schema
+from ..wire.frame import FrameHeader
 
 if TYPE_CHECKING:
-    from ._server import LearnerServer
-    from .transport.base import FrameReceiver
-    from .transport.shm import ShmRing
+    from ..transport.base import FrameReceiver
+    from ..transport.shm import ShmRing
+    from .learner_server import LearnerServer
 
 log = logging.getLogger(__name__)
 IDLE_SECONDS = 1.0  # an actor that sent no frame for this long is idle (its credit may be reclaimed)

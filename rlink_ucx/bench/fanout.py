@@ -36,7 +36,7 @@ def _plain_receiver(port: int, rank: int, world: int, numel: int, reps: int, res
     import torch
     import torch.distributed as dist
 
-    from ._group import connect_store, new_group
+    from ..weights.group import connect_store, new_group
 
     group = new_group(connect_store("127.0.0.1", port, 60), "plain/", rank, world, backend="gloo",
                       hostname="127.0.0.1", timeout=60)  # fmt: skip
@@ -52,7 +52,7 @@ class PlainBroadcast:
     def __init__(self, numel: int, subscribers: int, reps: int):
         import torch
 
-        from ._group import new_group, serve_store
+        from ..weights.group import new_group, serve_store
 
         store, port = serve_store("127.0.0.1", 60)
         ctx = mp.get_context("spawn")
@@ -83,7 +83,7 @@ class PlainBroadcast:
 
 # --- rlink publish ------------------------------------------------------------------------------
 def _subscriber(address: str, until: int, results: Any) -> None:
-    from . import Actor
+    from .. import Actor
 
     with Actor(address, transport="tcp", subscribe=True) as actor:
         while actor.get_remote_model(timeout=120, latest=False)[1] < until:
@@ -93,7 +93,7 @@ def _subscriber(address: str, until: int, results: Any) -> None:
 
 class RlinkPublish:
     def __init__(self, subscribers: int, reps: int):
-        from . import Learner
+        from .. import Learner
 
         self.learner = Learner("127.0.0.1:0", transport="tcp")
         ctx = mp.get_context("spawn")

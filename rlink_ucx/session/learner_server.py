@@ -13,18 +13,21 @@ import threading
 import time
 from typing import Any
 
-from . import _auth, _wire
-from ._codec import Schema
-from ._config import Config
-from ._errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
-from ._io import ControlConnection, ticks
-from ._memory import Reserve
-from ._publisher import Publisher
-from ._session import LearnerSession
-from ._store import StepRing
-from ._version import __version__
-from .transport import choose, cma, hostname, shm, ucx_available
-from .transport.tcp import TcpReceiver
+from .._memory import Reserve
+from .._version import __version__
+from ..config import Config
+from ..errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
+from ..store.ring import StepRing
+from ..transport import choose, cma, hostname, shm, ucx_available
+from ..transport.address import is_loopback
+from ..transport.control import ControlConnection
+from ..transport.loop import ticks
+from ..transport.tcp import TcpReceiver
+from ..weights.publisher import Publisher
+from ..wire import auth as _auth
+from ..wire import messages as _wire
+from ..wire.codec import Schema
+from .learner_session import LearnerSession
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +72,7 @@ class LearnerServer:
             # Load ucxx now, before any session runs: loading its libraries holds the GIL (a
             # cold first import took 0.4 s in CI), which would stall every session's heartbeats
             # and credits if the first ucx actor set it off.
-            from .transport.ucx import load_ucxx
+            from ..transport.ucx import load_ucxx
 
             load_ucxx()
         self.publisher = Publisher(self)
@@ -314,9 +317,9 @@ class LearnerServer:
         """Start the UCX plane off the event loop: its worker takes a good part of a second to
         come up, and the heartbeats and credits of running sessions must not wait for it."""
         if self._ucx_starting is None:
-            from .transport.ucx import UcxLearnerPlane
+            from ..transport.ucx import UcxLearnerPlane
 
-            loopback = _auth.is_loopback(self.host)
+            loopback = is_loopback(self.host)
             self._ucx_starting = self.loop.run_in_executor(None, UcxLearnerPlane, self.loop, self.config, loopback)
         starting = self._ucx_starting
         try:

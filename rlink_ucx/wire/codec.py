@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from ._errors import ProtocolError, SchemaMismatch
+from ..errors import ProtocolError, SchemaMismatch
 
 __all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "infer_schema", "is_device_array"]
 
@@ -206,3 +206,10 @@ def infer_schema(step: Mapping[str, Any], *, leading_dims: int = 0) -> Schema:
             raise SchemaMismatch(f"field {name!r} has {arr.ndim} dims; expected a leading time axis")
         specs.append(FieldSpec(str(name), dtype, tuple(int(d) for d in arr.shape[leading_dims:])))
     return Schema(tuple(specs))
+
+
+def torch_dtype(name: str) -> Any:
+    """The torch dtype of a wire dtype name (torch is imported only when this is called)."""
+    import torch
+
+    return {"bool": torch.bool}.get(name) or getattr(torch, name)

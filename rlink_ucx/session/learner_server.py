@@ -248,7 +248,8 @@ class LearnerServer:
         ))  # fmt: skip
         log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
         if ucx_worker is not None:
-            self.ucx.attach(session, ucx_worker)
+            session.receiver = self.ucx.attach(session, actor_id, session.ticket, ucx_worker)
+            conn.send(_wire.Ready("ucx"))
         return session
 
     def _attach_tcp(self, conn: ControlConnection, msg: _wire.Attach, nonce: bytes) -> None:

@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
+from ..config import Config
 from ..errors import PeerLost, ProtocolError, SchemaMismatch
 from ..store.ring import Segment, StepRing
 from ..transport.base import DataPlaneRetired
 from ..transport.control import ControlConnection
+from ..weights.publisher import Publisher
 from ..wire import messages as _wire
 from ..wire.codec import Schema
 from ..wire.frame import FrameHeader
@@ -19,10 +22,26 @@ from ..wire.frame import FrameHeader
 if TYPE_CHECKING:
     from ..transport.base import FrameReceiver
     from ..transport.shm import ShmRing
-    from .learner_server import LearnerServer
 
 log = logging.getLogger(__name__)
 IDLE_SECONDS = 1.0  # an actor that sent no frame for this long is idle (its credit may be reclaimed)
+
+
+class Owner(Protocol):
+    """What a session needs from the learner that owns it (a ``LearnerServer``): sessions
+    call up through this, never through the server's class."""
+
+    config: Config
+    loop: asyncio.AbstractEventLoop
+    publisher: Publisher
+
+    def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]: ...
+
+    def grant_credits(self) -> None: ...
+
+    def request_grant(self) -> None: ...
+
+    def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None: ...
 
 
 @dataclass
@@ -39,7 +58,7 @@ class SessionStats:
 class LearnerSession:
     """Implements the transport's FrameSink for one authenticated actor."""
 
-    def __init__(self, server: LearnerServer, session_id: int, control: ControlConnection, hello: _wire.Hello,
+    def __init__(self, server: Owner, session_id: int, control: ControlConnection, hello: _wire.Hello,
                  actor_id: int, transport: str, reason: str, ticket: bytes):  # fmt: skip
         self.server = server
         self.id = session_id

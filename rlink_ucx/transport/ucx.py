@@ -38,8 +38,8 @@ from .base import DataPlaneRetired
 
 if TYPE_CHECKING:
     from ..config import Config
-    from ..session.learner_session import LearnerSession
     from ..wire.messages import Welcome
+    from .base import FrameSink
 
 log = logging.getLogger(__name__)
 
@@ -119,8 +119,9 @@ class _Generation:
 class _Receive:
     """One actor's receive state, touched only by the progress thread."""
 
-    def __init__(self, session: LearnerSession, tag: int, generation: _Generation):
-        self.session = session
+    def __init__(self, sink: FrameSink, actor_id: int, tag: int, generation: _Generation):
+        self.sink = sink
+        self.actor_id = actor_id
         self.tag = tag
         self.generation = generation  # the worker whose address the actor was sent
         # Receives are posted through an endpoint of their own (to our own worker): matching is
@@ -180,13 +181,13 @@ class UcxLearnerPlane:
             raise PeerLost(f"the learner's UCX worker did not start: {self._start_error}")
 
     # --- called from the loop thread ----------------------------------------------------------
-    def attach(self, session: LearnerSession, generation: _Generation) -> None:
-        """Receive ``session``'s frames on ``generation``, the worker whose address its actor
-        was sent (read from ``current`` when the session was opened)."""
-        state = _Receive(session, session_tag(session.ticket) << 32, generation)
-        session.receiver = receiver = UcxReceiver(self, state)
+    def attach(self, sink: FrameSink, actor_id: int, ticket: bytes, generation: _Generation) -> UcxReceiver:
+        """Receive one actor's frames into ``sink`` on ``generation``, the worker whose address
+        the actor was sent (read from ``current`` when its session was opened); the tags come
+        from the session's secret ``ticket``. Returns the started receiver."""
+        receiver = UcxReceiver(self, _Receive(sink, actor_id, session_tag(ticket) << 32, generation))
         receiver.start()
-        session.control.send(_ready("ucx"))
+        return receiver
 
     def call(self, fn: Callable[[], None]) -> None:
         self._calls.put(fn)
@@ -209,7 +210,7 @@ class UcxLearnerPlane:
         except BaseException:  # a dead progress thread would stall every ucx actor: say so loudly
             log.critical("the learner's UCX progress thread died", exc_info=True)
             for state in list(self._receives):
-                state.session.fail_threadsafe(PeerLost("the learner's UCX progress thread died"))
+                state.sink.fail_threadsafe(PeerLost("the learner's UCX progress thread died"))
             raise
 
     def _loop(self) -> None:
@@ -277,7 +278,7 @@ class UcxLearnerPlane:
     def _on_header(self, state: _Receive) -> None:
         state.frame_started = time.monotonic()
         try:
-            views = [v for v in state.session.begin(bytes(state.header)) if len(v)]
+            views = [v for v in state.sink.begin(bytes(state.header)) if len(v)]
         except ProtocolError as exc:
             self._failed(state, exc)
             return
@@ -290,7 +291,7 @@ class UcxLearnerPlane:
 
     def _on_frame(self, state: _Receive) -> None:
         state.frame_started = None
-        state.session.end_threadsafe()
+        state.sink.end_threadsafe()
         self._post_header(state)
 
     def _failed(self, state: _Receive, exc: BaseException) -> None:
@@ -298,7 +299,7 @@ class UcxLearnerPlane:
         self._drop(state)
         if first:
             err = exc if isinstance(exc, (ProtocolError, DataPlaneRetired)) else PeerLost(f"ucx receive failed: {exc!r}")
-            state.session.fail_threadsafe(err)
+            state.sink.fail_threadsafe(err)
 
     def _drop(self, state: _Receive) -> None:
         """The session ended: withdraw its receives so UCX never writes into reused memory."""
@@ -316,7 +317,7 @@ class UcxLearnerPlane:
                 if time.monotonic() > deadline:
                     # Keep the buffers referenced (never freed under UCX) and the segment reserved.
                     log.error("ucx receives of actor %s did not cancel; its frame stays reserved",
-                              state.session.actor_id)
+                              state.actor_id)
                     self._receives.remove(state)
                     self._stuck.append(state)
                     return
@@ -327,7 +328,7 @@ class UcxLearnerPlane:
         state.endpoint = None
         if state in self._receives:
             self._receives.remove(state)
-        state.session.abandon()
+        state.sink.abandon()
         state.generation.ended += 1
         if state.generation is self.current and self._recycle_due():
             self._recycle()
@@ -369,12 +370,6 @@ class UcxLearnerPlane:
             for generation in (self.current, *self._retiring):
                 generation.release()
             self._retiring.clear()
-
-
-def _ready(transport: str) -> Any:
-    from ..wire.messages import Ready
-
-    return Ready(transport)
 
 
 class UcxActorPlane:

@@ -15,27 +15,49 @@ import logging
 import secrets
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
+from ..config import Config
 from ..errors import AuthError, Closed
 from ..transport import hostname
+from ..transport.control import ControlConnection
 from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import messages as _wire
 from .group import new_group, serve_store, wait_all
 from .snapshot import BufferPool, Snapshot, begin_snapshot, checksums, fill, state_dict_of
 
-if TYPE_CHECKING:
-    from ..session.learner_server import LearnerServer
-    from ..session.learner_session import LearnerSession
+
+class Member(Protocol):
+    """One actor's session as the publisher sees it (a ``session.Member``)."""
+
+    id: int
+    state: str  # "open" while the actor is connected
+    hello: _wire.Hello
+    ticket: bytes  # the session's secret: a weights pull proves it
+    control: ControlConnection
+    subscribed: bool  # wants every published version
+    cuda_device: int | None  # where it receives weights (NCCL needs distinct GPUs)
+    weights_sent: int  # newest version announced or broadcast to it
+    weights_acked: int  # newest version it confirmed complete and verified
+
+
+class Owner(Protocol):
+    """The learner side the publisher serves (a ``session.LearnerServer``)."""
+
+    config: Config
+    loop: asyncio.AbstractEventLoop
+    host: str
+    version: int  # the newest published version: the publisher advances it
+    sessions: dict[int, Any]  # session id -> Member
 
 log = logging.getLogger(__name__)
 
 
 class Publisher:
-    def __init__(self, server: LearnerServer):
+    def __init__(self, server: Owner):
         self.server = server
         self.config = server.config
         self.loop = server.loop
@@ -96,16 +118,16 @@ class Publisher:
                 self._cv.wait(min(left, 0.25))
         return False
 
-    def _subscribers(self) -> list[LearnerSession]:
+    def _subscribers(self) -> list[Member]:
         return [s for s in list(self.server.sessions.values()) if s.state == "open" and s.subscribed]
 
     # --- loop thread --------------------------------------------------------------------------
-    def on_got(self, session: LearnerSession, version: int) -> None:
+    def on_got(self, session: Member, version: int) -> None:
         with self._cv:
             session.weights_acked = max(session.weights_acked, version)
             self._cv.notify_all()
 
-    def on_subscribe(self, session: LearnerSession, msg: _wire.Subscribe) -> None:
+    def on_subscribe(self, session: Member, msg: _wire.Subscribe) -> None:
         session.subscribed = True
         session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
         # The actor pulls the current version right away; until it acknowledges it, it stays
@@ -114,7 +136,7 @@ class Publisher:
         with self._cv:
             self._cv.notify_all()
 
-    async def serve_pull(self, conn: Any, session: LearnerSession, have: int) -> None:
+    async def serve_pull(self, conn: Any, session: Member, have: int) -> None:
         """Answer a pull: the newest version's manifest and bytes, or Version if none is newer."""
         snap = self.latest
         if snap is None or snap.version <= have:
@@ -129,7 +151,7 @@ class Publisher:
         self.stats["pulls_served"] += 1
         self.stats["pull_bytes"] += host.manifest.total_bytes
 
-    def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> LearnerSession:
+    def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> Member:
         session = self.server.sessions.get(msg.session)
         if session is None or session.state != "open":
             raise AuthError("weights pull for an unknown session")
@@ -167,7 +189,7 @@ class Publisher:
         caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent]
         backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
         source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
-        members: list[LearnerSession] = []
+        members: list[Member] = []
         if caught_up:
             try:
                 self._ensure_group(caught_up, backend, snap.device)
@@ -200,7 +222,7 @@ class Publisher:
                     break
                 self._cv.wait(min(left, 0.25))
 
-    def _stream(self, source: Snapshot, members: list[LearnerSession], timeout: float, *, sealed: bool) -> None:
+    def _stream(self, source: Snapshot, members: list[Member], timeout: float, *, sealed: bool) -> None:
         """Broadcast each bucket as soon as it is copied; send the checksums once sealed,
         unless the Publish already carried them."""
         works = []
@@ -212,7 +234,7 @@ class Publisher:
             self._send(members, _wire.Sealed(source.version, source.manifest.checksums))
         wait_all(works, timeout)
 
-    def _ensure_group(self, members: list[LearnerSession], backend: str, device: str) -> None:
+    def _ensure_group(self, members: list[Member], backend: str, device: str) -> None:
         key = (tuple(s.id for s in members), backend)
         if self._group is not None and key == self._group_key:
             return
@@ -245,7 +267,7 @@ class Publisher:
     def _drop_group(self) -> None:
         self._group, self._group_key = None, ()
 
-    def _send(self, sessions: list[LearnerSession], msg: Any) -> None:
+    def _send(self, sessions: list[Member], msg: Any) -> None:
         for s in sessions:
             try:
                 self.loop.call_soon_threadsafe(s.control.send, msg)
@@ -285,7 +307,7 @@ class Publisher:
             self._thread.join(self.config.close_timeout)
 
 
-def _distinct_gpus(device: str, members: list[LearnerSession]) -> bool:
+def _distinct_gpus(device: str, members: list[Member]) -> bool:
     """NCCL needs one GPU per rank: every member on CUDA, none sharing a GPU with another rank."""
     seen = {(_host_key(None), device)}
     for s in members:
@@ -298,11 +320,11 @@ def _distinct_gpus(device: str, members: list[LearnerSession]) -> bool:
     return True
 
 
-def _host_key(session: LearnerSession | None) -> str:
+def _host_key(session: Member | None) -> str:
     return session.hello.host if session is not None else hostname()
 
 
-def _local_address(session: LearnerSession, fallback: str) -> str:
+def _local_address(session: Member, fallback: str) -> str:
     """The learner's address on the interface this actor reached it through (for gloo)."""
     try:
         return str(session.control.sock.getsockname()[0])

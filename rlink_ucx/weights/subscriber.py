@@ -15,29 +15,44 @@ import socket
 import sys
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import msgspec
 
-from ..errors import Closed, ProtocolError
+from ..config import Config
+from ..errors import Closed, ProtocolError, RLinkError
 from ..errors import TimeoutError as RLinkTimeout
+from ..transport.control import ControlConnection
+from ..transport.loop import IOThread
 from ..wire import auth as _auth
 from ..wire import messages as _wire
 from .group import broadcast, connect_store, new_group
 from .snapshot import BufferPool, Snapshot, checksum
 
-if TYPE_CHECKING:
-    from ..config import Config
-    from ..session.actor_link import ActorConnection
-    from ..transport.loop import IOThread
-
 log = logging.getLogger(__name__)
+
+
+
+class Link(Protocol):
+    """The actor's connection as the subscriber sees it (a ``session.ActorConnection``)."""
+
+    host: str
+    port: int
+    actor_id: int | None
+    latest_version: int  # the newest version the learner announced
+    error: RLinkError | None  # set once the connection failed for good
+    welcome: _wire.Welcome | None  # session id and ticket: a pull proves them
+    control: ControlConnection | None
+    weights_listener: Callable[[Any], None] | None  # gets Version/Publish/Group/Sealed messages
+    subscription: Any  # the Subscribe message, repeated after a reconnect
+
 
 _PULL = object()  # event: pull now, whatever the announced version
 
 
 class Subscriber:
-    def __init__(self, conn: ActorConnection, io: IOThread, config: Config):
+    def __init__(self, conn: Link, io: IOThread, config: Config):
         self.conn = conn
         self.io = io
         self.config = config

@@ -123,7 +123,7 @@ class Learner:
         return self._server.ring
 
     def _record_staleness(self, counts: dict[int, int]) -> None:
-        self._server.record_staleness(counts)
+        self._server.staleness.record(counts)
 
     def _request_pinned(self) -> None:
         self._server.pin_memory = True

@@ -14,19 +14,20 @@ import time
 from typing import Any
 
 from .._memory import Reserve
-from .._version import __version__
 from ..config import Config
 from ..errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ..store.ring import StepRing
-from ..transport import choose, cma, hostname, shm, ucx_available
+from ..transport import choose, hostname, shm, ucx_available
 from ..transport.address import is_loopback
 from ..transport.control import ControlConnection
 from ..transport.loop import ticks
-from ..transport.tcp import TcpReceiver
 from ..weights.publisher import Publisher
 from ..wire import auth as _auth
 from ..wire import messages as _wire
 from ..wire.codec import Schema
+from .learner_attach import attach_data_connection
+from .learner_credit import CreditGranter
+from .learner_report import StalenessHistogram, report
 from .learner_session import LearnerSession
 
 log = logging.getLogger(__name__)
@@ -59,8 +60,7 @@ class LearnerServer:
         self.incarnations: dict[int, int] = {}  # newest incarnation seen per actor id
         self._ids = itertools.count(1)
         self._auto_actor_ids = itertools.count(1)
-        self._rotation = 0
-        self._grant_pending = False  # a grant_credits is scheduled on the loop and has not run yet
+        self.credit = CreditGranter(self.sessions, config, loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listener: socket.socket | None = None
         self._connections = 0
@@ -76,7 +76,7 @@ class LearnerServer:
 
             load_ucxx()
         self.publisher = Publisher(self)
-        self.staleness: dict[int, int] = {}  # staleness at fetch -> steps (see RLinkDataset)
+        self.staleness = StalenessHistogram()  # fed by RLinkDataset
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -177,7 +177,8 @@ class LearnerServer:
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         first = await conn.recv(self.config.max_preauth_bytes)
         if isinstance(first, _wire.Attach):
-            self._attach_tcp(conn, first, nonce)
+            attach_data_connection(self.sessions, conn, first, nonce, self.config.tcp_congestion)
+            self.grant_credits()
             return None
         if isinstance(first, _wire.Pull):
             return self.publisher.verify_pull(first, nonce), first.have
@@ -252,67 +253,8 @@ class LearnerServer:
             conn.send(_wire.Ready("ucx"))
         return session
 
-    def _attach_tcp(self, conn: ControlConnection, msg: _wire.Attach, nonce: bytes) -> None:
-        session = self.sessions.get(msg.session)
-        if session is None or session.state != "open":
-            raise AuthError("data connection for an unknown session")
-        _auth.verify(_auth.data_proof(session.ticket, nonce, msg.session), msg.mac, "data connection")
-        if session.transport not in ("tcp", "shm") or session.receiver is not None:
-            raise ProtocolError("session already has its data plane")
-        conn.handed_off = True
-        ring, session.shm_ring = session.shm_ring, None
-        arena, direct = None, False
-        if ring is not None and msg.shm:
-            ring.release_fd()  # the actor mapped it before attaching
-            arena = self._map_arena(session, msg.arena)
-            if arena is not None:
-                session.transport_reason += "; frames read in place from the actor's shared frame buffers"
-            direct = self._probe_memory(session, msg.cma)
-            if direct:
-                session.transport_reason += "; large payloads read straight from the actor's memory"
-            session.receiver = shm.ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}",
-                                               arena=arena, actor_pid=session.hello.pid if direct else None)
-        else:
-            if ring is not None:
-                ring.close()
-                session.transport = "tcp"
-                session.transport_reason = "auto: the actor could not map the shared-memory ring; tcp instead"
-                log.info("actor %s: %s", session.actor_id, session.transport_reason)
-            session.receiver = TcpReceiver(conn.sock, session, name=f"rlink-tcp-recv-{session.actor_id}",
-                                           congestion=self.config.tcp_congestion)
-        session.receiver.start()
-        session.control.send(_wire.Ready(session.transport, arena is not None, direct))
-        self.grant_credits()
 
-    @staticmethod
-    def _map_arena(session: LearnerSession, where: Any) -> shm.ShmRing | None:
-        """Map the actor's frame buffers (checked like the actor checks our ring: an rlink
-        memfd, sealed, the announced size and nonce); None: its frames come through the ring."""
-        if where is None:
-            return None
-        try:
-            pid, fd, nonce, size = where
-            if int(pid) != session.hello.pid:
-                raise OSError(f"the arena is announced in process {pid}, the actor is {session.hello.pid}")
-            return shm.ShmRing.open(int(pid), int(fd), bytes(nonce), int(size), shm.ARENA_NAME)
-        except (OSError, ValueError, TypeError) as exc:
-            log.info("actor %s: its frame buffers cannot be mapped (%s); its frames come through the ring",
-                     session.actor_id, exc)  # fmt: skip
-            return None
 
-    @staticmethod
-    def _probe_memory(session: LearnerSession, where: Any) -> bool:
-        """Whether the kernel lets us read the actor's memory (its probe holds the nonce it
-        announced): then its large payloads come by address (transport/cma.py)."""
-        if where is None:
-            return False
-        try:
-            cma.verify(session.hello.pid, where)
-            return True
-        except (OSError, ValueError, TypeError) as exc:
-            log.info("actor %s: its memory cannot be read directly (%s); large payloads come through the ring",
-                     session.actor_id, exc)  # fmt: skip
-            return False
 
     async def _start_ucx_plane(self) -> None:
         """Start the UCX plane off the event loop: its worker takes a good part of a second to
@@ -348,7 +290,8 @@ class LearnerServer:
                                  pin_memory=self.pin_memory, reserve=None if self.pin_memory else reserve)  # fmt: skip
             if reserve is not None and self.pin_memory:
                 reserve.close()
-            self.ring.on_space_freed = self._space_freed
+            self.credit.ring = self.ring
+            self.ring.on_space_freed = self.credit.space_freed
             self.ring_ready.set()
             log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())
         elif schema != self.schema:
@@ -360,47 +303,15 @@ class LearnerServer:
         return (f"actor schema {schema.describe()} does not match the learner's {self.schema.describe()}: "
                 f"{self.schema.compare(schema)}")  # fmt: skip
 
-    def _space_freed(self) -> None:
-        """The consumer freed ring space (its thread). Wake the loop only if an actor is low on
-        credit: only those get any (see grant_credits), and each wake is a thread switch."""
-        if any(s.low_on_credit for s in list(self.sessions.values())):
-            self.request_grant()
 
-    def request_grant(self) -> None:
-        """Run grant_credits on the loop soon (any thread); at most one pending at a time."""
-        if not self._grant_pending:
-            self._grant_pending = True
-            self.loop.call_soon_threadsafe(self._grant_now)
 
-    def _grant_now(self) -> None:
-        self._grant_pending = False
-        self.grant_credits()
+
 
     def grant_credits(self) -> None:
-        """Top up each ready actor's credit while the ring has room (round robin, for fairness)."""
-        ring = self.ring
-        if ring is None:
-            return
-        window = max(4 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
-        threshold = max(1, window // 4)  # grant in chunks: one Credit message per quarter window
-        active = [s for s in self.sessions.values() if s.state == "open" and s.ring is ring and s.receiver]
-        if not active:
-            return
-        self._rotation = (self._rotation + 1) % len(active)
-        now = time.monotonic()
-        for session in active[self._rotation :] + active[: self._rotation]:
-            if session.revoking or (session.idle(now) and session.credit >= ring.max_frame_steps):
-                continue  # idle, with a frame's worth: more would sit unused while others wait
-            want = window - session.credit
-            if want < threshold:
-                continue
-            give = min(want, ring.grantable())
-            if give <= 0:
-                return
-            if give < threshold and session.credit > 0:
-                continue
-            ring.grant(give)
-            session.grant(give, low_water=window - threshold)
+        self.credit.grant()
+
+    def request_grant(self) -> None:
+        self.credit.request_grant()
 
     # --- liveness and bookkeeping -------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
@@ -408,17 +319,8 @@ class LearnerServer:
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 session.heartbeat(now, late)
-            self._reclaim_idle_credit(now)
+            self.credit.reclaim_idle(now)
 
-    def _reclaim_idle_credit(self, now: float) -> None:
-        """When the ring has no room left to grant, take credit back from idle actors (keeping
-        them one frame's worth) so the ones still sending are not starved."""
-        ring = self.ring
-        if ring is None or ring.grantable() >= ring.max_frame_steps:
-            return
-        for session in list(self.sessions.values()):
-            if session.ring is ring:
-                session.revoke_idle_credit(now, keep=ring.max_frame_steps)
 
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
         if self.sessions.pop(session.id, None) is None:
@@ -434,48 +336,5 @@ class LearnerServer:
         self.grant_credits()
 
     def snapshot(self) -> dict[str, Any]:
-        ring = self.ring
-        actors = [s.describe() for s in self.sessions.values()]
-        total = {k: sum(a[k] + 0 for a in actors + self.ended)
-                 for k in ("frames", "steps", "bytes", "torn_frames", "duplicate_steps", "lost_steps")}  # fmt: skip
-        return {
-            "address": f"{self.host}:{self.port}",
-            "version": self.version,
-            "pid": os.getpid(),
-            "library": __version__,
-            "schema": self.schema.describe() if self.schema else None,
-            "actors": actors,
-            "ended_actors": list(self.ended),
-            "connected_actors": len(actors),
-            "lost_actors": sum(1 for a in self.ended if a["state"] == "lost"),
-            "rejected_connections": self.rejected_connections,
-            "auth_failures": self.auth_failures,
-            "ucx_workers_recycled": self.ucx.recycled if self.ucx is not None else 0,
-            "buffer": {
-                "capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
-                "buffered_bytes": ring.buffered_bytes if ring else 0,
-                "peak_buffered_bytes": ring.stats.peak_used * ring.step_bytes if ring else 0,
-                "ready_steps": ring.ready_steps() if ring else 0,
-                "steps_in": ring.stats.steps_in if ring else 0,
-                "steps_out": ring.stats.steps_out if ring else 0,
-                "torn_frames": ring.stats.torn_frames if ring else 0,
-            },
-            "total": total,
-            "weights": self.publisher.snapshot_stats(),
-            "staleness": self.staleness_summary(),
-        }
-
-    def record_staleness(self, counts: dict[int, int]) -> None:
-        """Fetched steps by staleness (called by the dataset, under its lock)."""
-        for staleness, n in counts.items():
-            self.staleness[staleness] = self.staleness.get(staleness, 0) + n
-
-    def staleness_summary(self) -> dict[str, Any]:
-        hist = dict(sorted(self.staleness.items()))
-        n = sum(hist.values())
-        return {
-            "histogram": hist,
-            "mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
-            "max": max(hist) if hist else 0,
-            "dropped": self.ring.stats.stale_dropped if self.ring else 0,
-        }
+        """The learner's stats (on the I/O loop)."""
+        return report(self)

@@ -32,179 +32,34 @@ forever; every wait is bounded by the socket timeout.
 
 from __future__ import annotations
 
-import ctypes
 import errno
-import fcntl
-import mmap
-import os
-import secrets
 import select
 import socket
-import stat
 import struct
 import threading
 import time
 from typing import Any
 
-import numpy as np
-
-from .._memory import Reserve
 from ..errors import ProtocolError
 from ..wire.frame import FRAME_HEADER_BYTES
 from . import cma
 from .base import FrameSink
+from .shm_memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
 from .tcp import SocketReceiver, _close, tune_socket
 
-DATA_OFFSET = 4096  # the first page holds the nonce; the ring's bytes start page-aligned
-NONCE_BYTES = 16
 COUNTER = struct.Struct("<Q")
-RING_NAME = "rlink-shm"  # the learner's ring, one per session
-ARENA_NAME = "rlink-arena"  # an actor's frame buffers, one per actor
-SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL if hasattr(fcntl, "F_SEAL_SHRINK") else 0
 # Actor -> learner records on the data connection: bytes written to the ring so far; a frame
 # whose payload follows in the ring; in the actor's arena; at addresses in the actor's memory.
 WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME = b"W", b"R", b"A", b"C"
-EXTENT = struct.Struct("<QQ")  # offset in the arena (or address), length
 # Learner -> actor: ring bytes freed so far; payload bytes read from the actor's memory so far.
 FREED, READ = b"F", b"D"
 REPLY = struct.Struct("<cQ")
 MAX_EXTENTS = 4096
+
+__all__ = ["ARENA_NAME", "DATA_OFFSET", "NONCE_BYTES", "RING_NAME", "Arena", "ShmReceiver", "ShmRing", "ShmSender",
+           "available"]
 # poll events that mean the actor shut its end (POLLRDHUP even with data still queued before it)
 _PEER_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
-
-
-def available() -> bool:
-    """Whether this platform can create and map the ring (Linux with memfd and seals)."""
-    return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")
-
-
-class ShmRing:
-    """A sealed shared memfd, mapped: ``size`` data bytes after the nonce page. The learner's
-    ring (a byte stream) or an actor's arena (its frame buffers)."""
-
-    def __init__(self, mm: mmap.mmap, size: int, fd: int | None = None):
-        self.mm = mm
-        self.size = size
-        self.fd = fd  # the learner's memfd until the actor has mapped it
-        self.base = cma.address(memoryview(mm)) + DATA_OFFSET
-
-    @classmethod
-    def create(cls, size: int, name: str = RING_NAME) -> tuple[ShmRing, bytes]:
-        """A new sealed region and the nonce written into it."""
-        fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
-        try:
-            os.ftruncate(fd, DATA_OFFSET + size)
-            fcntl.fcntl(fd, fcntl.F_ADD_SEALS, SEALS)
-            mm = mmap.mmap(fd, DATA_OFFSET + size)
-        except BaseException:
-            os.close(fd)
-            raise
-        nonce = secrets.token_bytes(NONCE_BYTES)
-        mm[:NONCE_BYTES] = nonce
-        return cls(mm, size, fd), nonce
-
-    @classmethod
-    def open(cls, pid: int, fd: int, nonce: bytes, size: int, name: str = RING_NAME) -> ShmRing:
-        """Map the other side's region; ``OSError`` when it is not reachable from here."""
-        path = f"/proc/{pid}/fd/{fd}"
-        # In another PID namespace the same numbers name some other process's file: look
-        # before opening (never open a device or a FIFO by accident), then check the nonce.
-        if not os.readlink(path).startswith(f"/memfd:{name} "):
-            raise OSError(f"{path} is not an rlink {name}")
-        own = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
-        try:
-            info = os.fstat(own)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != DATA_OFFSET + size:
-                raise OSError(f"{path} is not the announced {name}")
-            # Unsealed, its owner could shrink it under our mapping: reads would fault (SIGBUS).
-            if fcntl.fcntl(own, fcntl.F_GET_SEALS) & SEALS != SEALS:
-                raise OSError(f"{path} is not sealed against shrinking")
-            mm = mmap.mmap(own, DATA_OFFSET + size)
-        finally:
-            os.close(own)
-        if mm[:NONCE_BYTES] != nonce:
-            mm.close()
-            raise OSError(f"/proc/{pid}/fd/{fd} is another object (nonce differs)")
-        return cls(mm, size)
-
-    def release_fd(self) -> None:
-        """The learner's descriptor is no longer needed once the actor mapped the ring."""
-        fd, self.fd = self.fd, None
-        if fd is not None:
-            os.close(fd)
-
-    def close(self) -> None:
-        """Unmap (the mapping holds a descriptor of its own). Only once no thread can copy
-        through ``base`` any more: callers make sure of that."""
-        self.release_fd()
-        self.mm.close()
-
-    def copy_in(self, pos: int, src: memoryview) -> None:
-        """Copy ``src`` into the ring at stream position ``pos`` (wrapping)."""
-        self._move(pos, cma.address(src), len(src), into_ring=True)
-
-    def copy_out(self, pos: int, dst: memoryview) -> None:
-        self._move(pos, cma.address(dst), len(dst), into_ring=False)
-
-    def _move(self, pos: int, addr: int, n: int, into_ring: bool) -> None:
-        while n:
-            at = pos % self.size
-            k = min(n, self.size - at)
-            if into_ring:
-                ctypes.memmove(self.base + at, addr, k)
-            else:
-                ctypes.memmove(addr, self.base + at, k)
-            pos, addr, n = pos + k, addr + k, n - k
-
-    def extents(self, views: list[memoryview]) -> bytes | None:
-        """``views`` as packed (offset, length) extents if every one lies in this region."""
-        out = []
-        for view in views:
-            at = cma.address(view) - self.base
-            if not 0 <= at <= self.size - len(view):
-                return None
-            out.append(EXTENT.pack(at, len(view)))
-        return b"".join(out)
-
-    def copy_extents(self, extents: list[tuple[int, int]], dst: list[memoryview]) -> None:
-        """Copy the region's ``extents`` (validated) into ``dst``, in order."""
-        i, used = 0, 0  # position in dst
-        for at, n in extents:
-            while n:
-                view = dst[i]
-                k = min(n, len(view) - used)
-                ctypes.memmove(cma.address(view) + used, self.base + at, k)
-                at, n, used = at + k, n - k, used + k
-                if used == len(view):
-                    i, used = i + 1, 0
-
-
-class Arena:
-    """An actor's frame buffers in a sealed memfd the learner maps: frames whose payload lies
-    here reach the learner with one copy, straight out of the frame buffer. Blocks are handed
-    out once and live as long as the actor (frame buffers are reused, never freed)."""
-
-    def __init__(self, size: int):
-        self.region, self.nonce = ShmRing.create(size, ARENA_NAME)
-        # Populated ahead of the frames written into it (rlink_ucx/_memory.py).
-        self._memory = Reserve(size, "arena", mapping=self.region.mm, offset=DATA_OFFSET, align=4096)
-
-    def describe(self) -> list[Any]:
-        assert self.region.fd is not None
-        return [os.getpid(), self.region.fd, self.nonce, self.region.size]
-
-    def block(self, nbytes: int) -> np.ndarray | None:
-        """``nbytes`` of arena memory (page-aligned), or None once the arena is full."""
-        return self._memory.take(nbytes)
-
-    def close(self) -> None:
-        """The actor is closing; the mapping goes once no frame buffer uses it any more."""
-        self._memory.close()
-        self.region.release_fd()
-        try:
-            self.region.mm.close()
-        except BufferError:  # frame buffers still reference it: unmapped with the last of them
-            pass
 
 
 class _Replies:

@@ -1,0 +1,131 @@
+"""Actor side, the control reader: credit, acknowledgements, revokes, weights announcements
+and heartbeats from the learner, and what happens when the connection fails."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from ..errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch
+from ..transport import shm
+from ..transport.loop import ticks
+from ..wire import messages as _wire
+from .actor_frames import BorrowedFrame
+
+log = logging.getLogger(__name__)
+
+
+class ControlReader:
+    """Part of :class:`ActorConnection`: reads the learner's control messages on the I/O loop,
+    keeps the learner's liveness, and turns a failure into a reconnect or a final ``error``."""
+
+    async def _read_control(self) -> None:
+        assert self.control is not None
+        try:
+            while True:
+                msg = await self.control.recv(self.config.max_control_bytes)
+                self.last_heard = time.monotonic()
+                if isinstance(msg, _wire.Credit):
+                    with self.credit_cv:
+                        self.credit += msg.steps
+                        self.credit_cv.notify_all()
+                    self._credit_event.set()
+                    if msg.acked > self.acked:
+                        self._acknowledged(msg.acked)
+                elif isinstance(msg, _wire.Ack):
+                    self._acknowledged(msg.next_seq)
+                elif isinstance(msg, _wire.Revoke):
+                    with self.credit_cv:
+                        give = max(0, min(self.credit, msg.steps))
+                        self.credit -= give
+                    self.control.send(_wire.Returned(give))
+                elif isinstance(msg, _wire.Heartbeat):
+                    pass
+                elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed)):
+                    self._on_weights(msg)
+                elif isinstance(msg, _wire.Ready):
+                    if isinstance(self.sender, shm.ShmSender):
+                        if not msg.arena:
+                            self.sender.arena = None  # the learner could not map it: use the ring
+                        self.sender.direct = msg.cma
+                    if not self._ready.done():
+                        self._ready.set_result(msg.transport)
+                elif isinstance(msg, (_wire.Accept, _wire.Reject)):
+                    if self._proposal is not None and not self._proposal.done():
+                        self._proposal.set_result(msg)
+                elif isinstance(msg, _wire.Error):
+                    kind = AuthError if msg.kind == "auth" else ProtocolError
+                    raise kind(f"learner reported: {msg.text}")
+                elif isinstance(msg, _wire.Bye):
+                    raise PeerLost(f"learner closed the session: {msg.reason}")
+                else:
+                    raise ProtocolError(f"unexpected {type(msg).__name__} from the learner")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
+            self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"control connection broke: {exc}"))
+
+    def _acknowledged(self, seq: int) -> None:
+        """The learner holds every step below ``seq``: frames entirely below it are done."""
+        with self.changed:
+            self.acked = max(self.acked, seq)
+            while self.inflight and self.inflight[0].seq + self.inflight[0].n <= self.acked:
+                self.free.append(self.inflight.popleft())
+            self.changed.notify_all()
+
+    def _on_weights(self, msg: _wire.Version | _wire.Publish | _wire.Group | _wire.Sealed) -> None:
+        if isinstance(msg, _wire.Version):
+            self.latest_version = max(self.latest_version, msg.version)
+        elif isinstance(msg, _wire.Publish):
+            self.latest_version = max(self.latest_version, msg.manifest.version)
+        if self.weights_listener is not None:
+            self.weights_listener(msg)
+        elif not isinstance(msg, _wire.Version):
+            raise ProtocolError(f"{type(msg).__name__} for an actor that did not subscribe to weights")
+
+    async def _heartbeat(self) -> None:
+        assert self.control is not None
+        async for late in ticks(self.config.heartbeat_interval):
+            self.last_heard = min(time.monotonic(), self.last_heard + late)  # our own pause is not the learner's
+            if time.monotonic() - self.last_heard > self.config.heartbeat_timeout:
+                self.fail(PeerLost(f"no message from the learner for {self.config.heartbeat_timeout:.3g}s"))
+                return
+            self.control.send(_wire.Heartbeat())
+
+    def fail(self, exc: RLinkError) -> None:
+        """The connection broke (any task on the loop): reconnect if it was up and the error
+        is one a reconnect can cure, else record ``exc`` for every caller."""
+        if self.closing or self.error is not None:
+            return
+        if self.reconnecting:  # a reconnect attempt failed: let it notice at once
+            for fut in (self._ready, self._proposal):
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # retrieved here: the attempt sees it through await
+            return
+        if self.connected and self.config.reconnect_timeout > 0 and not isinstance(exc, (AuthError, SchemaMismatch)):
+            self.connected = False
+            self.reconnecting = True
+            log.warning("actor %s: %s; reconnecting", self.actor_id, exc)
+            self._tasks.append(self.loop.create_task(self._reconnect(exc)))
+            return
+        self._fail_for_good(exc)
+
+    def _fail_for_good(self, exc: RLinkError) -> None:
+        self.connected = False
+        self.error = exc
+        log.warning("actor %s: %s", self.actor_id, exc)
+        for frame in self.queue:
+            if isinstance(frame, BorrowedFrame) and frame.done is not None:
+                frame.done.set()  # the caller raises self.error
+        for fut in (self._ready, self._proposal):
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+        with self.changed:
+            self.changed.notify_all()
+        with self.credit_cv:
+            self.credit_cv.notify_all()
+        self._wake.set()
+        self._credit_event.set()
+

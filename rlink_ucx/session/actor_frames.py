@@ -1,0 +1,62 @@
+"""The actor's frames: reusable frame buffers that steps are coalesced into, and borrowed
+frames that send a large put straight from the caller's arrays."""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from ..wire.codec import DTYPES, Schema
+
+__all__ = ["BorrowedFrame", "FrameBuffer"]
+
+
+class FrameBuffer:
+    """A reusable frame of up to ``capacity`` steps: one flat byte array per field, carved
+    from ``memory`` (a uint8 array, e.g. from the shm plane's arena) when given."""
+
+    def __init__(self, schema: Schema, capacity: int, memory: Any = None):
+        self.capacity = capacity
+        if memory is None:
+            self.flat = [np.empty(capacity * f.step_bytes, dtype=np.uint8) for f in schema.fields]
+        else:
+            bounds = np.cumsum([0] + [capacity * f.step_bytes for f in schema.fields]).tolist()
+            self.flat = [memory[a:b] for a, b in zip(bounds, bounds[1:])]
+        self.typed = [
+            flat.view(DTYPES[f.dtype]).reshape((capacity, *f.shape)) for f, flat in zip(schema.fields, self.flat)
+        ]
+        self._sizes = [f.step_bytes for f in schema.fields]
+        self.n = 0
+        self.seq = 0
+        self.version = 0
+        self.sent = 0
+        self.started = 0.0
+
+    def reset(self, seq: int, version: int) -> None:
+        self.n, self.seq, self.version, self.sent = 0, seq, version, 0
+        self.started = time.monotonic()
+
+    def payload(self, start: int, stop: int) -> list[memoryview]:
+        return [memoryview(flat)[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
+
+
+class BorrowedFrame:
+    """Steps sent straight from the caller's arrays (large puts): no copy into a frame buffer.
+
+    The caller waits on :attr:`done` before returning, so the arrays are never read after
+    ``put`` returns; ``cancelled`` asks the sender to stop at the next sub-frame boundary.
+    """
+
+    def __init__(self, arrays: list[Any], n: int, seq: int, version: int):
+        self.flat = [memoryview(a).cast("B") for a in arrays]
+        self._sizes = [len(f) // n for f in self.flat]
+        self.n, self.seq, self.version, self.sent = n, seq, version, 0
+        self.done: threading.Event | None = None  # made when handed to the I/O thread
+        self.cancelled = False
+
+    def payload(self, start: int, stop: int) -> list[memoryview]:
+        return [flat[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
+

@@ -1,0 +1,146 @@
+"""Actor side, the outbox: frames leave in seq order, each within the credit the learner
+granted, from the I/O loop or (with nothing queued) straight from the caller's thread."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from ..errors import Backpressure, Closed, PeerLost, ProtocolError, RLinkError
+from ..wire.frame import FrameHeader
+from .actor_frames import BorrowedFrame, FrameBuffer
+
+
+class Outbox:
+    """Part of :class:`ActorConnection`: the send queue, credit taking, and sending a frame's
+    steps as wire frames. Frames sent and kept for resending wait in ``inflight``."""
+
+    def give_back(self, fb: FrameBuffer) -> None:
+        """Return an unused frame buffer to the pool (any thread) and wake a put waiting for one."""
+        with self.changed:
+            self.free.append(fb)
+            self.changed.notify_all()
+
+    def _finished(self, frame: FrameBuffer | BorrowedFrame) -> None:
+        """A frame leaves the queue for good (changed lock held)."""
+        self.outstanding -= 1
+        if isinstance(frame, FrameBuffer):
+            self.free.append(frame)
+        elif frame.done is not None:
+            frame.done.set()
+
+    def submit(self, fb: FrameBuffer | BorrowedFrame) -> None:
+        """Queue a filled frame (loop thread). Frames arrive here in seq order (they all come
+        through the loop's FIFO ready queue); the sender checks that they leave that way."""
+        self.queue.append(fb)
+        self._wake.set()
+        if self.error is not None and isinstance(fb, BorrowedFrame) and fb.done is not None:
+            fb.done.set()  # failed for good before it arrived: its caller raises the error
+
+    def _send_part(self, frame: FrameBuffer | BorrowedFrame, k: int) -> None:
+        """Send steps ``[sent, sent + k)`` of ``frame`` as one wire frame (send_lock held)."""
+        sender = self.sender  # read once: close() on another thread may clear it meanwhile
+        if sender is None:
+            raise PeerLost("the data connection is closed")
+        assert self.schema is not None
+        step_bytes = self.schema.step_bytes
+        header = FrameHeader(self.schema_id, k, self.actor_id or 0, self.incarnation, frame.seq + frame.sent,
+                             frame.version, k * step_bytes).pack()  # fmt: skip
+        sender.send(header, frame.payload(frame.sent, frame.sent + k))
+        frame.sent += k
+        self.next_send_seq = frame.seq + frame.sent
+        self.sent_steps += k
+        self.sent_frames += 1
+        self.sent_bytes += k * step_bytes
+
+    def take_all_credit(self, n: int) -> bool:
+        """Take ``n`` steps of credit if all are available now (any thread)."""
+        with self.credit_cv:
+            if self.credit < n or self.error is not None or not self.connected or n > self.max_frame_steps:
+                return False
+            self.credit -= n
+            return True
+
+    def send_part_or_fail(self, frame: FrameBuffer | BorrowedFrame, k: int) -> bool:
+        """``_send_part`` from a caller's thread. A failure starts a reconnect; it is raised as
+        PeerLost only for a frame that is not kept for resending (a large put then hands its
+        frame to the I/O thread, which resends it after the reconnect). Returns whether it was
+        sent."""
+        try:
+            self._send_part(frame, k)
+            return True
+        except Exception as exc:  # noqa: BLE001 - translated and recorded for later calls too
+            err = exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}")
+            self.loop.call_soon_threadsafe(self.fail, err)
+            if self.resend and isinstance(frame, FrameBuffer):
+                return False
+            raise err from exc
+
+    def _take_credit(self, want: int) -> int:
+        with self.credit_cv:
+            k = min(want, self.credit)
+            self.credit -= k
+            return k
+
+    async def _send_loop(self) -> None:
+        try:
+            while True:
+                while not self.queue:
+                    if self.error is not None:
+                        return
+                    self._wake.clear()
+                    await self._wake.wait()
+                if self.error is not None:
+                    return
+                frame = self.queue[0]
+                if frame.seq + frame.sent != self.next_send_seq:
+                    raise ProtocolError(f"internal: frame seq {frame.seq} queued, {self.next_send_seq} due")
+                while frame.sent < frame.n and not getattr(frame, "cancelled", False):
+                    k = self._take_credit(min(frame.n - frame.sent, self.max_frame_steps))
+                    if k == 0:
+                        if self.error is not None:
+                            return
+                        self.credit_waits += 1
+                        self._credit_event.clear()
+                        if self.credit <= 0:
+                            await self._credit_event.wait()
+                        continue
+                    with self.send_lock:
+                        self._send_part(frame, k)
+                self.queue.popleft()
+                with self.changed:
+                    if self.resend and isinstance(frame, FrameBuffer) and not getattr(frame, "cancelled", False):
+                        self.outstanding -= 1
+                        self.inflight.append(frame)  # kept until acknowledged
+                    else:
+                        self._finished(frame)
+                    self.changed.notify_all()
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
+            self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}"))
+
+    def send_direct(self, frame: BorrowedFrame, deadline: float) -> None:
+        """Send ``frame`` from the calling thread (nothing else is queued): no thread hand-off.
+
+        Raises Backpressure when no credit arrives before ``deadline``.
+        """
+        while frame.sent < frame.n:
+            with self.credit_cv:
+                while self.credit <= 0 or not self.connected:
+                    if self.error is not None:
+                        raise self.error
+                    if self.closing:
+                        raise Closed("the actor is closed")
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Backpressure(
+                            f"no credit from the learner before the put timeout; {frame.sent} of {frame.n} steps sent"
+                        )
+                    self.credit_waits += 1
+                    self.credit_cv.wait(min(left, 0.5))
+                k = min(frame.n - frame.sent, self.credit, self.max_frame_steps)
+                self.credit -= k
+            with self.send_lock:
+                self.send_part_or_fail(frame, k)
+

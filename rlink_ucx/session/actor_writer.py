@@ -1,0 +1,349 @@
+"""The actor's step writer: ``put`` and ``put_many`` copy steps into frame buffers, and full
+frames (or partial ones after ``Config.frame_linger``) go to the connection's outbox. A put of a
+whole frame or more is sent straight from the caller's arrays."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..config import Config
+from ..errors import Backpressure, Closed, PeerLost, ProtocolError, SchemaMismatch
+from ..errors import TimeoutError as RLinkTimeout
+from ..transport.loop import IOThread
+from ..wire import messages as _wire
+from ..wire.codec import Schema, infer_schema
+from .actor_fields import Field, check_chunk, check_value, raise_extra
+from .actor_frames import BorrowedFrame, FrameBuffer
+from .actor_link import ActorConnection
+
+__all__ = ["StepWriter"]
+
+
+class StepWriter:
+    """Coalesces one actor's steps into frames (any caller thread; one lock)."""
+
+    def __init__(self, conn: ActorConnection, io: IOThread, config: Config):
+        self._conn = conn
+        self._io = io
+        self.config = config
+        self.closed = False
+        self.policy_version = 0  # stamped on steps put without an explicit version
+        self._lock = threading.Lock()
+        self._current: FrameBuffer | None = None
+        self._next_seq = 0
+        self._fields: list[Field] | None = None
+        # (name, dtype, shape, scalar types) per field for put's one-pass fast path; None when a
+        # field needs conversion (bfloat16) or before the schema is known.
+        self._fast: tuple[tuple[str, np.dtype, tuple, frozenset], ...] | None = None
+        self._frame_steps = 0  # steps per frame, known once the schema is negotiated
+        self._max_buffers = config.frame_buffers  # frame buffers allowed (resending keeps more)
+        # Large puts go out zero-copy from the caller's memory unless they must be kept for resending.
+        self._copy_large = config.resend_buffer_bytes > 0 and config.resend_large_puts
+
+    @property
+    def steps_put(self) -> int:
+        return self._next_seq
+
+    @property
+    def has_schema(self) -> bool:
+        return self._fields is not None
+
+    def drop_current(self) -> None:
+        """After close: forget the partial frame (its memory is about to be released)."""
+        with self._lock:
+            self._current = None
+
+    def negotiate(self, schema: Schema) -> None:
+        reply = self._io.call(self._conn.propose(schema), self.config.handshake_timeout, "schema negotiation")
+        if isinstance(reply, _wire.Reject):
+            raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")
+        capacity = max(1, min(reply.max_steps, self.config.frame_bytes // max(schema.step_bytes, 1)))
+        self._conn.schema, self._conn.schema_id = schema, reply.schema_id
+        self._conn.max_frame_steps = reply.max_steps  # no wire frame may carry more
+        self._conn.free = [self._new_frame_buffer(schema, capacity) for _ in range(self.config.frame_buffers)]
+        self._conn.buffers = self.config.frame_buffers
+        self._max_buffers = max(self.config.frame_buffers,
+                                self.config.resend_buffer_bytes // max(1, capacity * schema.step_bytes))  # fmt: skip
+        self._fields = [Field(i, spec) for i, spec in enumerate(schema.fields)]
+        if all(f.spec.dtype != "bfloat16" for f in self._fields):
+            self._fast = tuple((f.name, f.dtype, f.shape, f.scalars) for f in self._fields)
+        self._frame_steps = capacity
+
+    def _ensure_schema(self, step: Mapping[str, Any], leading_dims: int) -> list[Field]:
+        if self._fields is None:
+            self.check_open()
+            self.negotiate(infer_schema(step, leading_dims=leading_dims))
+        assert self._fields is not None
+        return self._fields
+
+    def put(self, step: Mapping[str, Any], *, version: int | None = None) -> None:
+        """Append one step (field name -> array or scalar) to the outgoing stream.
+
+        Raises:
+            SchemaMismatch: a field is missing, extra, or has another dtype/shape than negotiated.
+            Backpressure: no credit from the learner within ``Config.put_timeout``.
+            PeerLost / Closed: the connection broke / the actor was closed.
+        """
+        fast = self._fast
+        if fast is not None and len(step) == len(fast) and self._put_in_frame(step, version, checked=False):
+            return  # almost every call: exact dtypes and shapes, room in the current frame
+        fields = self._fields or self._ensure_schema(step, 0)
+        values = [check_value(f, step) for f in fields]
+        if len(step) != len(fields):
+            raise_extra(step, fields)
+        if self._frame_steps == 1 and not self._copy_large and all(
+            type(v) is np.ndarray and v.flags.c_contiguous for v in values
+        ):
+            self._send_borrowed([v.reshape(1, *v.shape) for v in values], 1, version)
+            return
+        if not self._put_in_frame(values, version, checked=True):
+            self._append(1, version, lambda fb, at, src, k: _write_step(fb, at, values))
+
+    def _put_in_frame(self, step: Any, version: int | None, checked: bool) -> bool:
+        """Write one step into the current frame if it has room (else False: nothing written).
+
+        ``checked``: ``step`` is the list of values already checked and converted. Otherwise it
+        is the caller's mapping, checked field by field while it is copied (one pass): any
+        value that is not exactly the negotiated dtype and shape returns False for the general
+        path, which converts it or raises a clear error. A step abandoned halfway leaves bytes
+        past the frame's end, which are never sent.
+        """
+        v = self.policy_version if version is None else int(version)
+        with self._lock:
+            fb = self._current
+            if (fb is None or fb.n >= fb.capacity - 1 or (fb.version != v and fb.n)
+                    or self.closed or self._conn.error is not None):  # fmt: skip
+                return False
+            at = fb.n
+            if checked:
+                for arr, value in zip(fb.typed, step):
+                    arr[at] = value
+            else:
+                assert self._fast is not None
+                for (name, dtype, shape, scalars), arr in zip(self._fast, fb.typed):
+                    value = step.get(name)
+                    kind = type(value)
+                    if kind is np.ndarray:
+                        if value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
+                            return False
+                    elif kind not in scalars:
+                        return False
+                    arr[at] = value
+            fb.version = v
+            fb.n = at + 1
+            self._next_seq += 1
+            return True
+
+    def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
+        """Append a chunk of steps: every field has a leading time/batch dimension of equal size."""
+        fields = self._fields or self._ensure_schema(steps, 1)
+        if len(steps) != len(fields):
+            raise_extra(steps, fields)
+        arrays, count = check_chunk(fields, steps)
+        if count == 0:
+            return
+        if count >= self._frame_steps and not self._copy_large and all(a.flags.c_contiguous for a in arrays):
+            self._send_borrowed(arrays, count, version)
+            return
+        self._append(count, version, lambda fb, at, src, k: _write_chunk(fb, at, arrays, src, k))
+
+    def _send_borrowed(self, arrays: list[np.ndarray], count: int, version: int | None) -> None:
+        """At least a full frame: send from the caller's memory instead of copying it (like
+        ``sendall``, return once the transport has taken the bytes)."""
+        v = self.policy_version if version is None else int(version)
+        self.check_open()
+        conn = self._conn
+        deadline = time.monotonic() + self.config.put_timeout
+        with self._lock:
+            self._submit_locked()  # an earlier partial frame goes first
+            frame = BorrowedFrame(arrays, count, self._next_seq, v)
+            self._next_seq += count
+            with conn.changed:
+                direct = conn.outstanding == 0 and self._direct()
+        try:
+            if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
+                try:
+                    conn.send_direct(frame, deadline)
+                    return
+                except (PeerLost, ProtocolError):
+                    # The connection broke mid-put. The caller's arrays stay ours until we
+                    # return, so the frame goes to the I/O thread, which resends it from where
+                    # the learner stopped once it has reconnected (or fails it for good).
+                    if conn.error is not None or self.config.reconnect_timeout <= 0:
+                        raise
+            frame.done = done = threading.Event()
+            self._hand_off(frame)
+            if not done.wait(self.config.put_timeout):
+                frame.cancelled = True
+                done.wait(self.config.frame_timeout + self.config.close_timeout)
+                raise Backpressure(f"no credit from the learner for {self.config.put_timeout:.3g}s; "
+                                   f"{frame.sent} of {count} steps were sent")  # fmt: skip
+            self.check_open()
+        except Backpressure:
+            with self._lock:
+                self._next_seq = frame.seq + frame.sent  # unsent steps were never put
+                conn.next_send_seq = self._next_seq
+            raise
+
+    def _append(self, count: int, version: int | None, write: Any) -> None:
+        v = self.policy_version if version is None else int(version)
+        conn = self._conn
+        deadline = time.monotonic() + self.config.put_timeout
+        done = 0
+        while done < count:
+            if conn.error is not None or self.closed:
+                self.check_open()
+            full = None
+            with self._lock:
+                fb = self._current
+                if fb is not None and fb.n and fb.version != v:  # one version per frame
+                    self._submit_locked()
+                    fb = None
+                if fb is not None:
+                    k = min(count - done, fb.capacity - fb.n)
+                    write(fb, fb.n, done, k)
+                    fb.n += k
+                    self._next_seq += k
+                    done += k
+                    if fb.n == fb.capacity:
+                        full, self._current = fb, None
+            if full is not None:
+                self._dispatch(full, v)
+                continue
+            if fb is not None:
+                continue
+            fresh = self._acquire(deadline)
+            with self._lock:
+                if self._current is None:
+                    fresh.reset(self._next_seq, v)
+                    self._current = fresh
+                else:
+                    conn.give_back(fresh)
+
+    def _dispatch(self, fb: FrameBuffer, version: int) -> None:
+        """Send a full frame. With nothing queued and credit at hand, send it on this thread
+        (and reuse the cache-warm buffer unless it must be kept for resending); otherwise hand
+        it to the I/O thread."""
+        conn = self._conn
+        with conn.changed:
+            idle = conn.outstanding == 0 and self._direct()
+        if idle and conn.take_all_credit(fb.n):
+            with conn.send_lock:
+                if conn.resend:  # kept until acknowledged; if the send fails, resent after reconnecting
+                    with conn.changed:
+                        conn.inflight.append(fb)
+                conn.send_part_or_fail(fb, fb.n)
+            if conn.resend:
+                return
+            with self._lock:
+                if self._current is None:
+                    fb.reset(self._next_seq, version)
+                    self._current = fb
+                    return
+            conn.give_back(fb)
+            return
+        with self._lock:
+            self._hand_off(fb)
+
+    def _acquire(self, deadline: float) -> FrameBuffer:
+        conn = self._conn
+        with conn.changed:
+            while not conn.free:
+                # Frames kept for resending do not count against the frame_buffers that may be
+                # filled ahead of the network (or put would run ahead of its credit).
+                if conn.buffers < self._max_buffers and conn.buffers - len(conn.inflight) < self.config.frame_buffers:
+                    conn.buffers += 1
+                    return self._new_frame_buffer(self._conn.schema, self._frame_steps)
+                if conn.inflight:  # every buffer waits for an acknowledgement: ask for one now
+                    self._io.soon(conn.sync, conn.inflight[-1].seq + conn.inflight[-1].sent)
+                self.check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise Backpressure(
+                        f"no credit from the learner for {self.config.put_timeout:.3g}s "
+                        f"({len(conn.queue)} frames waiting); the learner is not consuming fast enough"
+                    )
+                conn.changed.wait(min(left, 0.5))
+            return conn.free.pop()
+
+    def _new_frame_buffer(self, schema: Schema, capacity: int) -> FrameBuffer:
+        return FrameBuffer(schema, capacity, self._conn.frame_memory(capacity * schema.step_bytes))
+
+    def _direct(self) -> bool:
+        """May the caller's thread send itself? Only on a transport that allows any thread (tcp);
+        asked per send, because a reconnect may land on another transport."""
+        return bool(getattr(self._conn.sender, "any_thread", False))
+
+    def _submit_locked(self) -> None:
+        fb, self._current = self._current, None
+        if fb is None:
+            return
+        if fb.n:
+            self._hand_off(fb)
+        else:  # an empty (reused) buffer goes back to the pool, or it would be lost for good
+            self._conn.give_back(fb)
+
+    def _hand_off(self, frame: FrameBuffer | BorrowedFrame) -> None:
+        with self._conn.changed:
+            self._conn.outstanding += 1
+        self._io.soon(self._conn.submit, frame)
+
+    def linger_tick(self) -> None:
+        """On the I/O loop, every ``frame_linger``: send a partial frame that waited long enough."""
+        fb = self._current  # unlocked peek: most ticks find nothing to do
+        if fb is not None and fb.n and time.monotonic() - fb.started >= self.config.frame_linger:
+            with self._lock:
+                if self._current is fb and fb.n:
+                    self._current = None
+                    # Through the loop's ready queue, like every other hand-off: an earlier full
+                    # frame handed off by the caller's thread may still be waiting there, and
+                    # frames must reach the wire in seq order.
+                    self._hand_off(fb)
+        if not self.closed:
+            self._io.loop.call_later(self.config.frame_linger, self.linger_tick)
+
+    def flush(self, timeout: float | None = None) -> None:
+        """Send any partial frame and wait until the learner holds every step put so far.
+
+        Raises:
+            TimeoutError: not acknowledged within ``timeout`` (default ``Config.flush_timeout``).
+        """
+        self.check_open()
+        with self._lock:
+            self._submit_locked()
+            target = self._next_seq
+        limit = self.config.flush_timeout if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        conn = self._conn
+        self._io.soon(conn.sync, target)
+        with conn.changed:
+            while conn.acked < target:
+                self.check_open()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RLinkTimeout(f"flush: learner acknowledged {conn.acked} of {target} steps within {limit:.3g}s")
+                if not conn.changed.wait(min(left, 0.5)):
+                    self._io.soon(conn.sync, target)  # again: the first may have gone to a learner that died
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise Closed("the actor is closed")
+        err = self._conn.error
+        if err is not None:
+            raise type(err)(str(err)) from err
+
+
+def _write_step(fb: FrameBuffer, at: int, values: list[Any]) -> None:
+    for arr, value in zip(fb.typed, values):
+        arr[at] = value
+
+
+def _write_chunk(fb: FrameBuffer, at: int, arrays: list[np.ndarray], src: int, k: int) -> None:
+    for arr, value in zip(fb.typed, arrays):
+        arr[at : at + k] = value[src : src + k]
+

@@ -1,0 +1,65 @@
+"""What ``learner.stats()`` reports: per-actor and total counters, the buffer, the weights
+fan-out, and the staleness of fetched steps."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .._version import __version__
+
+
+class StalenessHistogram:
+    """Fetched steps by staleness (the learner's version at fetch minus the step's version)."""
+
+    def __init__(self) -> None:
+        self.counts: dict[int, int] = {}
+
+    def record(self, counts: dict[int, int]) -> None:
+        """Add a batch's counts (called by the dataset, under its lock)."""
+        for staleness, n in counts.items():
+            self.counts[staleness] = self.counts.get(staleness, 0) + n
+
+    def summary(self, dropped: int) -> dict[str, Any]:
+        hist = dict(sorted(self.counts.items()))
+        n = sum(hist.values())
+        return {
+            "histogram": hist,
+            "mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
+            "max": max(hist) if hist else 0,
+            "dropped": dropped,
+        }
+
+
+def report(server: Any) -> dict[str, Any]:
+    """The learner's stats (on the I/O loop): ``server`` is its ``LearnerServer``."""
+    ring = server.ring
+    actors = [s.describe() for s in server.sessions.values()]
+    total = {k: sum(a[k] + 0 for a in actors + server.ended)
+             for k in ("frames", "steps", "bytes", "torn_frames", "duplicate_steps", "lost_steps")}  # fmt: skip
+    return {
+        "address": f"{server.host}:{server.port}",
+        "version": server.version,
+        "pid": os.getpid(),
+        "library": __version__,
+        "schema": server.schema.describe() if server.schema else None,
+        "actors": actors,
+        "ended_actors": list(server.ended),
+        "connected_actors": len(actors),
+        "lost_actors": sum(1 for a in server.ended if a["state"] == "lost"),
+        "rejected_connections": server.rejected_connections,
+        "auth_failures": server.auth_failures,
+        "ucx_workers_recycled": server.ucx.recycled if server.ucx is not None else 0,
+        "buffer": {
+            "capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
+            "buffered_bytes": ring.buffered_bytes if ring else 0,
+            "peak_buffered_bytes": ring.stats.peak_used * ring.step_bytes if ring else 0,
+            "ready_steps": ring.ready_steps() if ring else 0,
+            "steps_in": ring.stats.steps_in if ring else 0,
+            "steps_out": ring.stats.steps_out if ring else 0,
+            "torn_frames": ring.stats.torn_frames if ring else 0,
+        },
+        "total": total,
+        "weights": server.publisher.snapshot_stats(),
+        "staleness": server.staleness.summary(ring.stats.stale_dropped if ring else 0),
+    }

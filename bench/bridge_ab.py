@@ -21,7 +21,7 @@ import tempfile
 import time
 import uuid
 
-from rlink_ucx.bench.common import SIZES, TOTAL_BYTES, print_medians
+from rlink_ucx.bench.throughput import SIZES, TOTAL_BYTES, print_medians
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADDRESS = ("10.78.0.1", "10.78.0.2")
@@ -29,13 +29,13 @@ ADDRESS = ("10.78.0.1", "10.78.0.2")
 # Receivers write their port to a file (port 0), then print GB/s; senders wait for that file.
 _RAW_RECV = """
 import socket, sys, time
-from rlink_ucx._wire import recv_exact_into
+from rlink_ucx.bench.common import recv_exact
 size, count, port_file = {size}, {count}, {port_file!r}
 srv = socket.create_server(("{host}", 0)); open(port_file, "w").write(str(srv.getsockname()[1]))
 conn, _ = srv.accept(); view = memoryview(bytearray(size)); warm = max(1, count // 20)
 for i in range(count):
     if i == warm: t0 = time.perf_counter()
-    recv_exact_into(conn, view)
+    recv_exact(conn, view)
 print((count - warm) * size / (time.perf_counter() - t0) / 1e9)
 """
 _RAW_SEND = """

@@ -1,4 +1,4 @@
-"""Parameter fan-out: learner.publish vs a plain broadcast; see rlink_ucx/_bench_fanout.py."""
+"""Parameter fan-out: learner.publish vs a plain broadcast; see rlink_ucx/bench/fanout.py."""
 
 import sys
 

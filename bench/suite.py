@@ -1,4 +1,4 @@
-"""rlink against its limits and peers on the same workloads; see rlink_ucx/_bench_suite.py (also `rlink bench`)."""
+"""rlink against its limits and peers on the same workloads; see rlink_ucx/bench/suite.py (also `rlink bench`)."""
 
 import sys
 

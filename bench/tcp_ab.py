@@ -16,10 +16,13 @@ import os
 import subprocess
 import sys
 
-from rlink_ucx.bench.common import SIZES, TOTAL_BYTES, print_medians, raw_socket
+from rlink_ucx.bench.throughput import SIZES, TOTAL_BYTES, print_medians, raw_socket
 from rlink_ucx.transport.sockopts import LOOPBACK_CONGESTION
 
-_RUN_ONE = "import sys; from rlink_ucx._bench import rlink; print(rlink('tcp', 'bytes', {size}, {count}, {size}) / 1e9)"
+_RUN_ONE = (
+    "import sys; from rlink_ucx.bench.throughput import rlink; "
+    "print(rlink('tcp', 'bytes', {size}, {count}, {size}) / 1e9)"
+)
 
 
 def rlink_tcp(size: int, count: int, settings: str) -> float:

@@ -1,8 +1,8 @@
-"""Actor -> learner throughput vs a raw socket; see rlink_ucx/_bench.py (also `rlink bench`)."""
+"""Actor -> learner throughput vs a raw socket; see rlink_ucx/bench/throughput.py."""
 
 import sys
 
-from rlink_ucx.bench.common import main
+from rlink_ucx.bench.throughput import main
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,7 +10,7 @@ baseline and of the rlink planes alternate; each row is the median of its repeti
 - ``cartpole-put`` / ``cartpole-put_many``: CartPole-sized steps (obs float32[4], action int64,
   reward float32, done bool), one ``put`` per step, or ``put_many`` chunks of 64 steps.
 
-Usage: rlink bench  (or python bench/throughput.py) [--sizes 1K,64K,1M,16M] [--reps 3] [--json out.json]
+Usage: python bench/throughput.py [--sizes 1K,64K,1M,16M] [--reps 3] [--json out.json]
        [--device cuda:0]  (CUDA steps from the actor, batches on the GPU; the raw socket stays on the host)
 """
 
@@ -27,11 +27,10 @@ import time
 
 import numpy as np
 
-from ..wire.messages import recv_exact_into
+from .common import BATCH_BYTES, installed, recv_exact
 
 SIZES = {"1K": 1 << 10, "64K": 64 << 10, "1M": 1 << 20, "16M": 16 << 20}
 TOTAL_BYTES = {1 << 10: 48 << 20, 64 << 10: 768 << 20, 1 << 20: 1536 << 20, 16 << 20: 2048 << 20}
-BATCH_BYTES = 4 << 20
 
 
 # --- raw socket baseline ---------------------------------------------------------------------
@@ -60,7 +59,7 @@ def raw_socket(size: int, count: int, congestion: str | None = None) -> float:
     view = memoryview(buf)
 
     def recv_message() -> None:
-        recv_exact_into(conn, view)
+        recv_exact(conn, view)
 
     warm = max(1, count // 20)
     for _ in range(warm):
@@ -160,9 +159,9 @@ def main(argv: list[str] | None = None) -> int:
                         help='where the bytes rows\' steps and batches live: "cpu", or "cuda:0" (CUDA steps, batches on the GPU)')
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    from rlink_ucx.transport import shm, ucx_available
+    from ..transport import shm
 
-    transports = [t for t in args.transports.split(",") if (t != "ucx" or ucx_available()) and (t != "shm" or shm.available())]
+    transports = [t for t in args.transports.split(",") if (t != "ucx" or installed("ucxx")) and (t != "shm" or shm.available())]
     rows = []
     print(f"{'workload':<22}{'system':<16}{'median':>12}{'min':>10}{'max':>10}{'vs raw':>9}")
     for label in args.sizes.split(","):

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from rlink_ucx.bench import suite
+from rlink_ucx.bench import report, suite, systems
 
 KEYS = {"system", "transport", "workload", "size_bytes", "actors", "gbps", "per_s", "p50_us", "p99_us", "reps"}
 
@@ -15,9 +15,9 @@ KEYS = {"system", "transport", "workload", "size_bytes", "actors", "gbps", "per_
 @pytest.mark.timeout(120)
 def test_tiny_suite_writes_records_and_skips_missing_peers(tmp_path, monkeypatch, capsys):
     # A peer whose package cannot be imported must become a "skipped" row, never vanish.
-    ghost = suite.System("ghost", "ghost-peer", "tcp", "peers", ("rlink_no_such_module_xyz",),
-                         lambda w, t, a: pytest.fail("a missing peer must not run"))  # fmt: skip
-    monkeypatch.setitem(suite.SYSTEMS, "ghost", ghost)
+    ghost = systems.System("ghost", "ghost-peer", "tcp", "peers", ("rlink_no_such_module_xyz",),
+                           lambda w, t, a: pytest.fail("a missing peer must not run"))  # fmt: skip
+    monkeypatch.setitem(systems.SYSTEMS, "ghost", ghost)
     out = tmp_path / "suite.json"
     png = tmp_path / "suite.png"
     plot = importlib.util.find_spec("matplotlib") is not None
@@ -57,7 +57,7 @@ def test_targets_ratios_from_records():
     records = [row("raw-socket", "1KiB", 100.0), row("rlink", "1KiB", 40.0), row("rlink", "1KiB", 60.0, "ucx"),
                row("rlink", "atari", 1000.0), row("ray", "atari", 50.0), row("pyzmq-copy", "atari", 800.0),
                row("rlink", "atari", 900.0, actors=4)]  # fmt: skip
-    got = {t["target"]: t for t in suite.targets(records)}
+    got = {t["target"]: t for t in report.targets(records)}
     assert got["rlink best plane >= 0.5x raw socket, 1KiB"]["ratio"] == pytest.approx(0.6)  # the best plane
     assert got["rlink best plane >= 0.5x raw socket, 1KiB"]["met"] is True
     assert got["rlink >= 10x Ray, atari steps"]["ratio"] == pytest.approx(20.0)

@@ -1,0 +1,117 @@
+"""The physical limits every system is measured against: ``memcpy`` and ``raw-socket``.
+
+- ``memcpy``: numpy ``copyto`` of each chunk into preallocated arrays, one core, in this process;
+- ``raw-socket``: ``sendmsg`` of the chunk's buffers / ``recv_into`` a preallocated buffer,
+  between two processes over loopback TCP.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from .common import recv_exact
+from .harness import Receiver, Sender, run_session
+from .measure import Recorder, Timing, per_gb
+from .workloads import Workload, flat_bytes
+
+
+def run_memcpy(workload: Workload, timing: Timing) -> dict[str, Any]:
+    """Single-core copy of each chunk into preallocated arrays (numpy ``copyto``), in this process."""
+    src = workload.chunk_arrays()
+    dst = {k: np.empty_like(v) for k, v in src.items()}
+    for k in src:  # touch the destination once
+        np.copyto(dst[k], src[k])
+    pairs = [(dst[k], src[k]) for k in src]
+    rec = Recorder()
+    copyto, monotonic_ns = np.copyto, time.monotonic_ns
+    chunk = workload.chunk
+    cpu0 = time.process_time()
+    end = monotonic_ns() + int(timing.measured * 1e9) + 1
+    while True:
+        t0 = monotonic_ns()
+        for d, s in pairs:
+            copyto(d, s)
+        now = monotonic_ns()
+        rec.add(now, chunk, now - t0)
+        if now > end:
+            break
+    cpu = time.process_time() - cpu0
+    out = rec.result(timing, workload.size_bytes)
+    out["cpu_s_per_gb_recv"] = per_gb(cpu, rec.steps * workload.size_bytes)
+    return out
+
+
+def _views(t_ns: np.ndarray, arrays: dict[str, np.ndarray]) -> list[memoryview]:
+    return [memoryview(flat_bytes(t_ns))] + [memoryview(flat_bytes(a)) for a in arrays.values()]
+
+
+class RawSocketSender(Sender):
+    def __init__(self, info: Any, workload: Workload, index: int, timeout: float):
+        super().__init__(info, workload, index, timeout)
+        self.sock = socket.create_connection(("127.0.0.1", info), timeout=timeout)
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.views: list[memoryview] | None = None
+        self.key: Any = None
+        self.total = workload.chunk * workload.wire_step_bytes
+
+    def send(self, t_ns: np.ndarray, arrays: dict[str, np.ndarray]) -> None:
+        if self.key is not t_ns:  # the views are made once (t_ns is filled in place)
+            self.key, self.views = t_ns, _views(t_ns, arrays)
+        views = self.views
+        assert views is not None
+        sent = self.sock.sendmsg(views)
+        if sent < self.total:  # a partial sendmsg: send the rest buffer by buffer
+            for v in views:
+                if sent >= len(v):
+                    sent -= len(v)
+                    continue
+                self.sock.sendall(v[sent:])
+                sent = 0
+
+    def close(self) -> None:
+        try:
+            self.sock.recv(1)  # the receiver says when it is done
+        finally:
+            self.sock.close()
+
+
+class RawSocketReceiver(Receiver):
+    def __init__(self, workload: Workload):
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.size = workload.chunk * workload.wire_step_bytes
+        self.buf = bytearray(self.size)
+        self.view = memoryview(self.buf)
+        self.t_ns = np.frombuffer(self.buf, np.int64, count=1)
+        self.chunk = workload.chunk
+        self.conn: socket.socket | None = None
+
+    def info(self) -> Any:
+        return self.server.getsockname()[1]
+
+    def accept(self, actors: int, timeout: float) -> None:
+        self.server.settimeout(timeout)
+        self.conn, _ = self.server.accept()
+        self.conn.settimeout(timeout)
+
+    def recv(self, rec: Recorder) -> int:
+        conn, view, size = self.conn, self.view, self.size
+        assert conn is not None
+        recv_exact(conn, view[:size])
+        return rec.stamp(time.monotonic_ns(), self.chunk, int(self.t_ns[0]))
+
+    def close(self) -> None:
+        if self.conn is not None:
+            try:
+                self.conn.send(b"x")
+            except OSError:
+                pass
+            self.conn.close()
+        self.server.close()
+
+
+def run_raw_socket(workload: Workload, timing: Timing) -> dict[str, Any]:
+    return run_session(RawSocketReceiver(workload), f"{__name__}:RawSocketSender", workload, timing)

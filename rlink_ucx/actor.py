@@ -12,7 +12,7 @@ from .config import Config, resolve, resolve_token
 from .session.actor_link import ActorConnection
 from .session.actor_writer import StepWriter
 from .transport import check_transport
-from .transport.address import parse_address
+from .transport.address import parse_endpoint
 from .transport.loop import IOThread
 from .weights.subscriber import Subscriber
 from .wire.codec import Schema
@@ -26,13 +26,22 @@ class Actor:
     """Streams steps to a :class:`Learner`.
 
     Args:
-        address: the learner's ``host:port``.
+        address: the learner's ``host:port`` (``[::1]:8443`` for IPv6; a ``tcp://``, ``ucx://``,
+            ``shm://`` or ``rlink://`` prefix names the transport).
         token: shared secret (default ``RLINK_TOKEN`` / ``RLINK_TOKEN_FILE``).
-        transport: ``"auto"``, ``"tcp"`` or ``"ucx"``; the learner reports the choice.
+        transport: ``"auto"`` (the learner picks: ``shm`` on its own host, ``ucx`` where UCX has
+            RDMA or CUDA transports, ``tcp`` otherwise), or ``"tcp"``, ``"ucx"``, ``"shm"``;
+            :attr:`transport` and :attr:`transport_reason` report the choice.
         actor_id: a stable integer id (the learner assigns one when None).
         config: timeouts and caps.
         schema: optional declaration ``{"obs": ("float32", (4,)), ...}``; otherwise inferred
             from the first ``put``.
+        subscribe: start receiving published weights now (else at the first
+            ``get_remote_model``).
+
+    The actor may start before its learner: it retries with backoff until
+    ``Config.connect_timeout`` (120 s). When the learner finishes, the next call raises
+    :class:`Closed`.
 
     ``put`` copies the step into a frame buffer and returns; frames go out in the background
     when full (``Config.frame_bytes``) or ``Config.frame_linger`` seconds after their first
@@ -45,15 +54,16 @@ class Actor:
             actor.flush()
 
     Raises:
-        ConnectError / AuthError: the learner is unreachable or refused the token.
+        ConnectError: the learner could not be reached within ``Config.connect_timeout``.
+        AuthError: the learner refused the token (or could not prove it knows it).
     """
 
     def __init__(self, address: str, *, token: str | bytes | None = None, transport: str = "auto",
                  actor_id: int | None = None, config: Config | None = None,
                  schema: dict[str, Any] | Schema | None = None, subscribe: bool = False):  # fmt: skip
         self.config = resolve(config)
-        host, port = parse_address(address)
         check_transport(transport)
+        host, port, transport = parse_endpoint(address, transport)
         self._lock = threading.Lock()  # guards the subscriber's creation
         self._subscriber: Subscriber | None = None
         self._io = IOThread(name="rlink-actor-io")
@@ -68,23 +78,44 @@ class Actor:
         # The hot path: put and put_many reach the writer without a call through this class.
         self.put = self._writer.put  # type: ignore[method-assign]
         self.put_many = self._writer.put_many  # type: ignore[method-assign]
-        budget = self.config.connect_timeout + self.config.handshake_timeout + 1
+        budget = self.config.connect_timeout + 2 * self.config.handshake_timeout + 1
         try:
-            self._io.call(self._conn.connect(), budget, "connect")
+            self._io.call(self._conn.open_session(), budget, "connect")
             if schema is not None:
                 self._writer.negotiate(Schema.from_spec(schema) if isinstance(schema, dict) else schema)
         except BaseException:
             self._shutdown()
             raise
         assert self._conn.welcome is not None
-        self.actor_id: int = self._conn.welcome.actor_id
-        self.transport: str = self._conn.welcome.transport
-        self.transport_reason: str = self._conn.welcome.reason
         self._writer.policy_version = self._conn.welcome.version
         self._io.soon(self._writer.linger_tick)
         if subscribe:
             self._subscribe()
         log.info("actor %s connected to %s via %s (%s)", self.actor_id, address, self.transport, self.transport_reason)
+
+    @property
+    def actor_id(self) -> int:
+        """This actor's id: the one given, or the one the learner assigned."""
+        welcome = self._conn.welcome
+        if welcome is None:
+            raise AttributeError("actor_id: the actor never connected")
+        return welcome.actor_id
+
+    @property
+    def transport(self) -> str:
+        """The data plane the learner chose for this actor: ``"shm"``, ``"tcp"`` or ``"ucx"``."""
+        welcome = self._conn.welcome
+        if welcome is None:
+            raise AttributeError("transport: the actor never connected")
+        return welcome.transport
+
+    @property
+    def transport_reason(self) -> str:
+        """Why that data plane, e.g. ``"auto: same host, shared-memory ring"``."""
+        welcome = self._conn.welcome
+        if welcome is None:
+            raise AttributeError("transport_reason: the actor never connected")
+        return welcome.reason
 
     @property
     def schema(self) -> Schema | None:
@@ -103,16 +134,24 @@ class Actor:
     # --- putting steps --------------------------------------------------------------------------
     def put(self, step: Mapping[str, Any], *, version: int | None = None) -> None:
         """Append one step (field name -> array or scalar) to the outgoing stream.
-        
+
+        Values are cast to the negotiated dtype when numpy's ``same_kind`` casting allows it
+        (a Python float or list, float64 -> float32, int64 -> int32 while every value fits,
+        int -> float); a change of kind (float -> int, to or from bool) or of shape raises
+        ``SchemaMismatch``. The same rule holds for ``put_many``.
+
         Raises:
-            SchemaMismatch: a field is missing, extra, or has another dtype/shape than negotiated.
+            SchemaMismatch: a field is missing or extra, or its value cannot take the negotiated
+                dtype and shape (the message names the field, the expected and the given).
             Backpressure: no credit from the learner within ``Config.put_timeout``.
-            PeerLost / Closed: the connection broke / the actor was closed.
+            PeerLost: the learner was lost for longer than ``Config.reconnect_timeout``.
+            Closed: the actor was closed, or the learner finished.
         """
         self._writer.put(step, version=version)
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
-        """Append a chunk of steps: every field has a leading time/batch dimension of equal size."""
+        """Append a chunk of steps: every field has a leading time/batch dimension of equal
+        size (a vectorized env's step, or an unroll). Values convert as in :meth:`put`."""
         self._writer.put_many(steps, version=version)
 
     def flush(self, timeout: float | None = None) -> None:

@@ -45,6 +45,12 @@ class Batch(Mapping[str, Any]):
     def device(self) -> Any:
         return self.version.device
 
+    def head(self, n: int) -> Batch:
+        """The first ``n`` samples (views, no copy)."""
+        fields = {k: v[:n] for k, v in self._fields.items()}
+        return Batch(fields, version=self.version[:n], actor_id=self.actor_id[:n], seq=self.seq[:n],
+                     staleness=self.staleness[:n])  # fmt: skip
+
     def to_tensordict(self) -> Any:
         """The batch as a ``tensordict.TensorDict`` (metadata under ``"_rlink"``)."""
         try:

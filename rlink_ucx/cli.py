@@ -11,7 +11,7 @@ import time
 from typing import Any
 
 from ._version import __version__
-from .transport import TRANSPORTS
+from .transport import TRANSPORT_HELP, TRANSPORTS
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -149,22 +149,22 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="rlink", description="rlink_ucx: actors -> learner over UCX or TCP")
     parser.add_argument("--version", action="version", version=__version__)
-    parser.add_argument("-v", "--verbose", action="store_true")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (connections, data planes)")
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in ("info", "doctor"):
-        p = sub.add_parser(name, help="library, UCX and CUDA versions; which data plane auto picks")
-        p.add_argument("--json", action="store_true")
+    p = sub.add_parser("info", aliases=["doctor"], help="library, UCX and CUDA versions; which data plane auto picks")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = sub.add_parser("smoke", help="stream steps from actor processes to a learner and verify them")
-    p.add_argument("--actors", type=int, default=2)
+    p.add_argument("--actors", type=int, default=2, help="actor processes")
     p.add_argument("--steps", type=int, default=50_000, help="steps per actor")
-    p.add_argument("--transport", default="auto", choices=list(TRANSPORTS))
+    p.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help=TRANSPORT_HELP)
     p = sub.add_parser("learner", help="run a standalone learner that drains and logs")
-    p.add_argument("--address", default="127.0.0.1:8443")
-    p.add_argument("--token", default=None)
-    p.add_argument("--transport", default="auto", choices=list(TRANSPORTS))
-    p.add_argument("--batch-size", type=int, default=256)
+    p.add_argument("--address", default="127.0.0.1:8443",
+                   help="host:port to listen on (port 0: any free port; a non-loopback host needs a token)")
+    p.add_argument("--token", default=None, help="shared secret; prefer RLINK_TOKEN or RLINK_TOKEN_FILE (argv shows in ps)")
+    p.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help=TRANSPORT_HELP)
+    p.add_argument("--batch-size", type=int, default=256, help="steps per batch the learner drains")
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = run until Ctrl-C)")
-    p.add_argument("--log-every", type=float, default=5.0)
+    p.add_argument("--log-every", type=float, default=5.0, help="seconds between stats lines")
     sub.add_parser("bench", help="rlink vs the physical limits and its peers (see `rlink bench --help`)", add_help=False)
     sub.add_parser("demo", help="train PPO on CartPole with actor processes (see `rlink demo --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)

@@ -34,7 +34,7 @@ class Config:
     """
 
     # --- timeouts -------------------------------------------------------------------------
-    connect_timeout: float = 10.0
+    connect_timeout: float = 120.0  # an actor waits this long for its learner (it may start first)
     handshake_timeout: float = 5.0
     put_timeout: float = 30.0
     flush_timeout: float = 30.0

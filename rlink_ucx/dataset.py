@@ -31,6 +31,14 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         timeout: default seconds ``fetch`` waits (``Config.fetch_timeout`` if None).
         max_staleness: drop (and count, see ``learner.stats()["staleness"]``) steps whose
             behaviour version is more than this many versions behind ``learner.version``.
+        stop_when_actors_done: end the stream once every actor that connected has closed
+            (an actor that crashed may still reconnect: it is waited for up to
+            ``Config.reconnect_timeout``; one that has not connected yet does not count). Iteration then stops; ``fetch`` returns the last,
+            shorter batch, then raises :class:`Closed`. Off by default: actors may come later.
+        drop_last: with ``stop_when_actors_done``, drop a last batch shorter than
+            ``batch_size`` instead of returning it (as ``DataLoader(drop_last=True)``).
+
+    Iteration also stops when the learner is closed.
 
     Use it directly (``dataset.fetch()``, ``for batch in dataset``) or through
     ``DataLoader(dataset, batch_size=None, num_workers=0)``: batching is already done and the
@@ -47,7 +55,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
     def __init__(self, learner: Learner | None = None, *, batch_size: int = 256, device: str | torch.device = "cpu",
                  gpu_id: int | None = None, timeout: float | None = None, address: str | None = None,
                  token: str | bytes | None = None, transport: str = "auto", config: Config | None = None,
-                 max_staleness: int | None = None):  # fmt: skip
+                 max_staleness: int | None = None, stop_when_actors_done: bool = False,
+                 drop_last: bool = False):  # fmt: skip
         if batch_size <= 0:
             raise ConfigError("batch_size must be positive")
         if gpu_id is not None:
@@ -64,6 +73,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         if max_staleness is not None and max_staleness < 0:
             raise ConfigError("max_staleness must be >= 0")
         self.max_staleness = max_staleness
+        self.stop_when_actors_done = stop_when_actors_done
+        self.drop_last = drop_last
         if self.device.type == "cuda":
             learner._request_pinned()
         learner._hint_batch_size(batch_size)
@@ -76,7 +87,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
 
         Raises:
             TimeoutError: fewer than ``batch_size`` steps arrived within ``timeout``.
-            Closed: the learner was closed.
+            Closed: the learner was closed, or (``stop_when_actors_done``) the stream ended.
         """
         if timeout is None:
             timeout = self.timeout if self.timeout is not None else self.learner.config.fetch_timeout
@@ -98,7 +109,9 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             version = self.learner.version
             min_version = 0 if self.max_staleness is None else version - self.max_staleness
             ring = assembler.ring
-            pieces, take_id = ring.take(self.batch_size, max(0.0, deadline - time.monotonic()), min_version)
+            finished = self.learner._actors_done if self.stop_when_actors_done else None
+            pieces, take_id = ring.take(self.batch_size, max(0.0, deadline - time.monotonic()), min_version,
+                                        finished=finished, partial=not self.drop_last)  # fmt: skip
             batch = assembler.assemble(pieces, take_id, version)
             counts: dict[int, int] = {}
             for p in pieces:

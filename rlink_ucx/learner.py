@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import time
+import weakref
 from typing import Any
 
 from .config import Config, resolve, resolve_token
 from .errors import Closed, ConfigError
 from .session.learner_server import LearnerServer
 from .transport import check_transport
-from .transport.address import format_address, is_loopback, parse_address
+from .transport.address import format_address, is_loopback, parse_endpoint
 from .transport.loop import IOThread
 from .wire.codec import Schema
 
@@ -23,14 +24,19 @@ class Learner:
     """Accepts actor connections and buffers their steps for :class:`RLinkDataset`.
 
     Args:
-        address: ``host:port`` to listen on. Port 0 picks a free port; read the real one from
-            :attr:`address`. Binding a non-loopback host requires a token.
+        address: ``host:port`` to listen on (``[::1]:8443`` for IPv6; a ``tcp://``, ``ucx://``,
+            ``shm://`` or ``rlink://`` prefix names the transport). Port 0 picks a free port;
+            read the real one from :attr:`address`. Binding a non-loopback host requires a token.
         token: shared secret for the mutual HMAC handshake (default: ``RLINK_TOKEN`` or the
             0600 file named by ``RLINK_TOKEN_FILE``).
-        transport: ``"auto"`` (per actor), ``"tcp"`` or ``"ucx"``.
+        transport: ``"auto"`` (per actor: ``shm`` on this host, ``ucx`` where UCX has RDMA or
+            CUDA transports, ``tcp`` otherwise), or ``"tcp"``, ``"ucx"``, ``"shm"`` for all.
         config: timeouts and caps; defaults from ``RLINK_*`` environment variables.
         schema: optional declaration ``{"obs": ("float32", (4,)), ...}``; otherwise the first
             actor's schema is accepted.
+
+    Closing the learner (``close()``, the end of a ``with`` block, or the end of the process)
+    tells every actor, whose next call then raises :class:`Closed`.
 
     Example::
 
@@ -45,14 +51,14 @@ class Learner:
                  transport: str = "auto", config: Config | None = None,
                  schema: dict[str, Any] | Schema | None = None):  # fmt: skip
         self.config = resolve(config)
-        host, port = parse_address(address)
+        check_transport(transport)
+        host, port, transport = parse_endpoint(address, transport)  # the address first: a typo is a typo
         self._token = resolve_token(token)
         if self._token is None and not is_loopback(host):
             raise ConfigError(
                 f"refusing to listen on non-loopback address {host!r} without a token: pass token=... "
                 "or set RLINK_TOKEN (the data would otherwise be open to the network)"
             )
-        check_transport(transport)
         declared = Schema.from_spec(schema) if isinstance(schema, dict) else schema
         self._closed = False
         self._io = IOThread(name="rlink-learner-io")
@@ -66,11 +72,19 @@ class Learner:
         except BaseException:
             self._io.stop(self.config.close_timeout)
             raise
-        self.address = format_address(host, self._server.port)
+        self._address = format_address(host, self._server.port)
+        # Closes at interpreter exit (so actors hear the learner finished) or when collected.
+        self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config)
         log.info("learner listening on %s (transport=%s, auth=%s)", self.address, transport, self._token is not None)
 
     @property
+    def address(self) -> str:
+        """The ``host:port`` the learner listens on, with the real port when 0 was asked for."""
+        return self._address
+
+    @property
     def port(self) -> int:
+        """The port the learner listens on."""
         return self._server.port
 
     @property
@@ -122,6 +136,9 @@ class Learner:
                 return None
         return self._server.ring
 
+    def _actors_done(self) -> bool:
+        return self._server.actors_done()
+
     def _record_staleness(self, counts: dict[int, int]) -> None:
         self._server.staleness.record(counts)
 
@@ -135,19 +152,10 @@ class Learner:
             self._server.batch_steps = batch_size
 
     def close(self) -> None:
-        """Disconnect every actor and stop the I/O thread. Idempotent."""
-        if self._closed:
-            return
+        """Tell every actor the learner is finishing (their next call raises ``Closed``),
+        disconnect them and stop the I/O thread. Idempotent."""
         self._closed = True
-        self._server.publisher.close()
-        try:
-            self._io.call(self._server.stop(), self.config.close_timeout, "learner close")
-        except Exception:  # noqa: BLE001 - close must release resources even if the graceful path fails
-            log.debug("graceful learner shutdown failed", exc_info=True)
-        finally:
-            if self._server.ring is not None:
-                self._server.ring.close()
-            self._io.stop(self.config.close_timeout)
+        self._finalizer()
 
     def __enter__(self) -> Learner:
         return self
@@ -157,3 +165,16 @@ class Learner:
 
     def __repr__(self) -> str:
         return f"Learner(address={self.address!r}, version={self.version}, closed={self._closed})"
+
+
+def _shutdown(server: LearnerServer, io: IOThread, config: Config) -> None:
+    """Close a learner's server and I/O thread (once: from close(), at exit, or when collected)."""
+    server.publisher.close()
+    try:
+        io.call(server.stop(), config.close_timeout, "learner close")
+    except Exception:  # noqa: BLE001 - close must release resources even if the graceful path fails
+        log.debug("graceful learner shutdown failed", exc_info=True)
+    finally:
+        if server.ring is not None:
+            server.ring.close()
+        io.stop(config.close_timeout)

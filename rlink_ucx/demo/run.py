@@ -21,21 +21,22 @@ import numpy as np
 
 from .. import Config, Learner, RLinkDataset
 from .. import TimeoutError as RLinkTimeout
-from ..transport import TRANSPORTS
+from ..transport import TRANSPORT_HELP, TRANSPORTS
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="rlink demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--actors", type=int, default=None, help="actor processes (default 4; 2 with --quick)")
-    p.add_argument("--transport", choices=list(TRANSPORTS), default="auto")
+    p.add_argument("--transport", choices=list(TRANSPORTS), default="auto", help=TRANSPORT_HELP)
     p.add_argument("--env", default="CartPole-v1", help="Gymnasium env id (discrete or 1-d box actions)")
-    p.add_argument("--target-return", type=float, default=475.0)
-    p.add_argument("--max-seconds", type=float, default=300.0)
+    p.add_argument("--target-return", type=float, default=475.0,
+                   help="stop once the mean return over the last 100 episodes reaches this")
+    p.add_argument("--max-seconds", type=float, default=300.0, help="give up (exit code 2) after this long")
     p.add_argument("--device", default="cpu", help="the learner's device, e.g. cuda:0")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seeds the envs and the policy")
     p.add_argument("--out", default="./rlink-demo", help="where summary.json and learning_curve.png go")
-    p.add_argument("--envs-per-actor", type=int, default=4)
+    p.add_argument("--envs-per-actor", type=int, default=4, help="environments each actor steps together")
     p.add_argument("--unroll", type=int, default=32, help="steps per trajectory")
     p.add_argument("--batch", type=int, default=16, help="trajectories per update")
     p.add_argument("--quick", action="store_true", help="a short run (45 s at most, target 150), for tests")

@@ -34,7 +34,7 @@ class Handshake:
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setblocking(False)
         try:
-            async with asyncio.timeout(self.config.connect_timeout):
+            async with asyncio.timeout(self.config.handshake_timeout):  # one attempt; connect_timeout bounds all
                 await self.loop.sock_connect(sock, (self.host, self.port))
         except (OSError, TimeoutError) as exc:
             sock.close()
@@ -48,10 +48,10 @@ class Handshake:
         return conn, challenge
 
     async def connect(self, timeout: float | None = None) -> None:
-        """Open the control channel, authenticate, attach the data plane; ``timeout`` bounds it
-        all (default: ``connect_timeout + handshake_timeout``)."""
+        """One attempt: open the control channel, authenticate, attach the data plane, all
+        within ``timeout`` (default: ``handshake_timeout``)."""
         if timeout is None:
-            timeout = self.config.connect_timeout + self.config.handshake_timeout
+            timeout = self.config.handshake_timeout
         try:
             async with asyncio.timeout(timeout):
                 await self._connect()
@@ -100,7 +100,9 @@ class Handshake:
     async def _expect(self, conn: ControlConnection, kind: type) -> Any:
         msg = await conn.recv(self.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
-            kind = {"auth": AuthError, "superseded": Superseded}.get(msg.kind, ConnectError)
+            # "timeout" (the learner was too busy to finish our handshake) and unknown kinds
+            # may be retried; the others are rejections.
+            kind = {"auth": AuthError, "superseded": Superseded, "protocol": ProtocolError}.get(msg.kind, ConnectError)
             raise kind(f"learner refused: {msg.text}")
         if not isinstance(msg, kind):
             raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")

@@ -7,7 +7,7 @@ import asyncio
 import logging
 import time
 
-from ..errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch
+from ..errors import AuthError, Closed, PeerLost, ProtocolError, RLinkError, SchemaMismatch
 from ..transport import shm
 from ..transport.loop import ticks
 from ..wire import messages as _wire
@@ -57,8 +57,8 @@ class ControlReader:
                 elif isinstance(msg, _wire.Error):
                     kind = AuthError if msg.kind == "auth" else ProtocolError
                     raise kind(f"learner reported: {msg.text}")
-                elif isinstance(msg, _wire.Bye):
-                    raise PeerLost(f"learner closed the session: {msg.reason}")
+                elif isinstance(msg, _wire.Bye):  # the learner is finishing: final, no reconnect
+                    raise Closed(f"the learner closed the session ({msg.reason})")
                 else:
                     raise ProtocolError(f"unexpected {type(msg).__name__} from the learner")
         except asyncio.CancelledError:
@@ -104,7 +104,7 @@ class ControlReader:
                     fut.set_exception(exc)
                     fut.exception()  # retrieved here: the attempt sees it through await
             return
-        if self.connected and self.config.reconnect_timeout > 0 and not isinstance(exc, (AuthError, SchemaMismatch)):
+        if self.connected and self.config.reconnect_timeout > 0 and not isinstance(exc, (AuthError, SchemaMismatch, Closed)):
             self.connected = False
             self.reconnecting = True
             log.warning("actor %s: %s; reconnecting", self.actor_id, exc)
@@ -115,7 +115,7 @@ class ControlReader:
     def _fail_for_good(self, exc: RLinkError) -> None:
         self.connected = False
         self.error = exc
-        log.warning("actor %s: %s", self.actor_id, exc)
+        (log.info if isinstance(exc, Closed) else log.warning)("actor %s: %s", self.actor_id, exc)
         for frame in self.queue:
             if isinstance(frame, BorrowedFrame) and frame.done is not None:
                 frame.done.set()  # the caller raises self.error

@@ -38,7 +38,7 @@ class Field:
 
 
 def check_value(f: Field, step: Mapping[str, Any]) -> Any:
-    """The value of field ``f`` in ``step``, as it goes into a frame; SchemaMismatch if it cannot."""
+    """The value of field ``f`` in ``step``, as it goes into a frame (see :func:`conform`)."""
     try:
         v = step[f.name]
     except KeyError:
@@ -47,14 +47,40 @@ def check_value(f: Field, step: Mapping[str, Any]) -> Any:
     if kind is np.ndarray:
         if v.dtype == f.dtype and v.shape == f.shape and f.spec.dtype != "bfloat16":
             return v
-    elif kind in _SCALAR_KINDS and not f.shape:
-        if f.dtype.kind in _SCALAR_KINDS[kind] and f.spec.dtype != "bfloat16":
+    elif kind in _SCALAR_KINDS and not f.shape and f.spec.dtype != "bfloat16":
+        if f.dtype.kind in _SCALAR_KINDS[kind]:
+            if kind is int and not _int_fits(v, f.dtype):
+                raise f.mismatch(v, f"the Python int {v}, outside {f.spec.dtype}'s range")
             return v
-        raise f.mismatch(v, f"a Python {kind.__name__}")
     arr, dtype = as_host_array(v)
-    if dtype != f.spec.dtype or arr.shape != f.shape:
-        raise f.mismatch(v, f"{dtype}{list(arr.shape)}")
-    return arr
+    given = f"a Python {kind.__name__}" if kind in _SCALAR_KINDS else f"{dtype}{list(arr.shape)}"
+    if arr.shape != f.shape:
+        raise f.mismatch(v, given)
+    return conform(f, arr, dtype, given)
+
+
+def conform(f: Field, arr: np.ndarray, dtype: str, given: str) -> np.ndarray:
+    """``arr`` in the field's negotiated dtype, by the one conversion rule of ``put`` and
+    ``put_many``: a value is cast when numpy's ``same_kind`` casting allows it (float64 ->
+    float32, int64 -> int32 while every value fits, int -> float); a change of kind (float ->
+    int, anything to or from bool) raises :class:`SchemaMismatch` naming the field, the expected
+    and the given dtype."""
+    if dtype == f.spec.dtype:
+        return arr
+    if ("bfloat16" in (dtype, f.spec.dtype) or (arr.dtype.kind == "b") != (f.dtype.kind == "b")
+            or not np.can_cast(arr.dtype, f.dtype, "same_kind")):  # fmt: skip
+        raise f.mismatch(arr, given)
+    if f.dtype.kind in "iu" and arr.dtype.kind in "iu" and arr.size and not np.can_cast(arr.dtype, f.dtype):
+        info = np.iinfo(f.dtype)
+        low, high = int(arr.min()), int(arr.max())
+        if low < info.min or high > info.max:
+            raise f.mismatch(arr, f"{given} with values in [{low}, {high}], outside {f.spec.dtype}")
+    return arr.astype(f.dtype)
+
+
+def _int_fits(value: int, dtype: np.dtype) -> bool:
+    info = np.iinfo(dtype) if dtype.kind in "iu" else None
+    return info is None or info.min <= value <= info.max
 
 
 def raise_extra(step: Mapping[str, Any], fields: list[Field]) -> None:
@@ -65,16 +91,18 @@ def raise_extra(step: Mapping[str, Any], fields: list[Field]) -> None:
 
 
 def check_chunk(fields: list[Field], steps: Mapping[str, Any]) -> tuple[list[np.ndarray], int]:
-    """The arrays of a ``put_many`` chunk, one per field, and its number of steps."""
+    """The arrays of a ``put_many`` chunk, one per field (see :func:`conform`), and its number
+    of steps."""
     arrays = []
     count = -1
     for f in fields:
         if f.name not in steps:
             raise SchemaMismatch(f"field {f.name!r} ({f.spec.describe()}) is missing from the chunk")
         arr, dtype = as_host_array(steps[f.name])
-        if dtype != f.spec.dtype or arr.shape[1:] != f.shape or arr.ndim != len(f.shape) + 1:
-            got = f"{dtype}{list(arr.shape[1:])} per step (chunk shape {list(arr.shape)})"
-            raise f.mismatch(arr, got if arr.ndim else f"{dtype}[] (a chunk needs a leading time axis)")
+        given = f"{dtype}{list(arr.shape[1:])} per step (chunk shape {list(arr.shape)})"
+        if arr.shape[1:] != f.shape or arr.ndim != len(f.shape) + 1:
+            raise f.mismatch(arr, given if arr.ndim else f"{dtype}[] (a chunk needs a leading time axis)")
+        arr = conform(f, arr, dtype, given)
         if count not in (-1, arr.shape[0]):
             raise SchemaMismatch(f"field {f.name!r} has {arr.shape[0]} steps, others have {count}")
         count = arr.shape[0]

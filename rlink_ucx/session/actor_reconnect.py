@@ -8,48 +8,41 @@ import logging
 import random
 import time
 
-from ..errors import AuthError, PeerLost, RLinkError, SchemaMismatch, Superseded
+from ..errors import AuthError, Closed, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ..wire import messages as _wire
 from ..wire.codec import Schema
 
 log = logging.getLogger(__name__)
+# Rejections no retry can cure: the token, the schema, the protocol, a newer incarnation, or a
+# learner that said it is finishing.
+FINAL = (AuthError, Closed, ProtocolError, SchemaMismatch, Superseded)
 
 
 class Reconnect:
     """Part of :class:`ActorConnection`: the reconnect loop, schema proposals (which survive a
     reconnect) and the requeueing of frames the learner does not hold."""
 
+    async def open_session(self) -> None:
+        """Connect for the first time, retrying with backoff and jitter until
+        ``Config.connect_timeout``: an actor may start before its learner, or during a storm of
+        others connecting. Only a real rejection (token, schema, protocol) fails at once."""
+        started = time.monotonic()
+        last = await self._retry_connect(started + self.config.connect_timeout, None)
+        if last is None:
+            return
+        if isinstance(last, FINAL):
+            raise last
+        raise ConnectError(f"cannot reach the learner at {self.host}:{self.port}: tried for "
+                           f"{time.monotonic() - started:.0f}s (Config.connect_timeout); last error: {last}") from last
+
     async def _reconnect(self, cause: RLinkError) -> None:
         """Retry the learner with backoff and jitter until ``reconnect_timeout``; then resume
         the stream where the learner says it stopped (resending what it lacks)."""
         self._teardown()
-        deadline = time.monotonic() + self.config.reconnect_timeout
-        delay, last = 0.05, cause
-        # An attempt made while the link is still down can be swallowed whole (a blackholed
-        # route, a cut that TCP does not see), and would then hold the actor for the full
-        # connect + handshake timeouts after the link is back. A healthy learner answers within
-        # a heartbeat interval, so each attempt gets twice that (at least 1 s), doubling after
-        # each failure up to the full timeouts: a slow learner is still reached.
-        full = self.config.connect_timeout + self.config.handshake_timeout
-        attempt_timeout = min(full, max(1.0, 2 * self.config.heartbeat_interval))
-        while not self.closing:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                break
-            await asyncio.sleep(min(left, delay * (0.5 + random.random())))
-            delay = min(2 * delay, 2.0)
-            try:
-                await self.connect(attempt_timeout)
-            except (AuthError, SchemaMismatch, Superseded) as exc:
-                last = exc
-                break
-            except (RLinkError, OSError) as exc:
-                last = exc if isinstance(exc, RLinkError) else PeerLost(str(exc))
-                attempt_timeout = min(full, 2 * attempt_timeout)
-                self._teardown()
-                continue
+        last = await self._retry_connect(time.monotonic() + self.config.reconnect_timeout, cause)
+        self.reconnecting = False
+        if last is None:
             self.reconnects += 1
-            self.reconnecting = False
             log.info("actor %s reconnected (resuming at seq %d)", self.actor_id, self.next_send_seq)
             if self.subscription is not None and self.control is not None:
                 self.control.send(self.subscription)
@@ -57,13 +50,46 @@ class Reconnect:
                 self.changed.notify_all()
             with self.credit_cv:
                 self.credit_cv.notify_all()
-            return
-        self.reconnecting = False
-        if not self.closing:
-            if isinstance(last, (AuthError, SchemaMismatch, Superseded)):
+        elif not self.closing:
+            if isinstance(last, FINAL):
                 self._fail_for_good(last)
             else:
                 self._fail_for_good(PeerLost(f"learner unreachable for {self.config.reconnect_timeout:.3g}s: {last}"))
+
+    async def _retry_connect(self, deadline: float, cause: RLinkError | None) -> RLinkError | None:
+        """Attempt ``connect`` until one succeeds (None), a final error, or ``deadline`` (the
+        last error). With a ``cause`` (a reconnect) the first attempt waits a jittered moment too."""
+        delay, last = 0.05, cause
+        # An attempt made while the link is still down can be swallowed whole (a blackholed
+        # route, a cut that TCP does not see), and would then hold the actor for the full
+        # handshake timeout after the link is back. A healthy learner answers within a
+        # heartbeat interval, so each attempt gets twice that (at least 1 s), doubling after
+        # each failure up to twice the handshake timeout: a busy learner is still reached.
+        cap = 2 * self.config.handshake_timeout
+        attempt_timeout = min(cap, max(1.0, 2 * self.config.heartbeat_interval))
+        waiting_logged = False
+        while not self.closing:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if last is not None:
+                # Jitter spreads the retries of many actors that lost (or wait for) one learner.
+                await asyncio.sleep(min(left, delay * (0.5 + random.random())))
+                delay = min(2 * delay, 2.0)
+            try:
+                await self.connect(min(attempt_timeout, max(0.1, deadline - time.monotonic())))
+                return None
+            except FINAL as exc:
+                return exc
+            except (RLinkError, OSError) as exc:
+                last = exc if isinstance(exc, RLinkError) else PeerLost(str(exc))
+                attempt_timeout = min(cap, 2 * attempt_timeout)
+                self._teardown()
+                if cause is None and not waiting_logged:
+                    waiting_logged = True
+                    log.warning("actor: waiting for the learner at %s:%s (%s); retrying for up to %.0fs",
+                             self.host, self.port, exc, self.config.connect_timeout)
+        return last
 
     def _teardown(self) -> None:
         """Drop the broken connection (not the frames: they are resent)."""

@@ -82,13 +82,7 @@ class StepWriter:
         return self._fields
 
     def put(self, step: Mapping[str, Any], *, version: int | None = None) -> None:
-        """Append one step (field name -> array or scalar) to the outgoing stream.
-
-        Raises:
-            SchemaMismatch: a field is missing, extra, or has another dtype/shape than negotiated.
-            Backpressure: no credit from the learner within ``Config.put_timeout``.
-            PeerLost / Closed: the connection broke / the actor was closed.
-        """
+        """Append one step: ``Actor.put``, which documents the conversion rule and the errors."""
         fast = self._fast
         if fast is not None and len(step) == len(fast) and self._put_in_frame(step, version, checked=False):
             return  # almost every call: exact dtypes and shapes, room in the current frame
@@ -125,22 +119,25 @@ class StepWriter:
                     arr[at] = value
             else:
                 assert self._fast is not None
-                for (name, dtype, shape, scalars), arr in zip(self._fast, fb.typed):
-                    value = step.get(name)
-                    kind = type(value)
-                    if kind is np.ndarray:
-                        if value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
+                try:
+                    for (name, dtype, shape, scalars), arr in zip(self._fast, fb.typed):
+                        value = step.get(name)
+                        kind = type(value)
+                        if kind is np.ndarray:
+                            if value.shape != shape or (value.dtype is not dtype and value.dtype != dtype):
+                                return False
+                        elif kind not in scalars:
                             return False
-                    elif kind not in scalars:
-                        return False
-                    arr[at] = value
+                        arr[at] = value
+                except OverflowError:  # a Python int out of the field's range: the checked path says so
+                    return False
             fb.version = v
             fb.n = at + 1
             self._next_seq += 1
             return True
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
-        """Append a chunk of steps: every field has a leading time/batch dimension of equal size."""
+        """Append a chunk of steps: ``Actor.put_many``."""
         fields = self._fields or self._ensure_schema(steps, 1)
         if len(steps) != len(fields):
             raise_extra(steps, fields)

@@ -43,6 +43,7 @@ class LearnerServer:
         self.loop = loop
         self.sessions: dict[int, LearnerSession] = {}
         self.ended: list[dict[str, Any]] = []
+        self.last_unclean_end: float | None = None  # when a session last ended without a goodbye
         self.schema = schema
         self.ring: StepRing | None = None
         self.ring_ready = threading.Event()
@@ -139,8 +140,11 @@ class LearnerServer:
             try:
                 async with asyncio.timeout(self.config.handshake_timeout):
                     result = await self._handshake(conn)
-            except (asyncio.TimeoutError, TimeoutError) as exc:
-                raise ProtocolError(f"handshake did not finish within {self.config.handshake_timeout}s") from exc
+            except (asyncio.TimeoutError, TimeoutError):
+                # Not a rejection: a busy learner or a slow link; the actor may try again.
+                log.info("handshake with %s did not finish within %ss", peer, self.config.handshake_timeout)
+                conn.send(_wire.Error("timeout", f"handshake did not finish within {self.config.handshake_timeout}s"))
+                return
             if result is None:  # a data connection, now owned by its session
                 return
             if isinstance(result, tuple):  # a weights pull
@@ -331,9 +335,20 @@ class LearnerServer:
                 self.resume.popitem(last=False)
         self.ended.append(session.describe())
         del self.ended[:-1000]
+        if session.state != "closed":  # lost or moved: its actor may come back
+            self.last_unclean_end = time.monotonic()
         if self.ring is not None:
             self.ring.wake()
         self.grant_credits()
+
+    def actors_done(self) -> bool:
+        """Every actor that connected has left and none is expected back: no session is open,
+        and the last one that ended without a goodbye did so over ``reconnect_timeout`` ago
+        (any thread)."""
+        if self.sessions or not self.ended:
+            return False
+        last = self.last_unclean_end
+        return last is None or time.monotonic() - last > self.config.reconnect_timeout
 
     def snapshot(self) -> dict[str, Any]:
         """The learner's stats (on the I/O loop)."""

@@ -57,10 +57,11 @@ class BatchAssembler:
             self.ring.release(take_id)
 
     def assemble(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
+        """The batch of ``pieces`` (``batch_size`` steps, or fewer for the last one of a stream)."""
         meta = self._meta(pieces, learner_version)
-        if self.cuda:
-            return self._assemble_cuda(pieces, take_id, meta)
-        return self._assemble_cpu(pieces, take_id, meta)
+        n = sum(p.count for p in pieces)
+        batch = self._assemble_cuda(pieces, take_id, meta) if self.cuda else self._assemble_cpu(pieces, take_id, meta, n)
+        return batch if n == self.batch_size else batch.head(n)
 
     def _meta(self, pieces: list[Piece], learner_version: int) -> np.ndarray:
         meta = np.empty((4, self.batch_size), dtype=np.int64)  # version, actor_id, seq, staleness
@@ -91,9 +92,9 @@ class BatchAssembler:
         meta = torch.from_numpy(meta_host)
         return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
 
-    def _assemble_cpu(self, pieces: list[Piece], take_id: int, meta: np.ndarray) -> Batch:
+    def _assemble_cpu(self, pieces: list[Piece], take_id: int, meta: np.ndarray, n: int) -> Batch:
         try:
-            lent = self.ring.lend_chunk(pieces) if self.lends else None
+            lent = self.ring.lend_chunk(pieces) if self.lends and n == self.batch_size else None
             if lent is not None:
                 self.lent_batches += 1
                 return self._batch(lent, meta)

@@ -286,9 +286,14 @@ class StepRing:
         self._free_front()
 
     # --- consumer side (fetch) ----------------------------------------------------------------
-    def take(self, count: int, timeout: float, min_version: int = 0) -> tuple[list[Piece], int]:
+    def take(self, count: int, timeout: float, min_version: int = 0, *,
+             finished: Callable[[], bool] | None = None, partial: bool = True) -> tuple[list[Piece], int]:  # fmt: skip
         """Wait until ``count`` steps are ready at the front, then claim them in FIFO order.
         Steps of a behaviour version below ``min_version`` are dropped (and counted) instead.
+
+        ``finished``: a test that no more steps will come (every actor is done); once it holds,
+        what is ready is taken even if short of ``count`` (unless not ``partial``), and with
+        nothing to take :class:`Closed` is raised.
 
         Returns the pieces and a take id; pass the id to :meth:`release` once copied out.
         """
@@ -304,16 +309,22 @@ class StepRing:
             while True:
                 if self._closed:
                     raise Closed("the learner is closed")
-                if self._ready_front() >= count:
+                ready = self._ready_front()
+                if ready >= count:
+                    break
+                if finished is not None and finished():
+                    if not ready or not partial:
+                        raise Closed(f"every actor has finished; {ready} steps remain, fewer than {count}")
+                    count = ready
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RLinkTimeout(
-                        f"fetch timed out after {timeout:.3g}s with {self._ready_front()} of {count} steps ready"
-                    )
+                    raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s with {ready} of {count} steps ready")
                 self._waiting_for = count
                 try:
-                    self._ready.wait(left)
+                    # With a finished test, look again now and then: an actor that crashed is
+                    # given up on by the clock, not by an event.
+                    self._ready.wait(left if finished is None else min(left, 0.5))
                 finally:
                     self._waiting_for = 0
             self.stats.wait_seconds += time.monotonic() - started
@@ -328,9 +339,9 @@ class StepRing:
                 k = min(need, seg.n - seg.consumed)
                 if k:
                     seq = seg.seq + seg.consumed
-                    for chunk, offset, count in self._split(seg.start + seg.consumed, k):
-                        pieces.append(Piece(chunk * self.chunk_steps + offset, count, seg.actor_id, seq, seg.version))
-                        seq += count
+                    for chunk, offset, n in self._split(seg.start + seg.consumed, k):
+                        pieces.append(Piece(chunk * self.chunk_steps + offset, n, seg.actor_id, seq, seg.version))
+                        seq += n
                     seg.consumed += k
                     need -= k
                     if seg.consumed == seg.n:

@@ -8,6 +8,8 @@ import socket
 from ..errors import ConfigError
 
 TRANSPORTS = ("auto", "tcp", "ucx", "shm")
+TRANSPORT_HELP = ("data plane: auto picks per actor (shm on the learner's host, ucx where UCX has RDMA or "
+                  "CUDA transports, tcp otherwise); tcp, ucx or shm force one")
 
 
 def check_transport(name: str) -> str:

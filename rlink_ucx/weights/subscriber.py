@@ -161,7 +161,7 @@ class Subscriber:
         session's ticket), unless it is no newer than what we have."""
         welcome = self.conn.welcome
         assert welcome is not None
-        sock = socket.create_connection((self.conn.host, self.conn.port), timeout=self.config.connect_timeout)
+        sock = socket.create_connection((self.conn.host, self.conn.port), timeout=self.config.handshake_timeout)
         try:
             sock.settimeout(self.config.weights_timeout)
             challenge = _wire.read_message(sock, self.config.max_preauth_bytes)

@@ -428,3 +428,33 @@ def unmappable_shm_actor(address: str, transport: str, actor: int, n: int, out) 
             out.put((a.stats()["transport"], a.stats()["transport_reason"]))
     except ConnectError as exc:
         out.put(("ConnectError", str(exc)))
+
+
+def early_actor(address: str, n: int, results, hold: float = 0.0) -> None:
+    """Started before its learner: wait for it, put ``n`` steps, stay ``hold`` seconds, close."""
+    from rlink_ucx import Actor
+
+    started = time.monotonic()
+    with Actor(address, transport="tcp") as a:
+        results.put(("connected", time.monotonic() - started))
+        a.put_many({"x": np.arange(n, dtype=np.int64)})
+        a.flush(30)
+        time.sleep(hold)
+    results.put(("done", n))
+
+
+def putting_until_closed(address: str, results) -> None:
+    """Put steps until the learner finishes; report the error and how long it took to come."""
+    from rlink_ucx import Actor, RLinkError
+
+    with Actor(address, transport="tcp") as a:
+        results.put(("connected", a.actor_id))
+        closed_at = None
+        try:
+            while True:
+                a.put({"x": 1.0})
+                if closed_at is None and a.stats()["connected"] is False:
+                    closed_at = time.monotonic()
+                time.sleep(0.001)
+        except RLinkError as exc:
+            results.put((type(exc).__name__, str(exc), time.monotonic()))

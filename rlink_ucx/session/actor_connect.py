@@ -25,6 +25,11 @@ from ..wire import messages as _wire
 log = logging.getLogger(__name__)
 
 
+class Rejected(ConnectError):
+    """The session was refused for a reason no retry cures (no common data plane, a requested
+    plane that cannot work here): raised at once, not retried until ``connect_timeout``."""
+
+
 class Handshake:
     """Part of :class:`ActorConnection`: everything from a closed socket to a session whose data
     plane is attached. Sets ``control``, ``welcome``, ``sender``, ``arena`` and ``connected``."""
@@ -44,7 +49,7 @@ class Handshake:
         if not isinstance(challenge, _wire.Challenge):
             raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
         if challenge.proto != _wire.PROTOCOL_VERSION:
-            raise ProtocolError(f"learner speaks protocol {challenge.proto}, actor {_wire.PROTOCOL_VERSION}")
+            raise Rejected(f"learner speaks protocol {challenge.proto}, actor {_wire.PROTOCOL_VERSION}")
         return conn, challenge
 
     async def connect(self, timeout: float | None = None) -> None:
@@ -100,9 +105,10 @@ class Handshake:
     async def _expect(self, conn: ControlConnection, kind: type) -> Any:
         msg = await conn.recv(self.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
-            # "timeout" (the learner was too busy to finish our handshake) and unknown kinds
-            # may be retried; the others are rejections.
-            kind = {"auth": AuthError, "superseded": Superseded, "protocol": ProtocolError}.get(msg.kind, ConnectError)
+            # "auth", "superseded" and "refused" are final; "timeout" (the learner was too busy
+            # to finish our handshake), "protocol" (a message garbled on the way) and unknown
+            # kinds may be retried.
+            kind = {"auth": AuthError, "superseded": Superseded, "refused": Rejected}.get(msg.kind, ConnectError)
             raise kind(f"learner refused: {msg.text}")
         if not isinstance(msg, kind):
             raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
@@ -174,7 +180,7 @@ class Handshake:
             return shm.ShmRing.open(int(pid), int(fd), bytes(nonce), int(size))
         except (OSError, ValueError, TypeError) as exc:
             if self.transport_wanted == "shm":
-                raise ConnectError(f"shm requested but the learner's ring cannot be mapped here: {exc}") from exc
+                raise Rejected(f"shm requested but the learner's ring cannot be mapped here: {exc}") from exc
             reason = f"auto: the learner's shared-memory ring cannot be mapped here ({exc}); tcp instead"
             log.info(reason)
             self.welcome = msgspec.structs.replace(welcome, transport="tcp", reason=reason)

@@ -8,14 +8,15 @@ import logging
 import random
 import time
 
-from ..errors import AuthError, Closed, ConnectError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
+from ..errors import AuthError, Closed, ConnectError, PeerLost, RLinkError, SchemaMismatch, Superseded
 from ..wire import messages as _wire
 from ..wire.codec import Schema
+from .actor_connect import Rejected
 
 log = logging.getLogger(__name__)
-# Rejections no retry can cure: the token, the schema, the protocol, a newer incarnation, or a
-# learner that said it is finishing.
-FINAL = (AuthError, Closed, ProtocolError, SchemaMismatch, Superseded)
+# Rejections no retry can cure: the token, the schema, a refused protocol version or data plane,
+# a newer incarnation, or a learner that said it is finishing.
+FINAL = (AuthError, Closed, Rejected, SchemaMismatch, Superseded)
 
 
 class Reconnect:

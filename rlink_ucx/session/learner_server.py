@@ -33,6 +33,11 @@ from .learner_session import LearnerSession
 log = logging.getLogger(__name__)
 
 
+class Refused(ProtocolError):
+    """A session the learner will never accept as asked (protocol version, data plane): the
+    actor is told so ("refused") and does not retry."""
+
+
 class LearnerServer:
     def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, config: Config,
                  loop: asyncio.AbstractEventLoop, schema: Schema | None = None):  # fmt: skip
@@ -161,7 +166,7 @@ class LearnerServer:
             conn.send(_wire.Error("superseded", str(exc)))
         except (ProtocolError, SchemaMismatch) as exc:
             log.warning("dropped %s: %s", peer, exc)
-            conn.send(_wire.Error("protocol", str(exc)[:500]))
+            conn.send(_wire.Error("refused" if isinstance(exc, Refused) else "protocol", str(exc)[:500]))
             if session is not None:
                 session.stats.protocol_errors += 1
         except (PeerLost, OSError, RLinkError) as exc:
@@ -189,7 +194,7 @@ class LearnerServer:
         if not isinstance(first, _wire.Login):
             raise ProtocolError(f"expected Login or Attach, got {type(first).__name__}")
         if first.proto != _wire.PROTOCOL_VERSION:
-            raise ProtocolError(f"actor speaks protocol {first.proto}; learner speaks {_wire.PROTOCOL_VERSION}")
+            raise Refused(f"actor speaks protocol {first.proto}; learner speaks {_wire.PROTOCOL_VERSION}")
         if len(first.nonce) != _auth.NONCE_BYTES:
             raise ProtocolError("bad nonce length")
         if self.token is not None:
@@ -209,7 +214,7 @@ class LearnerServer:
     def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
         transport, reason = self._choose(hello)
         if not transport:
-            raise ProtocolError(f"no common data plane: {reason}")
+            raise Refused(f"no common data plane: {reason}")
         if hello.actor_id is not None:
             actor_id = hello.actor_id
             newest = self.incarnations.get(actor_id, -1)
@@ -234,7 +239,7 @@ class LearnerServer:
                 ring, nonce = shm.ShmRing.create(self.config.shm_ring_bytes)
             except OSError as exc:
                 if reason == "requested":
-                    raise ProtocolError(f"shm requested but the learner cannot create its ring: {exc}") from exc
+                    raise Refused(f"shm requested but the learner cannot create its ring: {exc}") from exc
                 transport, reason = "tcp", f"auto: the shared-memory ring could not be created ({exc})"
         ucx_worker = self.ucx.current if transport == "ucx" else None  # read once: it may be recycled
         ucx_address = ucx_worker.address if ucx_worker is not None else None

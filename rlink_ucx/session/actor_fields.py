@@ -53,10 +53,9 @@ def check_value(f: Field, step: Mapping[str, Any]) -> Any:
                 raise f.mismatch(v, f"the Python int {v}, outside {f.spec.dtype}'s range")
             return v
     arr, dtype = as_host_array(v)
-    given = f"a Python {kind.__name__}" if kind in _SCALAR_KINDS else f"{dtype}{list(arr.shape)}"
     if arr.shape != f.shape:
-        raise f.mismatch(v, given)
-    return conform(f, arr, dtype, given)
+        raise f.mismatch(v, _given(v, dtype, arr))
+    return arr if dtype == f.spec.dtype else conform(f, arr, dtype, _given(v, dtype, arr))
 
 
 def conform(f: Field, arr: np.ndarray, dtype: str, given: str) -> np.ndarray:
@@ -76,6 +75,15 @@ def conform(f: Field, arr: np.ndarray, dtype: str, given: str) -> np.ndarray:
         if low < info.min or high > info.max:
             raise f.mismatch(arr, f"{given} with values in [{low}, {high}], outside {f.spec.dtype}")
     return arr.astype(f.dtype)
+
+
+def _given(value: Any, dtype: str, arr: np.ndarray) -> str:
+    kind = type(value)
+    return f"a Python {kind.__name__}" if kind in _SCALAR_KINDS else f"{dtype}{list(arr.shape)}"
+
+
+def _given_chunk(dtype: str, arr: np.ndarray) -> str:
+    return f"{dtype}{list(arr.shape[1:])} per step (chunk shape {list(arr.shape)})"
 
 
 def _int_fits(value: int, dtype: np.dtype) -> bool:
@@ -99,10 +107,10 @@ def check_chunk(fields: list[Field], steps: Mapping[str, Any]) -> tuple[list[np.
         if f.name not in steps:
             raise SchemaMismatch(f"field {f.name!r} ({f.spec.describe()}) is missing from the chunk")
         arr, dtype = as_host_array(steps[f.name])
-        given = f"{dtype}{list(arr.shape[1:])} per step (chunk shape {list(arr.shape)})"
         if arr.shape[1:] != f.shape or arr.ndim != len(f.shape) + 1:
-            raise f.mismatch(arr, given if arr.ndim else f"{dtype}[] (a chunk needs a leading time axis)")
-        arr = conform(f, arr, dtype, given)
+            raise f.mismatch(arr, _given_chunk(dtype, arr) if arr.ndim else f"{dtype}[] (a chunk needs a leading time axis)")
+        if dtype != f.spec.dtype:  # the common case skips this (and the text it would need)
+            arr = conform(f, arr, dtype, _given_chunk(dtype, arr))
         if count not in (-1, arr.shape[0]):
             raise SchemaMismatch(f"field {f.name!r} has {arr.shape[0]} steps, others have {count}")
         count = arr.shape[0]

@@ -23,6 +23,7 @@ Each (system, workload, actors) streams for warm-up + reps x window seconds; the
 min/max. A system whose package is missing gets a row with ``"skipped"``. See docs/bench-suite.md.
 
 Usage: rlink bench [--quick] [--systems ...] [--workloads ...] [--rounds N] [--json out.json] [--plot out.png]
+       rlink bench --suite scale [...]   (many actors into one learner: rlink_ucx/bench/scale.py)
 """
 
 from __future__ import annotations
@@ -39,6 +40,8 @@ from .report import loadavg, machine, plot, print_table, print_targets, targets
 from .systems import FANOUT, SETTINGS, SYSTEMS, plan, run_fanout, run_one
 from .workloads import WORKLOADS
 
+SUITES = ["default", "scale"]  # --suite scale: rlink_ucx/bench/scale.py
+
 
 def _names(value: str, known: list[str], what: str) -> list[str]:
     aliases = {"1K": "1KiB", "64K": "64KiB", "1M": "1MiB", "16M": "16MiB"}
@@ -50,8 +53,18 @@ def _names(value: str, known: list[str], what: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--suite", choices=SUITES, default="default")
+    chosen, rest = pre.parse_known_args(argv)
+    if chosen.suite == "scale":
+        from .scale import main as scale_main
+
+        return scale_main(rest)
     parser = argparse.ArgumentParser(prog="rlink bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--suite", choices=SUITES, default="default",
+                        help="default: this suite; scale: many actors into one learner (rlink bench --suite scale --help)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a few rows per system, 1 short rep (< 60 s)")
     parser.add_argument("--systems", default=",".join([*SYSTEMS, FANOUT]), help="comma list (default: all)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list (default: all)")

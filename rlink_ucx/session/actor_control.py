@@ -85,13 +85,20 @@ class ControlReader:
             raise ProtocolError(f"{type(msg).__name__} for an actor that did not subscribe to weights")
 
     async def _heartbeat(self) -> None:
+        """Check the learner's liveness every interval; say we are alive only after a silence
+        (frames and control messages say it already)."""
         assert self.control is not None
-        async for late in ticks(self.config.heartbeat_interval):
-            self.last_heard = min(time.monotonic(), self.last_heard + late)  # our own pause is not the learner's
-            if time.monotonic() - self.last_heard > self.config.heartbeat_timeout:
+        interval = self.config.heartbeat_interval
+        frames = self.sent_frames
+        async for late in ticks(interval):
+            now = time.monotonic()
+            self.last_heard = min(now, self.last_heard + late)  # our own pause is not the learner's
+            if now - self.last_heard > self.config.heartbeat_timeout:
                 self.fail(PeerLost(f"no message from the learner for {self.config.heartbeat_timeout:.3g}s"))
                 return
-            self.control.send(_wire.Heartbeat())
+            if self.sent_frames == frames and now - self.control.last_send >= interval:
+                self.control.send(_wire.Heartbeat())
+            frames = self.sent_frames
 
     def fail(self, exc: RLinkError) -> None:
         """The connection broke (any task on the loop): reconnect if it was up and the error

@@ -1,6 +1,7 @@
-"""The actor's step writer: ``put`` and ``put_many`` copy steps into frame buffers, and full
-frames (or partial ones after ``Config.frame_linger``) go to the connection's outbox. A put of a
-whole frame or more is sent straight from the caller's arrays."""
+"""The actor's step writer: ``put`` and ``put_many`` copy steps into frame buffers; full frames
+go to the connection's outbox at once, partial ones as soon as it is idle (after
+``Config.frame_linger`` at the latest). A put of a whole frame or more is sent straight from
+the caller's arrays."""
 
 from __future__ import annotations
 
@@ -134,6 +135,8 @@ class StepWriter:
             fb.version = v
             fb.n = at + 1
             self._next_seq += 1
+            if at == 0:
+                self._arm(fb)
             return True
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
@@ -204,11 +207,14 @@ class StepWriter:
                 if fb is not None:
                     k = min(count - done, fb.capacity - fb.n)
                     write(fb, fb.n, done, k)
+                    first = fb.n == 0
                     fb.n += k
                     self._next_seq += k
                     done += k
                     if fb.n == fb.capacity:
                         full, self._current = fb, None
+                    elif first:
+                        self._arm(fb)
             if full is not None:
                 self._dispatch(full, v)
                 continue
@@ -290,19 +296,31 @@ class StepWriter:
             self._conn.outstanding += 1
         self._io.soon(self._conn.submit, frame)
 
-    def linger_tick(self) -> None:
-        """On the I/O loop, every ``frame_linger``: send a partial frame that waited long enough."""
-        fb = self._current  # unlocked peek: most ticks find nothing to do
-        if fb is not None and fb.n and time.monotonic() - fb.started >= self.config.frame_linger:
-            with self._lock:
-                if self._current is fb and fb.n:
-                    self._current = None
-                    # Through the loop's ready queue, like every other hand-off: an earlier full
-                    # frame handed off by the caller's thread may still be waiting there, and
-                    # frames must reach the wire in seq order.
-                    self._hand_off(fb)
-        if not self.closed:
-            self._io.loop.call_later(self.config.frame_linger, self.linger_tick)
+    def _arm(self, fb: FrameBuffer) -> None:
+        """A step landed in an empty frame (lock held): have the I/O loop look at it soon. This
+        is the only timer an actor has: one that has nothing to send wakes for nothing."""
+        fb.started = time.monotonic()
+        self._io.soon(self._send_when_idle, fb)
+
+    def _send_when_idle(self, fb: FrameBuffer) -> None:
+        """On the I/O loop: send the partial frame ``fb`` now if the outbox is idle (as Nagle
+        with ``TCP_NODELAY``: a lone step leaves at once); while frames are still going out,
+        let it fill up and look again, sending it ``Config.frame_linger`` after its first step
+        at the latest."""
+        if self._current is not fb or not fb.n:
+            return  # filled and sent, or flushed, meanwhile
+        conn = self._conn
+        waited = time.monotonic() - fb.started
+        if waited < self.config.frame_linger and (conn.outstanding or conn.send_lock.locked()):
+            self._io.loop.call_later(self.config.frame_linger - waited, self._send_when_idle, fb)
+            return
+        with self._lock:
+            if self._current is fb and fb.n:
+                self._current = None
+                # Through the loop's ready queue, like every other hand-off: an earlier full
+                # frame handed off by the caller's thread may still be waiting there, and
+                # frames must reach the wire in seq order.
+                self._hand_off(fb)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send any partial frame and wait until the learner holds every step put so far.

@@ -164,7 +164,8 @@ class LearnerSession:
         if started is not None and now - started > self.server.config.frame_timeout:
             self.close(f"a frame from actor {self.actor_id} stalled mid-transfer", lost=True)
             return
-        self.control.send(_wire.Heartbeat())
+        if now - self.control.last_send >= self.server.config.heartbeat_interval:  # only after silence
+            self.control.send(_wire.Heartbeat())
 
     @property
     def low_on_credit(self) -> bool:

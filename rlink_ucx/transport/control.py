@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from typing import Any
 
 from ..errors import PeerLost, ProtocolError
@@ -26,6 +27,7 @@ class ControlConnection:
         self._out = bytearray()
         self._writing = False
         self._reader: asyncio.Task[Any] | None = None  # the task that last waited in recv
+        self.last_send = time.monotonic()  # heartbeats are only sent after this much silence
         self.closed = False
         self.handed_off = False  # the socket now belongs to a data-plane receiver
 
@@ -57,6 +59,7 @@ class ControlConnection:
         """Queue ``msg`` for sending; never blocks (call on the loop thread)."""
         if self.closed:
             return
+        self.last_send = time.monotonic()
         self._out += _wire.encode(msg)
         if not self._writing:
             self._flush()

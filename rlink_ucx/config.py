@@ -66,7 +66,8 @@ class Config:
     max_frame_bytes: int = 64 * MiB  # largest frame payload accepted
     max_control_bytes: int = 1 * MiB  # largest control message after authentication
     max_preauth_bytes: int = 512  # largest message read before authentication
-    max_connections: int = 1024
+    max_connections: int = 1024  # actors served at once (each holds 2-4 file descriptors)
+    max_handshakes: int = 128  # connections still handshaking, apart from the actors; the oldest goes first
     max_fields: int = 256
     max_weights_bytes: int = 16 * 1024 * MiB  # largest published model an actor accepts
     max_weights_tensors: int = 100_000

@@ -60,7 +60,8 @@ class StepWriter:
             self._current = None
 
     def negotiate(self, schema: Schema) -> None:
-        reply = self._io.call(self._conn.propose(schema), self.config.handshake_timeout, "schema negotiation")
+        # A learner busy with a storm of actors may take a while: wait as long as for connecting.
+        reply = self._io.call(self._conn.propose(schema), self.config.connect_timeout, "schema negotiation")
         if isinstance(reply, _wire.Reject):
             raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")
         capacity = max(1, min(reply.max_steps, self.config.frame_bytes // max(schema.step_bytes, 1)))

@@ -48,6 +48,8 @@ def report(server: Any) -> dict[str, Any]:
         "connected_actors": len(actors),
         "lost_actors": sum(1 for a in server.ended if a["state"] == "lost"),
         "rejected_connections": server.rejected_connections,
+        "handshakes_in_flight": server.admission.in_flight,
+        "shed_handshakes": server.admission.shed,
         "auth_failures": server.auth_failures,
         "ucx_workers_recycled": server.ucx.recycled if server.ucx is not None else 0,
         "buffer": {

@@ -25,6 +25,7 @@ from ..weights.publisher import Publisher
 from ..wire import auth as _auth
 from ..wire import messages as _wire
 from ..wire.codec import Schema
+from .learner_admission import Admission, listen_backlog, raise_file_limit
 from .learner_attach import attach_data_connection
 from .learner_credit import CreditGranter
 from .learner_report import StalenessHistogram, report
@@ -36,6 +37,15 @@ log = logging.getLogger(__name__)
 class Refused(ProtocolError):
     """A session the learner will never accept as asked (protocol version, data plane): the
     actor is told so ("refused") and does not retry."""
+
+    kind = "refused"
+
+
+class Busy(ProtocolError):
+    """No room for another actor now (``max_connections``): the actor retries until its
+    ``connect_timeout``, and its error then says why."""
+
+    kind = "busy"
 
 
 class LearnerServer:
@@ -69,7 +79,8 @@ class LearnerServer:
         self.credit = CreditGranter(self.sessions, config, loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listener: socket.socket | None = None
-        self._connections = 0
+        self.admission = Admission(config)
+        raise_file_limit(config)
         self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
         self._ucx_starting: asyncio.Future[Any] | None = None
         self.learner_ucx = ucx_available() and transport != "tcp"
@@ -87,7 +98,8 @@ class LearnerServer:
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.create_server((self.host, self.port), family=family, backlog=512, reuse_port=False)
+        sock = socket.create_server((self.host, self.port), family=family, backlog=listen_backlog(self.config),
+                                    reuse_port=False)  # fmt: skip
         sock.setblocking(False)
         self._listener = sock
         self.port = sock.getsockname()[1]
@@ -131,20 +143,20 @@ class LearnerServer:
                 log.warning("accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
-            if self._connections >= self.config.max_connections:
-                self.rejected_connections += 1
-                sock.close()
-                continue
-            self._connections += 1
-            self._spawn(self._handle(sock, f"{addr[0]}:{addr[1]}"))
+            conn = ControlConnection(sock, self.loop, f"{addr[0]}:{addr[1]}")
+            task = self._spawn(self._handle(conn))
+            # Also when the task is dropped before it ever ran (admission sheds the oldest).
+            task.add_done_callback(lambda _task, conn=conn: conn.handed_off or conn.close())
+            self.admission.admit(task)
 
-    async def _handle(self, sock: socket.socket, peer: str) -> None:
-        conn = ControlConnection(sock, self.loop, peer)
+    async def _handle(self, conn: ControlConnection) -> None:
+        peer = conn.peer
         session: LearnerSession | None = None
         try:
             try:
                 async with asyncio.timeout(self.config.handshake_timeout):
                     result = await self._handshake(conn)
+                self.admission.finished(asyncio.current_task())
             except (asyncio.TimeoutError, TimeoutError):
                 # Not a rejection: a busy learner or a slow link; the actor may try again.
                 log.info("handshake with %s did not finish within %ss", peer, self.config.handshake_timeout)
@@ -166,7 +178,7 @@ class LearnerServer:
             conn.send(_wire.Error("superseded", str(exc)))
         except (ProtocolError, SchemaMismatch) as exc:
             log.warning("dropped %s: %s", peer, exc)
-            conn.send(_wire.Error("refused" if isinstance(exc, Refused) else "protocol", str(exc)[:500]))
+            conn.send(_wire.Error(getattr(exc, "kind", "protocol"), str(exc)[:500]))
             if session is not None:
                 session.stats.protocol_errors += 1
         except (PeerLost, OSError, RLinkError) as exc:
@@ -175,7 +187,7 @@ class LearnerServer:
         except asyncio.CancelledError:
             raise
         finally:
-            self._connections -= 1
+            self.admission.finished(asyncio.current_task())
             if session is not None:
                 session.close("control connection ended", lost=True)
             elif not conn.handed_off:
@@ -215,6 +227,9 @@ class LearnerServer:
         transport, reason = self._choose(hello)
         if not transport:
             raise Refused(f"no common data plane: {reason}")
+        if len(self.sessions) >= self.config.max_connections:
+            self.rejected_connections += 1
+            raise Busy(f"the learner already serves max_connections={self.config.max_connections} actors")
         if hello.actor_id is not None:
             actor_id = hello.actor_id
             newest = self.incarnations.get(actor_id, -1)

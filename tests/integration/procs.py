@@ -458,3 +458,30 @@ def putting_until_closed(address: str, results) -> None:
                 time.sleep(0.001)
         except RLinkError as exc:
             results.put((type(exc).__name__, str(exc), time.monotonic()))
+
+
+def storm_actors(address: str, first_id: int, count: int, steps: int, config_kwargs: dict, results) -> None:
+    """``count`` actors in threads of one process, all connecting at once; each puts ``steps``
+    steps whose values encode (actor, seq), then reports ("ok", id) or (error type, message)."""
+    import threading
+
+    from rlink_ucx import Actor, Config, RLinkError
+
+    config = Config(**config_kwargs)
+    go = threading.Barrier(count)
+
+    def one(actor_id: int) -> None:
+        go.wait()
+        try:
+            with Actor(address, transport="tcp", actor_id=actor_id, config=config) as a:
+                a.put_many({"x": actor_id * 1_000_000 + np.arange(steps, dtype=np.int64)})
+                a.flush(60)
+            results.put(("ok", actor_id))
+        except RLinkError as exc:
+            results.put((type(exc).__name__, str(exc)))
+
+    threads = [threading.Thread(target=one, args=(first_id + i,)) for i in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)

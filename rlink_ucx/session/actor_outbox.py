@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from ..errors import Backpressure, Closed, PeerLost, ProtocolError, RLinkError
+from ..errors import TimeoutError as RLinkTimeout
 from ..wire.frame import FrameHeader
 from .actor_frames import BorrowedFrame, FrameBuffer
 
@@ -144,3 +146,22 @@ class Outbox:
             with self.send_lock:
                 self.send_part_or_fail(frame, k)
 
+    def wait_acked(self, target: int, timeout: float, check: Callable[[], None]) -> None:
+        """Until the learner holds every step below ``target`` (any thread; ``check`` raises
+        if the actor closed or failed meanwhile)."""
+        deadline = time.monotonic() + timeout
+        self._soon(self.sync, target)
+        with self.changed:
+            while self.acked < target:
+                check()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RLinkTimeout(f"flush: learner acknowledged {self.acked} of {target} steps within {timeout:.3g}s")
+                if not self.changed.wait(min(left, 0.5)):
+                    self._soon(self.sync, target)  # again: the first may have gone to a learner that died
+
+    def _soon(self, fn: Callable[..., None], *args: object) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop has stopped: check() reports why
+            pass

@@ -14,7 +14,6 @@ import numpy as np
 
 from ..config import Config
 from ..errors import Backpressure, Closed, PeerLost, ProtocolError, SchemaMismatch
-from ..errors import TimeoutError as RLinkTimeout
 from ..transport.loop import IOThread
 from ..wire import messages as _wire
 from ..wire.codec import Schema, infer_schema
@@ -333,18 +332,7 @@ class StepWriter:
         with self._lock:
             self._submit_locked()
             target = self._next_seq
-        limit = self.config.flush_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
-        conn = self._conn
-        self._io.soon(conn.sync, target)
-        with conn.changed:
-            while conn.acked < target:
-                self.check_open()
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise RLinkTimeout(f"flush: learner acknowledged {conn.acked} of {target} steps within {limit:.3g}s")
-                if not conn.changed.wait(min(left, 0.5)):
-                    self._io.soon(conn.sync, target)  # again: the first may have gone to a learner that died
+        self._conn.wait_acked(target, self.config.flush_timeout if timeout is None else timeout, self.check_open)
 
     def check_open(self) -> None:
         if self.closed:

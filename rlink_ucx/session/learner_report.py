@@ -34,7 +34,7 @@ class StalenessHistogram:
 def report(server: Any) -> dict[str, Any]:
     """The learner's stats (on the I/O loop): ``server`` is its ``LearnerServer``."""
     ring = server.ring
-    actors = [s.describe() for s in server.sessions.values()]
+    actors = [describe_session(s) for s in server.sessions.values()]
     total = {k: sum(a[k] + 0 for a in actors + server.ended)
              for k in ("frames", "steps", "bytes", "torn_frames", "duplicate_steps", "lost_steps")}  # fmt: skip
     return {
@@ -64,4 +64,29 @@ def report(server: Any) -> dict[str, Any]:
         "total": total,
         "weights": server.publisher.snapshot_stats(),
         "staleness": server.staleness.summary(ring.stats.stale_dropped if ring else 0),
+    }
+
+
+def describe_session(session: Any) -> dict[str, Any]:
+    """One actor's row of ``stats()["actors"]``."""
+    return {
+        "actor_id": session.actor_id,
+        "incarnation": session.incarnation,
+        "host": session.hello.host,
+        "pid": session.hello.pid,
+        "transport": session.transport,
+        "transport_reason": session.transport_reason,
+        "state": session.state,
+        "error": session.error,
+        "frames": session.stats.frames,
+        "steps": session.stats.steps,
+        "bytes": session.stats.bytes,
+        "torn_frames": session.stats.torn_frames,
+        "duplicate_steps": session.stats.duplicate_steps,
+        "lost_steps": session.stats.lost_steps,
+        "protocol_errors": session.stats.protocol_errors,
+        "credit": session.credit,
+        "next_seq": session.next_seq,
+        "subscribed": session.subscribed,
+        "weights_version": session.weights_acked,
     }

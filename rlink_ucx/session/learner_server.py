@@ -28,7 +28,7 @@ from ..wire.codec import Schema
 from .learner_admission import Admission, listen_backlog, raise_file_limit
 from .learner_attach import attach_data_connection
 from .learner_credit import CreditGranter
-from .learner_report import StalenessHistogram, report
+from .learner_report import StalenessHistogram, describe_session, report
 from .learner_session import LearnerSession
 
 log = logging.getLogger(__name__)
@@ -308,12 +308,8 @@ class LearnerServer:
                 raise SchemaMismatch(
                     f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
                 )
-            max_steps = max(1, self.config.frame_bytes // max(schema.step_bytes, 1))
             reserve, self.reserve = self.reserve, None
-            self.ring = StepRing(schema, self.config.buffer_bytes, max_steps, chunk_steps=self.batch_steps,
-                                 pin_memory=self.pin_memory, reserve=None if self.pin_memory else reserve)  # fmt: skip
-            if reserve is not None and self.pin_memory:
-                reserve.close()
+            self.ring = _new_ring(schema, self.config, self.batch_steps, self.pin_memory, reserve)
             self.credit.ring = self.ring
             self.ring.on_space_freed = self.credit.space_freed
             self.ring_ready.set()
@@ -353,7 +349,7 @@ class LearnerServer:
             self.resume[(session.actor_id, session.incarnation)] = session.next_seq
             while len(self.resume) > 10_000:
                 self.resume.popitem(last=False)
-        self.ended.append(session.describe())
+        self.ended.append(describe_session(session))
         del self.ended[:-1000]
         if session.state != "closed":  # lost or moved: its actor may come back
             self.last_unclean_end = time.monotonic()
@@ -373,3 +369,13 @@ class LearnerServer:
     def snapshot(self) -> dict[str, Any]:
         """The learner's stats (on the I/O loop)."""
         return report(self)
+
+
+def _new_ring(schema: Schema, config: Config, batch_steps: int | None, pinned: bool, reserve: Reserve | None) -> StepRing:
+    """The receive ring for ``schema``: in the memory reserved at start, unless it must be pinned."""
+    max_steps = max(1, config.frame_bytes // max(schema.step_bytes, 1))
+    ring = StepRing(schema, config.buffer_bytes, max_steps, chunk_steps=batch_steps, pin_memory=pinned,
+                    reserve=None if pinned else reserve)  # fmt: skip
+    if reserve is not None and pinned:
+        reserve.close()
+    return ring

@@ -7,7 +7,7 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..config import Config
 from ..errors import PeerLost, ProtocolError, SchemaMismatch
@@ -349,26 +349,3 @@ class LearnerSession:
         self.control.close()
         (log.warning if lost else log.info)("actor %s session %s ended: %s", self.actor_id, self.id, reason)
         self.server.session_ended(self, PeerLost(reason) if lost else None)
-
-    def describe(self) -> dict[str, Any]:
-        return {
-            "actor_id": self.actor_id,
-            "incarnation": self.incarnation,
-            "host": self.hello.host,
-            "pid": self.hello.pid,
-            "transport": self.transport,
-            "transport_reason": self.transport_reason,
-            "state": self.state,
-            "error": self.error,
-            "frames": self.stats.frames,
-            "steps": self.stats.steps,
-            "bytes": self.stats.bytes,
-            "torn_frames": self.stats.torn_frames,
-            "duplicate_steps": self.stats.duplicate_steps,
-            "lost_steps": self.stats.lost_steps,
-            "protocol_errors": self.stats.protocol_errors,
-            "credit": self.credit,
-            "next_seq": self.next_seq,
-            "subscribed": self.subscribed,
-            "weights_version": self.weights_acked,
-        }

@@ -136,21 +136,11 @@ def ucx_worker(host: bool) -> tuple[Any, Any, Any, Any]:
     return u, load_ucxx()[1], context, worker
 
 
-def wait(worker: Any, requests: list[Any], timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    spins = 0
-    while not all(r.completed for r in requests):
-        worker.progress()
-        spins += 1
-        if spins % 1024 == 0 and time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: ucx requests did not complete within {timeout}s")
-    for r in requests:
-        r.check_error()
-
-
 # --- the sender (spawned) -----------------------------------------------------------------------
 def _sender(address: bytes, host: bool, device: str, alloc: str, window: int, timeout: float, conn: Any) -> None:
     try:
+        from rlink_ucx.bench.peer_ucxx import ucx_wait  # the harness's progress loop
+
         buffers = Buffers(host, device, alloc)
         u, Array, _context, worker = ucx_worker(host)
         ep = u.UCXEndpoint.create_from_worker_address(worker, u.UCXAddress.create_from_buffer(address), False)
@@ -174,7 +164,7 @@ def _sender(address: bytes, host: bool, device: str, alloc: str, window: int, ti
                         worker.progress()
                     inflight.pop(0).check_error()
                 inflight.append(ep.tag_send(arr, utag))
-            wait(worker, inflight, timeout, "sender")
+            ucx_wait(worker, inflight, timeout, "sender")
             conn.send(("sent", count))
         ep.close_blocking(10**9, 1)  # completes while the receiver progresses its worker
     except BaseException:  # noqa: BLE001 - the receiver reports it

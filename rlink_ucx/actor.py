@@ -95,26 +95,23 @@ class Actor:
     @property
     def actor_id(self) -> int:
         """This actor's id: the one given, or the one the learner assigned."""
-        welcome = self._conn.welcome
-        if welcome is None:
-            raise AttributeError("actor_id: the actor never connected")
-        return welcome.actor_id
+        return self._welcome("actor_id").actor_id
 
     @property
     def transport(self) -> str:
         """The data plane the learner chose for this actor: ``"shm"``, ``"tcp"`` or ``"ucx"``."""
-        welcome = self._conn.welcome
-        if welcome is None:
-            raise AttributeError("transport: the actor never connected")
-        return welcome.transport
+        return self._welcome("transport").transport
 
     @property
     def transport_reason(self) -> str:
         """Why that data plane, e.g. ``"auto: same host, shared-memory ring"``."""
-        welcome = self._conn.welcome
+        return self._welcome("transport_reason").reason
+
+    def _welcome(self, what: str) -> Any:
+        welcome = self._conn.welcome  # the newest session's: a reconnect may change the plane
         if welcome is None:
-            raise AttributeError("transport_reason: the actor never connected")
-        return welcome.reason
+            raise AttributeError(f"{what}: the actor never connected")
+        return welcome
 
     @property
     def schema(self) -> Schema | None:

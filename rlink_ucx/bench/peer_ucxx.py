@@ -25,14 +25,15 @@ def _ucx_worker() -> tuple[Any, Any, Any, Any]:
     return u, load_ucxx()[1], context, worker
 
 
-def _ucx_wait(worker: Any, requests: list[Any], timeout: float) -> None:
+def ucx_wait(worker: Any, requests: list[Any], timeout: float, what: str = "ucx") -> None:
+    """Progress ``worker`` until every request completed (raising its error), or ``timeout``."""
     deadline = time.monotonic() + timeout
     spins = 0
     while not all(r.completed for r in requests):
         worker.progress()
         spins += 1
         if spins % 256 == 0 and time.monotonic() > deadline:
-            raise TimeoutError(f"ucx requests did not complete within {timeout}s")
+            raise TimeoutError(f"{what}: ucx requests did not complete within {timeout}s")
     for r in requests:
         r.check_error()
 
@@ -57,7 +58,7 @@ class UcxxSender(Sender):
             self.bufs = [self.Array(flat_bytes(t_ns))] + [self.Array(flat_bytes(a)) for a in arrays.values()]
         ep = self.ep
         requests = [ep.tag_send(b, tag) for b, tag in zip(self.bufs, self.tags)]
-        _ucx_wait(self.worker, requests, self.timeout)
+        ucx_wait(self.worker, requests, self.timeout)
 
     def close(self) -> None:
         self.ep.close_blocking(10**9, 1)
@@ -90,12 +91,12 @@ class UcxxReceiver(Receiver):
 
     def recv(self, rec: Recorder) -> int:
         cur = self.cur
-        _ucx_wait(self.worker, self.requests[cur], self.timeout)
+        ucx_wait(self.worker, self.requests[cur], self.timeout)
         now = time.monotonic_ns()
         t = int(self.slots[cur][0][0])
         self.requests[cur] = []
         if t < 0:  # the sender sends two markers: drain the other slot too
-            _ucx_wait(self.worker, self.requests[cur ^ 1], self.timeout)
+            ucx_wait(self.worker, self.requests[cur ^ 1], self.timeout)
             self.requests[cur ^ 1] = []
             return 1
         rec.add(now, self.chunk, now - t)

@@ -44,8 +44,8 @@ class Actor:
     :class:`Closed`.
 
     ``put`` copies the step into a frame buffer and returns; frames go out in the background
-    when full (``Config.frame_bytes``), and a partial frame as soon as nothing else is being
-    sent (``Config.frame_linger`` after its first step at the latest). Call ``flush()`` to wait until the learner holds everything put so far.
+    when full (``Config.frame_bytes``) or ``Config.frame_linger`` seconds after their first
+    step. Call ``flush()`` to wait until the learner holds everything put so far.
 
     Example::
 
@@ -88,6 +88,7 @@ class Actor:
             raise
         assert self._conn.welcome is not None
         self._writer.policy_version = self._conn.welcome.version
+        self._io.soon(self._writer.linger_tick)
         if subscribe:
             self._subscribe()
         log.info("actor %s connected to %s via %s (%s)", self.actor_id, address, self.transport, self.transport_reason)

@@ -49,7 +49,7 @@ class Config:
 
     # --- actor-side coalescing ------------------------------------------------------------
     frame_bytes: int = 1 * MiB  # target payload per frame; small steps are coalesced to this
-    frame_linger: float = 0.005  # a partial frame waits at most this long for a busy outbox
+    frame_linger: float = 0.005  # a partly filled frame is sent after this many seconds
     frame_buffers: int = 4  # frames an actor can fill while earlier ones are in flight
     # Frames sent but not yet acknowledged are kept (up to this many bytes) and resent after a
     # reconnect; past it, put waits for acknowledgements (0: keep nothing). Small steps are

@@ -1,7 +1,6 @@
-"""The actor's step writer: ``put`` and ``put_many`` copy steps into frame buffers; full frames
-go to the connection's outbox at once, partial ones as soon as it is idle (after
-``Config.frame_linger`` at the latest). A put of a whole frame or more is sent straight from
-the caller's arrays."""
+"""The actor's step writer: ``put`` and ``put_many`` copy steps into frame buffers, and full
+frames (or partial ones after ``Config.frame_linger``) go to the connection's outbox. A put of a
+whole frame or more is sent straight from the caller's arrays."""
 
 from __future__ import annotations
 
@@ -23,7 +22,6 @@ from .actor_link import ActorConnection
 
 __all__ = ["StepWriter"]
 
-IDLE_CHECK = 0.0005  # a caller that added no step to a partial frame for this long is idle: send it
 
 
 class StepWriter:
@@ -43,7 +41,6 @@ class StepWriter:
         # field needs conversion (bfloat16) or before the schema is known.
         self._fast: tuple[tuple[str, np.dtype, tuple, frozenset], ...] | None = None
         self._frame_steps = 0  # steps per frame, known once the schema is negotiated
-        self._armed = False  # a _send_when_idle is pending on the I/O loop
         self._max_buffers = config.frame_buffers  # frame buffers allowed (resending keeps more)
         # Large puts go out zero-copy from the caller's memory unless they must be kept for resending.
         self._copy_large = config.resend_buffer_bytes > 0 and config.resend_large_puts
@@ -138,8 +135,6 @@ class StepWriter:
             fb.version = v
             fb.n = at + 1
             self._next_seq += 1
-            if at == 0:
-                self._arm(fb)
             return True
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
@@ -210,14 +205,11 @@ class StepWriter:
                 if fb is not None:
                     k = min(count - done, fb.capacity - fb.n)
                     write(fb, fb.n, done, k)
-                    first = fb.n == 0
                     fb.n += k
                     self._next_seq += k
                     done += k
                     if fb.n == fb.capacity:
                         full, self._current = fb, None
-                    elif first:
-                        self._arm(fb)
             if full is not None:
                 self._dispatch(full, v)
                 continue
@@ -299,45 +291,19 @@ class StepWriter:
             self._conn.outstanding += 1
         self._io.soon(self._conn.submit, frame)
 
-    def _arm(self, fb: FrameBuffer) -> None:
-        """A step landed in the empty frame ``fb`` (lock held): have the I/O loop look at it
-        soon, unless it already will. The only timer an actor has, and one at a time: an actor
-        with nothing to send wakes for nothing, and a busy one wakes once per ``frame_linger``
-        at most, not once per frame."""
-        fb.started = time.monotonic()
-        if not self._armed:
-            self._armed = True
-            # Look a moment later, not at once: the I/O thread waking up takes the GIL from the
-            # caller, and a caller paused that way is not an idle one (it made sends of full
-            # frames go through the I/O thread: -40% at 64 KiB steps).
-            self._io.soon(self._io.loop.call_later, min(IDLE_CHECK, self.config.frame_linger),
-                          self._send_when_idle, fb, fb.n)  # fmt: skip
-
-    def _send_when_idle(self, fb: FrameBuffer, seen: int) -> None:
-        """On the I/O loop: send the partial frame now if nothing is adding to it or going out
-        (as Nagle with ``TCP_NODELAY``: a lone step leaves at once). While steps keep coming
-        (another frame is current, or ``fb`` grew past the ``seen`` steps it had) or frames are
-        still going out, let it fill up: it leaves full, or ``Config.frame_linger`` after its
-        first step."""
-        conn = self._conn
-        current = self._current  # an unlocked look: the caller's thread is mostly busy putting
-        if current is not None and current.n:
-            waited = time.monotonic() - current.started
-            busy = current is not fb or current.n > seen or conn.outstanding or conn.send_lock.locked()
-            if busy and waited < self.config.frame_linger:
-                self._io.loop.call_later(self.config.frame_linger - waited, self._send_when_idle, current, current.n)
-                return
-        with self._lock:  # disarm or send under the lock: a first step racing us must find it armed
-            current = self._current
-            if current is None or not current.n:
-                self._armed = False  # sent full or flushed meanwhile: the next first step arms again
-                return
-            self._current = None
-            self._armed = False
-            # Through the loop's ready queue, like every other hand-off: an earlier full frame
-            # handed off by the caller's thread may still be waiting there, and frames must
-            # reach the wire in seq order.
-            self._hand_off(current)
+    def linger_tick(self) -> None:
+        """On the I/O loop, every ``frame_linger``: send a partial frame that waited long enough."""
+        fb = self._current  # unlocked peek: most ticks find nothing to do
+        if fb is not None and fb.n and time.monotonic() - fb.started >= self.config.frame_linger:
+            with self._lock:
+                if self._current is fb and fb.n:
+                    self._current = None
+                    # Through the loop's ready queue, like every other hand-off: an earlier full
+                    # frame handed off by the caller's thread may still be waiting there, and
+                    # frames must reach the wire in seq order.
+                    self._hand_off(fb)
+        if not self.closed:
+            self._io.loop.call_later(self.config.frame_linger, self.linger_tick)
 
     def flush(self, timeout: float | None = None) -> None:
         """Send any partial frame and wait until the learner holds every step put so far.

@@ -43,11 +43,11 @@ class CreditGranter:
         ring = self.ring
         if ring is None:
             return
+        window = max(4 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
+        threshold = max(1, window // 4)  # grant in chunks: one Credit message per quarter window
         active = [s for s in self.sessions.values() if s.state == "open" and s.ring is ring and s.receiver]
         if not active:
             return
-        window = self.window(ring, len(active))
-        threshold = max(1, window // 4)  # grant in chunks: one Credit message per quarter window
         self._rotation = (self._rotation + 1) % len(active)
         now = time.monotonic()
         for session in active[self._rotation :] + active[: self._rotation]:
@@ -63,14 +63,6 @@ class CreditGranter:
                 continue
             ring.grant(give)
             session.grant(give, low_water=window - threshold)
-
-    def window(self, ring: StepRing, actors: int) -> int:
-        """The credit one actor may hold: the configured window, but at most a fair share of the
-        ring (half of it spread over the actors; the other half holds what is in flight or not
-        yet fetched). Without the cap the first few actors were promised the whole ring, and
-        every actor after them waited for credit: a p99 of 300 ms at 64 actors of 20 steps/s."""
-        configured = max(4 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
-        return max(1, min(configured, ring.capacity // (2 * actors)))
 
     def reclaim_idle(self, now: float) -> None:
         """When the ring has no room left to grant, take credit back from idle actors (keeping

@@ -6,10 +6,15 @@
 - ``rlink-publish``: a Learner and N subscribed actor processes; ``publish(state, wait=True)``
   returns once every actor has the version, verified. Time: that call, snapshot included.
 
+With ``--device cuda:0`` the state dict lives on the GPU. The plain root then copies its flat
+tensor to the host and broadcasts that (what gloo needs; NCCL refuses two ranks on one GPU), and
+the copy is inside its time; the actors stay on the host in both systems.
+
 The state dict is ``tensors`` float32 tensors adding up to ``size_mb`` MiB. Repetitions alternate
 between the two systems, so drift on a noisy machine hits both alike; medians are reported.
 
-Usage: python bench/fanout.py [--size-mb 100] [--subscribers 3] [--reps 5] [--json out.json]
+Usage: python bench/fanout.py [--size-mb 100] [--subscribers 3] [--reps 5] [--device cuda:0]
+       [--json out.json]
 """
 
 from __future__ import annotations
@@ -24,11 +29,11 @@ import time
 from typing import Any
 
 
-def _state(size_mb: int, tensors: int) -> dict[str, Any]:
+def _state(size_mb: int, tensors: int, device: str = "cpu") -> dict[str, Any]:
     import torch
 
     per = size_mb * (1 << 20) // 4 // tensors
-    return {f"layer{i}.weight": torch.full((per,), float(i)) for i in range(tensors)}
+    return {f"layer{i}.weight": torch.full((per,), float(i), device=device) for i in range(tensors)}
 
 
 # --- plain broadcast --------------------------------------------------------------------------
@@ -49,7 +54,7 @@ def _plain_receiver(port: int, rank: int, world: int, numel: int, reps: int, res
 
 
 class PlainBroadcast:
-    def __init__(self, numel: int, subscribers: int, reps: int):
+    def __init__(self, numel: int, subscribers: int, reps: int, device: str = "cpu"):
         import torch
 
         from ..weights.group import new_group, serve_store
@@ -63,7 +68,7 @@ class PlainBroadcast:
         for p in self.procs:
             p.start()
         self.group = new_group(store, "plain/", 0, world, backend="gloo", hostname="127.0.0.1", timeout=60)
-        self.flat = torch.ones(numel)
+        self.flat = torch.ones(numel, device=device)
         self.subscribers = subscribers
         self.store = store
 
@@ -72,7 +77,7 @@ class PlainBroadcast:
 
         self.group.broadcast(torch.zeros(1), 0).wait()
         started = time.monotonic()
-        self.group.broadcast(self.flat, 0).wait()
+        self.group.broadcast(self.flat.cpu(), 0).wait()  # .cpu() is free for a host tensor
         ends = [self.results.get(timeout=60)[1] for _ in range(self.subscribers)]
         return max(ends) - started
 
@@ -125,10 +130,11 @@ class RlinkPublish:
         return {"learner": stats, "actors": reports}
 
 
-def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 25) -> dict[str, Any]:
-    state = _state(size_mb, tensors)
+def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 25,
+        device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+    state = _state(size_mb, tensors, device)
     numel = sum(t.numel() for t in state.values())
-    plain = PlainBroadcast(numel, subscribers, reps)
+    plain = PlainBroadcast(numel, subscribers, reps, device)
     rlink = RlinkPublish(subscribers, reps)
     times: dict[str, list[float]] = {"plain-broadcast": [], "rlink-publish": []}
     try:
@@ -146,6 +152,7 @@ def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 
         "size_mb": size_mb,
         "subscribers": subscribers,
         "tensors": tensors,
+        "device": device,
         "reps": reps,
         "seconds": times,
         "median_seconds": med,
@@ -164,9 +171,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--subscribers", type=int, default=3)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tensors", type=int, default=25)
+    parser.add_argument("--device", default="cpu", help='where the published state dict lives, e.g. "cuda:0"')
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    out = run(args.size_mb, args.subscribers, args.reps, args.tensors)
+    out = run(args.size_mb, args.subscribers, args.reps, args.tensors, args.device)
     for name, values in out["seconds"].items():
         print(f"{name:16s} median {statistics.median(values) * 1e3:8.1f} ms   "
               f"min {min(values) * 1e3:8.1f}   max {max(values) * 1e3:8.1f}")  # fmt: skip

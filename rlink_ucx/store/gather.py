@@ -4,12 +4,17 @@ On CPU, a batch that is exactly one ring chunk is lent without a copy (see ``Ste
 otherwise pieces are copied into staging buffers from a small pool, reused only once nothing
 outside the pool refers to them (so a batch the user kept is never overwritten). On CUDA the
 ring is pinned and pieces are copied with ``non_blocking=True`` on a side stream; the user's
-stream waits for that copy, and the ring space is released once it completed.
+stream waits for that copy, and a small thread releases the ring space as soon as the copy has
+completed (not at the next fetch: space held until then would hold back the actors' credits
+for a whole training step, and a flushing actor for as long as the learner does not fetch).
 """
 
 from __future__ import annotations
 
+import queue
 import sys
+import threading
+import weakref
 from typing import Any
 
 import numpy as np
@@ -45,16 +50,14 @@ class BatchAssembler:
         self.lends = ring.chunk_steps == batch_size and not self.cuda
         self.lent_batches = 0
         self._pool: list[_Staging] = []
-        self._pending: list[tuple[Any, int]] = []  # (CUDA event, take id) of copies in flight
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._dtypes = [torch_dtype(f.dtype) for f in ring.schema.fields]
-
-    def release_finished(self, wait: bool = False) -> None:
-        """Free ring space whose device copies completed (all of it when ``wait``)."""
-        while self._pending and (wait or self._pending[0][0].query()):
-            event, take_id = self._pending.pop(0)
-            event.synchronize()
-            self.ring.release(take_id)
+        # (CUDA event, take id) of device copies in flight; None stops the releasing thread
+        self._copies: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
+        if self.cuda:
+            threading.Thread(target=_release_when_copied, args=(self._copies, ring), daemon=True,
+                             name="rlink-release").start()  # fmt: skip
+            weakref.finalize(self, self._copies.put, None)
 
     def assemble(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
         """The batch of ``pieces`` (``batch_size`` steps, or fewer for the last one of a stream)."""
@@ -113,7 +116,6 @@ class BatchAssembler:
 
     def _assemble_cuda(self, pieces: list[Piece], take_id: int, meta_host: np.ndarray) -> Batch:
         torch = self.torch
-        self.release_finished()
         fields = {}
         with torch.cuda.stream(self._stream):
             for f, (spec, dtype) in enumerate(zip(self.ring.schema.fields, self._dtypes)):
@@ -127,8 +129,17 @@ class BatchAssembler:
             meta = torch.from_numpy(meta_host).pin_memory().to(self.device, non_blocking=True)
             event = torch.cuda.Event()
             event.record(self._stream)
-        self._pending.append((event, take_id))
+        self._copies.put((event, take_id))
         torch.cuda.current_stream(self.device).wait_stream(self._stream)
         for tensor in (*fields.values(), meta):
             tensor.record_stream(torch.cuda.current_stream(self.device))
         return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
+
+
+def _release_when_copied(copies: queue.SimpleQueue[tuple[Any, int] | None], ring: StepRing) -> None:
+    """Release each take's ring space once its device copy completed, in order. It holds the
+    ring, not the assembler, so a dropped dataset stops it (``None`` from its finalizer)."""
+    while (item := copies.get()) is not None:
+        event, take_id = item
+        event.synchronize()  # releases the GIL while it waits
+        ring.release(take_id)

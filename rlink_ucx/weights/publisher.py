@@ -275,9 +275,12 @@ class Publisher:
                 return
 
     def _host_copy(self, snap: Snapshot) -> Snapshot:
-        """A host copy of a CUDA snapshot, for gloo and pulls (made once per version)."""
+        """A host copy of a CUDA snapshot, for gloo and pulls (made once per version). It waits
+        until the snapshot is sealed: the fan-out starts while ``publish`` is still copying, and
+        a copy taken earlier would send (and cache, for every later pull) a half-written model."""
         if snap.device == "cpu":
             return snap
+        snap.wait_ready(len(snap.manifest.buckets()) + 1, self.config.weights_timeout)
         cached = snap.host
         if cached is None:
             flat = np.ascontiguousarray(snap.flat.cpu().numpy())

@@ -15,18 +15,26 @@ from tests.integration.procs import as_bytes  # noqa: E402
 
 
 def _cuda_subscriber(address: str, device: int, results, leave) -> None:
+    import faulthandler
+    import traceback
+
     import torch
 
     from rlink_ucx import Actor
 
-    torch.cuda.set_device(device)
-    with Actor(address, transport="tcp", subscribe=True) as actor:
-        while actor.get_remote_model(timeout=120, latest=False)[1] < 3:
-            pass
-        state, version = actor.get_remote_model(timeout=60)
-        results.put({"version": version, "state": as_bytes(state), "devices": sorted({str(t.device) for t in state.values()}),
-                     "stats": actor.stats()["weights"]})  # fmt: skip
-        leave.wait(60)
+    faulthandler.dump_traceback_later(60)  # a hang shows where, in the test's captured output
+    try:
+        torch.cuda.set_device(device)
+        with Actor(address, transport="tcp", subscribe=True) as actor:
+            results.put({"first": actor.get_remote_model(timeout=50)[1]})  # pulled: now in the next group
+            while actor.get_remote_model(timeout=50, latest=False)[1] < 3:
+                pass
+            state, version = actor.get_remote_model(timeout=30)
+            results.put({"version": version, "state": as_bytes(state), "devices": sorted({str(t.device) for t in state.values()}),
+                         "stats": actor.stats()["weights"]})  # fmt: skip
+            leave.wait(60)
+    except BaseException:  # noqa: BLE001 - the test reports it
+        results.put({"error": traceback.format_exc()})
 
 
 def cuda_state(version: int) -> dict:
@@ -35,7 +43,7 @@ def cuda_state(version: int) -> dict:
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(180)
+@pytest.mark.timeout(150)
 def test_cuda_parameters_reach_actors_bit_identical():
     n_gpus = torch.cuda.device_count()
     devices = [1] if n_gpus > 1 else [0]  # an actor on its own GPU makes the fan-out NCCL
@@ -45,9 +53,13 @@ def test_cuda_parameters_reach_actors_bit_identical():
         procs = [ctx.Process(target=_cuda_subscriber, args=(learner.address, d, results, leave)) for d in devices]
         for p in procs:
             p.start()
-        for v in (1, 2, 3):
-            assert learner.publish(cuda_state(v), wait=True, timeout=120) == v
-        reports = [results.get(timeout=120) for _ in procs]
+        assert learner.publish(cuda_state(1), wait=True, timeout=60) == 1
+        firsts = [results.get(timeout=75) for _ in procs]  # every actor pulled version 1 ...
+        assert [r.get("first") for r in firsts] == [1] * len(procs), firsts
+        for v in (2, 3):  # ... so versions 2 and 3 go out by broadcast, from the CUDA snapshot
+            assert learner.publish(cuda_state(v), wait=True, timeout=60) == v
+        reports = [results.get(timeout=75) for _ in procs]
+        assert not [r["error"] for r in reports if "error" in r]
         leave.set()
         for p in procs:
             p.join(60)
@@ -55,5 +67,6 @@ def test_cuda_parameters_reach_actors_bit_identical():
     expected = as_bytes(cuda_state(3))
     for r in reports:
         assert r["version"] == 3 and r["state"] == expected
-        assert r["stats"]["failures"] == 0
+        assert r["stats"]["failures"] == 0 and r["stats"]["pulls"] >= 1 and r["stats"]["broadcasts"] >= 1, r["stats"]
+    assert stats["fanout_failures"] == 0 and stats["groups"] >= 1, stats
     assert stats["backend"] == ("nccl" if n_gpus > 1 else "gloo"), stats

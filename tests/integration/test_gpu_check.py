@@ -15,7 +15,7 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STEPS = ["wheels", "env", "gpu-tests", "gpu-throughput", "ucx-d2d", "gpu-latency", "fanout"]
+STEPS = ["wheels", "env", "gpu-tests", "gpu-throughput", "ucx-d2d", "gpu-latency", "host-latency", "fanout"]
 STATUSES = {"ok", "failed", "timed out", "skipped-no-cuda", "skipped"}
 torch = pytest.importorskip("torch")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: ci/gpu-check.sh measures it")
@@ -108,6 +108,7 @@ def test_gpu_check_on_a_machine_without_cuda_reports_no_cuda_and_exits_0(tmp_pat
     for name in ("gpu-tests", "gpu-throughput", "ucx-d2d", "gpu-latency", "fanout"):
         assert steps[name]["status"] == "skipped-no-cuda", steps[name]
     assert steps["env"]["status"] == "ok" and steps["env"]["file"] == "env.txt"
+    assert steps["host-latency"]["status"] == "ok"  # host steps: it runs on any machine
     for name in ("ucx-d2d", "gpu-latency"):  # they ran, and said so in their JSON
         assert steps[name]["exit_status"] == 3 and json.loads((out / steps[name]["file"]).read_text())["cuda"] is False
     text = (out / "summary.txt").read_text()

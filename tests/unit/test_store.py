@@ -165,3 +165,42 @@ def test_random_interleaving_of_frames_takes_and_kept_batches_stays_fifo_and_int
             first = b.seq[0].item()
             assert b["x"].tolist() == list(range(first, first + 4)), "a kept batch was overwritten"
     assert assembler.lent_batches > 20 and taken > 200
+
+
+class _CopyEvent:
+    """Stands in for a CUDA event: ``synchronize`` blocks until the copy is marked done."""
+
+    def __init__(self):
+        self.done = threading.Event()
+
+    def synchronize(self):
+        assert self.done.wait(10)
+
+
+def test_ring_space_of_a_device_copy_is_released_when_the_copy_completes_not_at_the_next_fetch():
+    import queue
+
+    from rlink_ucx.store.gather import _release_when_copied
+
+    ring = StepRing(SCHEMA, 16 * 8, max_frame_steps=4)
+    freed = threading.Event()
+    ring.on_space_freed = freed.set
+    for first in (0, 4):
+        seg = ring.reserve(4, actor_id=1, seq=first, version=0)
+        fill(ring, seg, first)
+    copies: queue.SimpleQueue = queue.SimpleQueue()
+    releaser = threading.Thread(target=_release_when_copied, args=(copies, ring), daemon=True)
+    releaser.start()
+    events = []
+    for _ in range(2):
+        _pieces, take = ring.take(4, timeout=1)
+        events.append(_CopyEvent())
+        copies.put((events[-1], take))
+    assert not freed.wait(0.2) and ring.used == 8  # copies still running: nothing reusable
+    events[0].done.set()
+    assert freed.wait(5)  # no fetch in between: the copy's completion alone frees it
+    assert ring.used == 4  # only the first take's steps
+    events[1].done.set()
+    copies.put(None)
+    releaser.join(5)
+    assert not releaser.is_alive() and ring.used == 0

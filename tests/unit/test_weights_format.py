@@ -117,3 +117,35 @@ def test_buffer_pool_never_reuses_a_buffer_someone_still_reads():
     assert third.flat.ctypes.data == address, "a released buffer should be reused"
     assert kept.eq(1.0).all()
     assert isinstance(third, Snapshot) and np.all(third.tensors()["w"].numpy() == 3.0)
+
+
+def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
+    """The fan-out thread starts while ``publish`` is still copying a CUDA model; a host copy
+    (for gloo and pulls) taken then would send, and cache for every later pull, a half-written
+    model. A CPU torch buffer labelled as a device snapshot takes the same code path."""
+    import threading
+    import types
+
+    from rlink_ucx.config import Config
+    from rlink_ucx.weights.publisher import Publisher
+    from rlink_ucx.weights.snapshot import fill, layout
+
+    state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.full((7,), 3.0)}
+    entries, total = layout(state)
+    flat = torch.zeros(total, dtype=torch.uint8)
+    snap = Snapshot(Manifest(1, entries, total, 256, [], "sum64"), flat, "cuda:0", sealed=False)
+    publisher = Publisher(types.SimpleNamespace(config=Config(weights_timeout=20.0), loop=None))
+    copies: list[Snapshot] = []
+    copier = threading.Thread(target=lambda: copies.append(publisher._host_copy(snap)))
+    copier.start()
+    copier.join(0.3)
+    assert copier.is_alive() and not copies  # still waiting: nothing was copied yet
+    fill(snap, state)
+    copier.join(10)
+    assert len(copies) == 1
+    host = copies[0]
+    assert host.device == "cpu" and host.manifest.checksum == "xxh3"
+    host.verify()
+    got = host.tensors()
+    assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
+    assert publisher._host_copy(snap) is host  # made once per version

@@ -49,7 +49,9 @@ class Config:
 
     # --- actor-side coalescing ------------------------------------------------------------
     frame_bytes: int = 1 * MiB  # target payload per frame; small steps are coalesced to this
-    frame_linger: float = 0.005  # a partly filled frame is sent after this many seconds
+    # A partly filled frame is sent about this long after its first step (0.5x to 1.5x: one
+    # timer serves every actor of a process, armed only while a partial frame waits).
+    frame_linger: float = 0.005
     frame_buffers: int = 4  # frames an actor can fill while earlier ones are in flight
     # Frames sent but not yet acknowledged are kept (up to this many bytes) and resent after a
     # reconnect; past it, put waits for acknowledgements (0: keep nothing). Small steps are

@@ -71,7 +71,9 @@ class ControlReader:
         with self.changed:
             self.acked = max(self.acked, seq)
             while self.inflight and self.inflight[0].seq + self.inflight[0].n <= self.acked:
-                self.free.append(self.inflight.popleft())
+                frame = self.inflight.popleft()
+                if frame.pooled:
+                    self.free.append(frame)
             self.changed.notify_all()
 
     def _on_weights(self, msg: _wire.Version | _wire.Publish | _wire.Group | _wire.Sealed) -> None:

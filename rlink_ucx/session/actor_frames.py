@@ -34,6 +34,18 @@ class FrameBuffer:
         self.version = 0
         self.sent = 0
         self.started = 0.0
+        self.pooled = True  # goes back to the connection's pool once sent (and acknowledged)
+
+    def compact(self, schema: Schema) -> FrameBuffer:
+        """A right-sized copy of this frame's steps, outside the pool: a partial frame that
+        lingered leaves in it, and this buffer takes the next steps at once (a slow actor would
+        otherwise hold one full-size buffer per step until the learner acknowledges it)."""
+        small = FrameBuffer(schema, self.n)
+        for dst, src in zip(small.flat, self.flat):
+            dst[:] = src[: len(dst)]
+        small.n, small.seq, small.version, small.started = self.n, self.seq, self.version, self.started
+        small.pooled = False
+        return small
 
     def reset(self, seq: int, version: int) -> None:
         self.n, self.seq, self.version, self.sent = 0, seq, version, 0

@@ -27,7 +27,8 @@ class Outbox:
         """A frame leaves the queue for good (changed lock held)."""
         self.outstanding -= 1
         if isinstance(frame, FrameBuffer):
-            self.free.append(frame)
+            if frame.pooled:
+                self.free.append(frame)
         elif frame.done is not None:
             frame.done.set()
 

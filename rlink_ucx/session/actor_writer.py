@@ -24,6 +24,10 @@ __all__ = ["StepWriter"]
 
 
 
+# A partial frame up to this size leaves the writer as a copy when it lingered, and its buffer
+# stays the current frame (see FrameBuffer.compact); a larger one leaves in its own buffer.
+_COMPACT_BYTES = 64 << 10
+
 class StepWriter:
     """Coalesces one actor's steps into frames (any caller thread; one lock)."""
 
@@ -35,6 +39,11 @@ class StepWriter:
         self.policy_version = 0  # stamped on steps put without an explicit version
         self._lock = threading.Lock()
         self._current: FrameBuffer | None = None
+        # The linger timer runs only while a partial frame may be waiting: armed by the step that
+        # starts a frame, disarmed by a tick that finds nothing to send (an idle actor never wakes).
+        self._armed = False
+        self._stop_ticks: Any = None
+        self._idle_ticks = 0  # ticks in a row that found no step waiting (loop thread only)
         self._next_seq = 0
         self._fields: list[Field] | None = None
         # (name, dtype, shape, scalar types) per field for put's one-pass fast path; None when a
@@ -135,6 +144,8 @@ class StepWriter:
             fb.version = v
             fb.n = at + 1
             self._next_seq += 1
+            if at == 0:
+                self._first_step_locked(fb)
             return True
 
     def put_many(self, steps: Mapping[str, Any], *, version: int | None = None) -> None:
@@ -205,6 +216,8 @@ class StepWriter:
                 if fb is not None:
                     k = min(count - done, fb.capacity - fb.n)
                     write(fb, fb.n, done, k)
+                    if fb.n == 0:
+                        self._first_step_locked(fb)
                     fb.n += k
                     self._next_seq += k
                     done += k
@@ -254,7 +267,8 @@ class StepWriter:
             while not conn.free:
                 # Frames kept for resending do not count against the frame_buffers that may be
                 # filled ahead of the network (or put would run ahead of its credit).
-                if conn.buffers < self._max_buffers and conn.buffers - len(conn.inflight) < self.config.frame_buffers:
+                kept = sum(f.pooled for f in conn.inflight)  # compact copies are not pool buffers
+                if conn.buffers < self._max_buffers and conn.buffers - kept < self.config.frame_buffers:
                     conn.buffers += 1
                     return self._new_frame_buffer(self._conn.schema, self._frame_steps)
                 if conn.inflight:  # every buffer waits for an acknowledgement: ask for one now
@@ -291,19 +305,69 @@ class StepWriter:
             self._conn.outstanding += 1
         self._io.soon(self._conn.submit, frame)
 
+    def _first_step_locked(self, fb: FrameBuffer) -> None:
+        """A frame got its first step: it may leave ``frame_linger`` from now; arm the timer."""
+        fb.started = time.monotonic()
+        if not self._armed and not self.closed:
+            self._armed = True
+            self._io.soon(self._start_ticks)
+
+    def _start_ticks(self) -> None:
+        with self._lock:  # against stop_ticks on the closing thread
+            if self._stop_ticks is None and self._armed and not self.closed:
+                self._stop_ticks = self._io.every(self.config.frame_linger, self.linger_tick)
+
+    def stop_ticks(self) -> None:
+        """At close: no more linger ticks."""
+        with self._lock:
+            self._armed = False
+            stop, self._stop_ticks = self._stop_ticks, None
+        if stop is not None:
+            stop()
+
     def linger_tick(self) -> None:
-        """On the I/O loop, every ``frame_linger``: send a partial frame that waited long enough."""
+        """On the I/O loop, every ``frame_linger`` while armed (``IOThread.every``: one timer for
+        all the actors of a process): send a partial frame that waited long enough; disarm once
+        nothing is waiting."""
         fb = self._current  # unlocked peek: most ticks find nothing to do
-        if fb is not None and fb.n and time.monotonic() - fb.started >= self.config.frame_linger:
+        # Half a linger old is enough: the timer is shared, so its phase is not this frame's, and
+        # a frame that just missed a tick would otherwise wait almost two lingers.
+        if fb is not None and fb.n and time.monotonic() - fb.started >= self.config.frame_linger / 2:
             with self._lock:
                 if self._current is fb and fb.n:
-                    self._current = None
+                    if fb.n * self._conn.schema.step_bytes <= _COMPACT_BYTES:
+                        frame = fb.compact(self._conn.schema)
+                        fb.reset(self._next_seq, fb.version)  # stays the current frame, empty
+                    else:
+                        frame, self._current = fb, None
                     # Through the loop's ready queue, like every other hand-off: an earlier full
                     # frame handed off by the caller's thread may still be waiting there, and
                     # frames must reach the wire in seq order.
-                    self._hand_off(fb)
-        if not self.closed:
-            self._io.loop.call_later(self.config.frame_linger, self.linger_tick)
+                    self._hand_off(frame)
+                    self._idle_ticks = 1  # a frame that lingered: a slow actor, stop at once
+        self._disarm_if_idle()
+
+    def _disarm_if_idle(self) -> None:
+        """Stop ticking once no step is waiting: at once after sending a frame that lingered, else
+        after two ticks in a row found none (one would disarm and re-arm a streaming actor, whose
+        frame is empty just after each send, once per frame)."""
+        fb = self._current
+        if fb is not None and fb.n:
+            self._idle_ticks = 0
+            return
+        self._idle_ticks += 1
+        if self._idle_ticks < 2:
+            return
+        with self._lock:
+            fb = self._current
+            if fb is not None and fb.n:  # a step came meanwhile: it saw _armed and relies on us
+                self._idle_ticks = 0
+                return
+            self._armed = False
+            stop, self._stop_ticks = self._stop_ticks, None
+        self._idle_ticks = 0
+        if stop is not None:
+            stop()
 
     def flush(self, timeout: float | None = None) -> None:
         """Send any partial frame and wait until the learner holds every step put so far.

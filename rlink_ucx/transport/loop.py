@@ -1,6 +1,9 @@
-"""The I/O thread: one asyncio loop per Learner/Actor.
+"""The I/O thread: one asyncio loop per Learner, and one per process for all its Actors.
 
 The sync public API hands work to the loop with :meth:`IOThread.call`; the loop never blocks.
+A process holding many ``Actor`` objects (a vectorized or threaded sampler) shares one loop
+among them (:func:`shared_io`): threads per process do not grow with the number of actors, and
+their periodic work runs from one timer per interval (:meth:`IOThread.every`), not one each.
 """
 
 from __future__ import annotations
@@ -8,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any, TypeVar
 
 from ..errors import Closed
@@ -40,8 +44,44 @@ class IOThread:
 
     def __init__(self, name: str):
         self.loop = asyncio.new_event_loop()
+        self.pid = os.getpid()  # a forked child inherits the object, not the thread
+        self._every: dict[float, list[Callable[[], None]]] = {}  # interval -> callbacks (loop thread only)
+        self._timers: set[float] = set()  # intervals whose timer is pending
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
+
+    def every(self, interval: float, fn: Callable[[], None]) -> Callable[[], None]:
+        """Call ``fn`` on the loop every ``interval`` seconds, from one timer shared by every
+        callback of that interval; returns a function that stops it (any thread)."""
+
+        def add() -> None:
+            self._every.setdefault(interval, []).append(fn)
+            if interval not in self._timers:
+                self._timers.add(interval)
+                self.loop.call_later(interval, self._tick, interval)
+
+        def remove() -> None:
+            callbacks = self._every.get(interval, [])
+            if fn in callbacks:
+                callbacks.remove(fn)
+
+        if self.in_loop_thread():
+            add()
+        else:
+            self.soon(add)
+        return lambda: remove() if self.in_loop_thread() else self.soon(remove)
+
+    def _tick(self, interval: float) -> None:
+        callbacks = self._every.get(interval)
+        if not callbacks:
+            self._timers.discard(interval)  # the next every() of this interval starts it again
+            return
+        for fn in list(callbacks):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - one actor's failure must not stop the others' ticks
+                log.exception("periodic callback %r failed", fn)
+        self.loop.call_later(interval, self._tick, interval)
 
     def _run(self) -> None:
         asyncio.set_event_loop(self.loop)
@@ -88,3 +128,34 @@ class IOThread:
             self.soon(self.loop.stop)
         # The join is bounded: a wedged native call (UCX progress) must not hang close().
         self._thread.join(timeout)
+
+
+_shared: IOThread | None = None
+_shared_users = 0
+_shared_lock = threading.Lock()
+
+
+def shared_io() -> IOThread:
+    """The I/O thread every Actor of this process uses; pair each call with :func:`release_io`."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if _shared is None or _shared.pid != os.getpid() or not _shared._thread.is_alive():
+            _shared, _shared_users = IOThread(name="rlink-actor-io"), 0
+        _shared_users += 1
+        return _shared
+
+
+def release_io(io: IOThread, timeout: float) -> None:
+    """One user of the shared I/O thread is done; the last one stops it (a later Actor starts a
+    new one), so a process that closed all its actors keeps no rlink thread."""
+    global _shared, _shared_users
+    with _shared_lock:
+        if io is not _shared:
+            last = True  # from before a fork, or already replaced: it is ours alone to stop
+        else:
+            _shared_users -= 1
+            last = _shared_users <= 0
+            if last:
+                _shared = None
+    if last and io.pid == os.getpid():
+        io.stop(timeout)

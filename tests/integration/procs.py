@@ -485,3 +485,40 @@ def storm_actors(address: str, first_id: int, count: int, steps: int, config_kwa
         t.start()
     for t in threads:
         t.join(120)
+
+
+def many_actors_one_process(address: str, count: int, results) -> None:
+    """``count`` Actor objects in one process (half tcp, half shm): report the threads they
+    add, how often an idle one's linger timer fires, and put from every one of them, closing
+    half of them half way (the others must keep working on the shared I/O loop)."""
+    import threading
+
+    from rlink_ucx import Actor
+
+    base = threading.active_count()
+    actors = [Actor(address, transport="tcp" if i % 2 else "shm", actor_id=100 + i) for i in range(count)]
+    threads = threading.active_count() - base
+    ticks = [0]
+    first = actors[0]._writer
+    real_tick = first.linger_tick
+
+    def counted_tick() -> None:
+        ticks[0] += 1
+        real_tick()
+
+    first.linger_tick = counted_tick  # looked up when the timer is armed, at the first step
+    for i, a in enumerate(actors):
+        a.put({"x": np.int64(a.actor_id * 1000)})  # one step, left to linger
+    time.sleep(0.5)  # the steps leave after frame_linger; then the timers must stop
+    ticks_after_step = ticks[0]
+    time.sleep(1.0)
+    idle_ticks = ticks[0] - ticks_after_step
+    for a in actors[: count // 2]:
+        a.close()
+    for a in actors[count // 2 :]:
+        a.put_many({"x": np.arange(1, 11, dtype=np.int64) + a.actor_id * 1000})
+        a.flush(30)
+    for a in actors[count // 2 :]:
+        a.close()
+    results.put({"threads": threads, "ticks_after_step": ticks_after_step, "idle_ticks": idle_ticks,
+                 "threads_after_close": threading.active_count() - base})  # fmt: skip

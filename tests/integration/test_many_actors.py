@@ -99,3 +99,33 @@ def test_more_actors_than_max_connections_are_turned_away_with_a_clear_error():
         for a in admitted:
             a.close()
     assert stats["rejected_connections"] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_actors_of_one_process_share_one_io_thread_and_idle_ones_never_wake():
+    from tests.integration.procs import many_actors_one_process
+
+    count = 16
+    # A small credit window: with the default 32 MiB, 16 actors of 8-byte steps ask for more
+    # than the 64 MiB ring, and the last ones wait for idle credit to be reclaimed (open issue).
+    with Learner("127.0.0.1:0", config=Config(frame_bytes=64 << 10, actor_window_bytes=256 << 10)) as learner:
+        dataset = RLinkDataset(learner, batch_size=1)
+        results = SPAWN.Queue()
+        proc = SPAWN.Process(target=many_actors_one_process, args=(learner.address, count, results))
+        proc.start()
+        try:
+            report = results.get(timeout=90)
+            got = drain(dataset, count + (count // 2) * 10, 30)
+        finally:
+            proc.join(10)
+            proc.kill()
+    ids = [100 + i for i in range(count)]
+    expected = [a * 1000 for a in ids] + [a * 1000 + k for a in ids[count // 2 :] for k in range(1, 11)]
+    assert sorted(got) == sorted(expected)  # the closes of half the actors disturbed no one
+    # One I/O thread for all 16 actors (the shm plane may add one executor thread), none left after.
+    assert 1 <= report["threads"] <= 3, report
+    assert report["threads_after_close"] == 0, report
+    # The linger timer ran while the step waited, then stopped: an idle actor does not wake
+    # (it used to tick every frame_linger, 200 times a second).
+    assert 1 <= report["ticks_after_step"] <= 10, report
+    assert report["idle_ticks"] == 0, report

@@ -1,0 +1,63 @@
+"""The I/O loop: one shared by every Actor of a process, and periodic work from one timer."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from rlink_ucx.transport.loop import IOThread, release_io, shared_io
+
+pytestmark = pytest.mark.timeout(30)
+
+
+def test_every_runs_callbacks_of_one_interval_from_one_timer_and_stops_them():
+    io = IOThread("test-io")
+    try:
+        calls: list[tuple[str, float]] = []
+        timer_runs = [0]
+        real_tick = io._tick
+
+        def counted_tick(interval: float) -> None:
+            timer_runs[0] += 1
+            real_tick(interval)
+
+        io._tick = counted_tick  # type: ignore[method-assign]
+        stop_a = io.every(0.01, lambda: calls.append(("a", time.monotonic())))
+        stop_b = io.every(0.01, lambda: calls.append(("b", time.monotonic())))
+        time.sleep(0.3)
+        a, b = sum(c == "a" for c, _ in calls), sum(c == "b" for c, _ in calls)
+        assert 5 <= a <= 31 and abs(a - b) <= 1, (a, b)
+        assert timer_runs[0] <= a + 2  # one timer for both, not one each
+        stop_a()
+        stop_b()
+        time.sleep(0.05)
+        runs, n = timer_runs[0], len(calls)
+        time.sleep(0.2)
+        assert len(calls) == n and timer_runs[0] <= runs + 1  # stopped: nothing wakes any more
+        stop_c = io.every(0.01, lambda: calls.append(("c", time.monotonic())))  # starts a timer again
+        time.sleep(0.2)
+        c = sum(x == "c" for x, _ in calls)
+        assert 5 <= c <= 21, c  # one chain, not two
+        stop_c()
+        stop_d = io.every(0.01, lambda: calls.append(("d", time.monotonic())))  # while c's timer is pending
+        time.sleep(0.2)
+        d = sum(x == "d" for x, _ in calls)
+        assert 5 <= d <= 21, d
+        stop_d()
+    finally:
+        io.stop(5)
+
+
+def test_actors_of_a_process_share_one_io_thread_which_stops_with_the_last():
+    before = threading.active_count()
+    first, second = shared_io(), shared_io()
+    assert first is second and threading.active_count() == before + 1
+    release_io(first, 5)
+    assert first.loop.is_running()  # one user left
+    release_io(second, 5)
+    assert not first._thread.is_alive() and threading.active_count() == before
+    third = shared_io()
+    assert third is not first and third.loop.is_running()
+    release_io(third, 5)

@@ -44,6 +44,7 @@ __all__ = [
     "ProtocolError",
     "RLinkDataset",
     "RLinkError",
+    "ReplayDataset",
     "Schema",
     "SchemaMismatch",
     "Superseded",
@@ -55,10 +56,14 @@ logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 
 def __getattr__(name: str) -> Any:
-    # RLinkDataset subclasses torch's IterableDataset; importing it lazily keeps
+    # RLinkDataset and ReplayDataset subclass torch's IterableDataset; importing it lazily keeps
     # `import rlink_ucx` free of torch for actors that only use numpy.
     if name == "RLinkDataset":
         from .dataset import RLinkDataset
 
         return RLinkDataset
+    if name == "ReplayDataset":
+        from .replay import ReplayDataset
+
+        return ReplayDataset
     raise AttributeError(f"module 'rlink_ucx' has no attribute {name!r}")

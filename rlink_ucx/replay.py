@@ -1,0 +1,215 @@
+"""ReplayDataset: keep the actors' steps in a table on the learner and sample them."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Self
+
+import torch
+from torch.utils.data import IterableDataset, get_worker_info
+
+from .batch import Batch
+from .errors import Closed, ConfigError, SchemaMismatch
+from .learner import Learner
+from .store.checkpoint import CheckpointError, read_manifest, restore, save
+from .store.inserter import Inserter
+from .store.limiter import RateLimiter
+from .store.replay_core import ReplayCore, stored_schema
+
+__all__ = ["CheckpointError", "ReplayDataset"]
+
+_SAMPLERS = ("uniform", "prioritized", "fifo")
+
+
+class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
+    """A replay table of the last ``capacity`` steps the actors put, sampled in batches.
+
+    Steps arrive from the learner exactly as for :class:`RLinkDataset` (same ``put``, planes and
+    credits), are inserted in arrival order, and the oldest is evicted when the table is full.
+
+    Args:
+        learner: the :class:`Learner` whose actors fill the table. Read it through one dataset
+            only (a ``RLinkDataset`` on the same learner would take steps away from it).
+        capacity: steps held at most (preallocated when the first actor's schema is known).
+        batch_size: items per :meth:`sample`.
+        sampler: ``"uniform"`` (with replacement), ``"prioritized"`` (P(i) proportional to
+            ``priority ** priority_exponent``, a sum tree) or ``"fifo"`` (each step once, in
+            order; a step is never evicted before it was handed out, so the actors wait instead).
+        sequence_length: T: each item is a window of T consecutive steps of one actor's stream
+            (same actor, consecutive ``seq``; never across actors or a gap); fields come as
+            ``[B, T, ...]``. Windows may cross an episode end: your ``done`` field shows where.
+        priority_exponent: alpha, for ``"prioritized"``.
+        importance_exponent: beta: ``batch.weight = (N * P(i)) ** -beta``, normalized by the
+            batch's largest weight (1.0 unless prioritized).
+        samples_per_insert: the rate limiter (Reverb's ``SampleToInsertRatio``): with
+            ``s = samples_per_insert``, ``m = min_size`` and ``e = spi_tolerance``, ``diff = s *
+            inserted - sampled`` stays within ``s*m +- e`` (a batch of B counts B items; a window
+            counts 1). A sample that would leave the band blocks; an insert that would leave it
+            waits, so the learner stops granting credit and the actors slow down (nothing is
+            dropped). Off when None.
+        spi_tolerance: e, in samples (default ``batch_size + samples_per_insert``, the least
+            that can never block both sides at once).
+        min_size: no sample before this many steps are held.
+        device: ``"cpu"`` or ``"cuda:N"`` (batches are copied there asynchronously from pinned
+            host staging).
+        timeout: default seconds :meth:`sample` waits (``Config.fetch_timeout`` if None).
+        seed: seeds the sampler's random generator (for reproducible tests).
+
+    Priorities from actors: ``actor.put(step, priority=p)`` / ``actor.put_many(steps,
+    priority=array)``. An actor passes a priority on every put or on none (it is a field of
+    the actor's schema); a step without one gets the highest priority seen so far.
+
+    Example::
+
+        replay = ReplayDataset(learner, capacity=100_000, batch_size=256, sampler="prioritized")
+        batch = replay.sample(timeout=30)
+        loss = (batch.weight * td_error ** 2).mean()
+        replay.update_priorities(batch.index, td_error.abs())
+    """
+
+    def __init__(self, learner: Learner, *, capacity: int, batch_size: int, sampler: str = "uniform",
+                 sequence_length: int | None = None, priority_exponent: float = 0.6,
+                 importance_exponent: float = 0.4, samples_per_insert: float | None = None,
+                 spi_tolerance: float | None = None, min_size: int = 1, device: str | torch.device = "cpu",
+                 timeout: float | None = None, seed: int | None = None, _checkpoint: str | None = None):  # fmt: skip
+        _check(capacity, batch_size, sampler, sequence_length, priority_exponent, importance_exponent, min_size)
+        self.device = torch.device(device)
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ConfigError(f"device {self.device} requested but CUDA is not available")
+        limiter = RateLimiter.create(min_size, samples_per_insert, spi_tolerance, batch_size)
+        self.learner = learner
+        self.batch_size = batch_size
+        self.timeout = timeout
+        self._settings = {"capacity": capacity, "batch_size": batch_size, "sampler": sampler,
+                          "sequence_length": sequence_length, "priority_exponent": priority_exponent,
+                          "importance_exponent": importance_exponent, "samples_per_insert": samples_per_insert,
+                          "spi_tolerance": spi_tolerance, "min_size": min_size}  # fmt: skip
+        self._core = ReplayCore(capacity=capacity, batch_size=batch_size, sampler=sampler,
+                                sequence_length=sequence_length, alpha=priority_exponent, beta=importance_exponent,
+                                limiter=limiter, device=self.device, version=lambda: learner.version,
+                                seed=seed)  # fmt: skip
+        if _checkpoint is not None:
+            restore(self._core, _checkpoint, read_manifest(_checkpoint))
+            ring = learner._wait_ring(0.0)  # the learner already knows its actors' schema: check it now
+            if (
+                ring is not None
+                and self._core.table is not None
+                and stored_schema(ring.schema) != self._core.table.schema
+            ):
+                raise SchemaMismatch(f"the checkpoint's schema {self._core.table.schema.describe()} does not match "
+                                     f"the learner's {stored_schema(ring.schema).describe()}")  # fmt: skip
+        self._inserter = Inserter(self._core, learner._wait_ring)
+        self._inserter.start()
+
+    # --- sampling ---------------------------------------------------------------------------------
+    def sample(self, timeout: float | None = None) -> Batch:
+        """A batch of ``batch_size`` items, with ``batch.index`` and ``batch.weight``.
+
+        Raises:
+            TimeoutError: no batch could be sampled within ``timeout`` (too few steps held, or the
+                rate limiter waits for inserts).
+            Closed: the replay was closed, or the learner closed and no batch is possible.
+            SchemaMismatch: the actors' schema differs from a loaded checkpoint's.
+        """
+        if timeout is None:
+            timeout = self.timeout if self.timeout is not None else self.learner.config.fetch_timeout
+        return self._core.sample(timeout)
+
+    def update_priorities(self, index: Any, priorities: Any) -> None:
+        """Set the priorities of the items ``index`` (from ``batch.index``); ids evicted since
+        they were sampled are ignored. Without the prioritized sampler the values are checked,
+        then ignored.
+
+        Raises:
+            ConfigError: lengths differ, or a priority is negative, NaN or infinite (nothing changes).
+        """
+        self._core.update_priorities(index, priorities)
+
+    def __len__(self) -> int:
+        """Steps held now."""
+        table = self._core.table
+        return 0 if table is None else table.held
+
+    @property
+    def inserted(self) -> int:
+        """Steps ever inserted (held or evicted)."""
+        table = self._core.table
+        return 0 if table is None else table.inserted
+
+    @property
+    def sampled(self) -> int:
+        """Items ever handed out (what the rate limiter counts)."""
+        return self._core.limiter.sampled
+
+    def __iter__(self) -> Any:
+        if get_worker_info() is not None:
+            raise ConfigError(
+                "ReplayDataset must be read in the learner process: use DataLoader(dataset, batch_size=None, num_workers=0)"
+            )
+        while not self.learner.closed:
+            try:
+                yield self.sample()
+            except Closed:
+                return
+
+    # --- checkpoints ------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """Write a consistent snapshot to the directory ``path`` (replaced if it exists).
+
+        Inserts pause while the fields stream to disk (the actors wait on credit, nothing is
+        dropped); sampling goes on.
+        """
+        save(self._core, path, self._settings)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], learner: Learner, *, device: str | torch.device = "cpu",
+             timeout: float | None = None, seed: int | None = None) -> ReplayDataset:  # fmt: skip
+        """A replay restored from ``path`` (settings, steps, priorities, counters, rate limiter)
+        that goes on receiving from ``learner``'s actors.
+
+        Raises:
+            CheckpointError: missing, truncated or corrupted files, or another format.
+            SchemaMismatch: the learner's actors send another schema than the checkpoint's.
+        """
+        settings = read_manifest(path)["settings"]
+        try:
+            return cls(learner, **settings, device=device, timeout=timeout, seed=seed, _checkpoint=os.fspath(path))
+        except TypeError as exc:
+            raise CheckpointError(f"{path}: bad settings in the manifest: {exc}") from exc
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Stop receiving (the learner stays open). Idempotent."""
+        self._inserter.stop(self.learner.config.close_timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        s = self._settings
+        return (f"ReplayDataset(capacity={s['capacity']}, batch_size={s['batch_size']}, sampler={s['sampler']!r}, "
+                f"held={len(self)}, inserted={self.inserted})")  # fmt: skip
+
+
+def _check(capacity: int, batch_size: int, sampler: str, sequence_length: int | None, alpha: float, beta: float,
+           min_size: int) -> None:  # fmt: skip
+    if sampler not in _SAMPLERS:
+        raise ConfigError(f"sampler must be one of {_SAMPLERS}, got {sampler!r}")
+    if batch_size <= 0 or capacity <= 0:
+        raise ConfigError("capacity and batch_size must be positive")
+    if capacity < batch_size:
+        raise ConfigError(f"capacity {capacity} is smaller than batch_size {batch_size}")
+    if sequence_length is not None:
+        if sequence_length < 1:
+            raise ConfigError("sequence_length must be >= 1")
+        if sequence_length > capacity:
+            raise ConfigError(f"sequence_length {sequence_length} exceeds capacity {capacity}")
+        if sampler == "fifo":
+            raise ConfigError('sequence_length works with the "uniform" and "prioritized" samplers, not "fifo"')
+    if not alpha >= 0 or not beta >= 0:
+        raise ConfigError("priority_exponent and importance_exponent must be >= 0")
+    if min_size > capacity:
+        raise ConfigError(f"min_size {min_size} exceeds capacity {capacity}: sampling could never start")

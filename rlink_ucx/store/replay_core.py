@@ -1,0 +1,295 @@
+"""The replay's state behind one lock: table, sampler and rate limiter; inserts and samples.
+
+Inserts happen in three moves so that a sample never waits for a whole copy: under the lock
+the oldest steps are evicted to make room (so no sampler can pick them), the step bytes are
+copied into the freed slots without the lock, and under the lock again the new ids become
+visible. A sample picks ids and gathers their rows under the lock (an eviction must not
+overwrite rows being read), into staging buffers reused only once no batch refers to them.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..batch import Batch
+from ..errors import Closed, ConfigError, SchemaMismatch
+from ..errors import TimeoutError as RLinkTimeout
+from ..wire.codec import Schema, torch_dtype
+from .limiter import RateLimiter
+from .ring import Piece, StepRing
+from .samplers import UniformSampler, _checked, make_sampler
+from .table import PRIORITY_FIELD, ReplayTable
+
+__all__ = ["ReplayCore", "stored_schema"]
+
+_POOL = 4  # staging buffer sets kept for reuse
+
+
+def stored_schema(stream: Schema) -> Schema:
+    """The fields a replay keeps of an actor stream: all but the reserved priority field."""
+    return Schema(tuple(f for f in stream.fields if f.name != PRIORITY_FIELD))
+
+
+class ReplayCore:
+    def __init__(self, *, capacity: int, batch_size: int, sampler: str, sequence_length: int | None,
+                 alpha: float, beta: float, limiter: RateLimiter, device: Any,
+                 version: Callable[[], int], seed: int | None = None):  # fmt: skip
+        import torch
+
+        self.torch = torch
+        self.capacity = capacity
+        self.batch_size = batch_size
+        self.kind = sampler
+        self.sequence_length = sequence_length
+        self.alpha, self.beta = alpha, beta
+        self.limiter = limiter
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pin = self.cuda or torch.cuda.is_available()
+        self.version = version
+        self.rng = np.random.default_rng(seed)
+        self.cond = threading.Condition()
+        self.table: ReplayTable | None = None
+        self.sampler: UniformSampler | None = None
+        self.error: BaseException | None = None
+        self.closed = False
+        self.ended = False  # the inserter stopped: nothing more will arrive
+        self.paused = 0  # saves in progress: no insert while > 0
+        self.inserting = False  # an insert is copying outside the lock
+        self._stream: tuple[list[int], int | None] | None = None  # ring field per stored field, priority field
+        self._pool: list[_Staging] = []
+        self._dtypes: list[Any] = []
+
+    # --- setup ------------------------------------------------------------------------------------
+    def build(self, schema: Schema, touch: bool = True) -> None:
+        """Allocate the table for ``schema`` (the stored fields); lock held or not yet shared."""
+        self.table = ReplayTable(schema, self.capacity, self.sequence_length, pin=self.pin, touch=touch)
+        self.sampler = make_sampler(self.kind, self.table, self.rng, self.alpha, self.beta)
+        self._dtypes = [torch_dtype(f.dtype) for f in schema.fields]
+
+    def attach(self, stream: Schema) -> None:
+        """The learner's stream schema is known: allocate, or check it against a loaded table."""
+        stored = stored_schema(stream)
+        names = [f.name for f in stream.fields]
+        with self.cond:
+            if self.table is None:
+                self.build(stored)
+            elif self.table.schema != stored:
+                raise SchemaMismatch(f"the actors' schema {stored.describe()} does not match the replay's "
+                                     f"{self.table.schema.describe()}: {self.table.schema.compare(stored)}")  # fmt: skip
+            prio = names.index(PRIORITY_FIELD) if PRIORITY_FIELD in names else None
+            if prio is not None and stream.fields[prio].describe() != "float32[]":
+                raise SchemaMismatch(f"field {PRIORITY_FIELD!r} is reserved for priorities (float32, one per step)")
+            self._stream = ([names.index(f.name) for f in stored.fields], prio)
+            self.cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The inserter died: every later sample raises ``exc``."""
+        with self.cond:
+            self.error = exc
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def close_inserts(self) -> None:
+        """No step will come any more (the learner closed): a sample that must wait fails."""
+        with self.cond:
+            self.ended = True
+            self.cond.notify_all()
+
+    # --- inserting (the inserter thread) ----------------------------------------------------------
+    def wait_room(self) -> int | None:
+        """Block until a step may be inserted; returns how many (None: any number; 0: closing)."""
+        with self.cond:
+            while not self.closed:
+                room = self._room()
+                if room is None or room > 0:
+                    return room
+                self.cond.wait()
+            return 0
+
+    def _room(self) -> int | None:
+        if self.paused or self.table is None or self.sampler is None:
+            return 0
+        rooms = [r for r in (self.limiter.insert_room(self.table.held), self.sampler.insert_room()) if r is not None]
+        return min(rooms) if rooms else None
+
+    def insert(self, ring: StepRing, pieces: list[Piece]) -> None:
+        """Copy the taken ``pieces`` into the table (the caller releases the ring space)."""
+        n = sum(p.count for p in pieces)
+        if not n:
+            return
+        table, sampler = self.table, self.sampler
+        assert table is not None and sampler is not None and self._stream is not None
+        fields, prio = self._stream
+        with self.cond:
+            while self.paused:  # a save began after wait_room said yes: its snapshot comes first
+                self.cond.wait()
+            sampler.on_evict(table.evict_for(n))
+            start = table.inserted
+            self.inserting = True
+        priorities = []
+        try:
+            at = start
+            for p in pieces:
+                table.write(at, [ring.piece_bytes(i, p) for i in fields], p.count)
+                table.describe(at, p.count, p.actor_id, p.seq, p.version)
+                if prio is not None:
+                    priorities.append(ring.piece_bytes(prio, p).view(np.float32))
+                at += p.count
+        finally:
+            with self.cond:
+                self.inserting = False
+                table.publish(n)
+                ids = np.arange(start, start + n, dtype=np.int64)
+                sampler.on_insert(ids, np.concatenate(priorities) if priorities else None)
+                self.limiter.inserted += n
+                self.cond.notify_all()
+
+    # --- sampling ---------------------------------------------------------------------------------
+    def sample(self, timeout: float) -> Batch:
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise _again(self.error)
+                if self.closed:
+                    raise Closed("the replay is closed")
+                table, sampler = self.table, self.sampler
+                got = None
+                if table is not None and sampler is not None and self.limiter.can_sample(self.batch_size, table.held):
+                    got = sampler.sample(self.batch_size)
+                if got is not None:
+                    break
+                if self.ended:
+                    raise Closed("the learner is closed: no more steps will arrive, " + self._why_waiting(None))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise RLinkTimeout(f"sample timed out after {timeout:.3g}s: " + self._why_waiting(timeout))
+                self.cond.wait(left)
+            self.limiter.sampled += self.batch_size
+            self.cond.notify_all()  # the inserter may be waiting for room in the band
+            return self._gather(*got)
+
+    def _why_waiting(self, timeout: float | None) -> str:
+        held = self.table.held if self.table is not None else 0
+        what = f"{held} steps held"
+        if self.table is None:
+            return what + " (no actor has sent a schema yet)"
+        if held < self.limiter.min_size:
+            return what + f", min_size is {self.limiter.min_size}"
+        if self.limiter.samples_per_insert is not None and not self.limiter.can_sample(self.batch_size, held):
+            return what + " (the samples_per_insert rate limiter waits for inserts)"
+        return what + f" (not enough items for a batch of {self.batch_size})"
+
+    def _staging(self, rows: int) -> _Staging:
+        for staging in self._pool:
+            if staging.rows == rows and not staging.in_use():
+                return staging
+        assert self.table is not None
+        staging = _Staging(self.table, rows, self.batch_size, self.pin)
+        if len(self._pool) < _POOL:
+            self._pool.append(staging)
+        return staging
+
+    def _gather(self, ids: np.ndarray, weights: np.ndarray) -> Batch:
+        torch, table = self.torch, self.table
+        assert table is not None
+        b, t = len(ids), table.window
+        every = table.window_ids(ids) if self.sequence_length else ids
+        staging = self._staging(every.size)
+        table.gather(every, staging.fields)
+        version, actor_id, seq = table.meta(every.ravel())
+        meta = staging.meta
+        meta[0], meta[1], meta[2] = version, actor_id, seq
+        np.subtract(self.version(), meta[0], out=meta[3])
+        staging.index[:] = ids
+        staging.weight[:] = weights
+        lead = (b, t) if self.sequence_length else (b,)
+        fields = {
+            spec.name: torch.from_numpy(host).view(dtype).view(*lead, *spec.shape)
+            for spec, host, dtype in zip(table.schema.fields, staging.fields, self._dtypes)
+        }
+        m = torch.from_numpy(meta).view(4, *lead)
+        index, weight = torch.from_numpy(staging.index), torch.from_numpy(staging.weight)
+        if self.cuda:
+            fields = {k: v.to(self.device, non_blocking=True) for k, v in fields.items()}
+            m, index, weight = (x.to(self.device, non_blocking=True) for x in (m, index, weight))
+            staging.copied = torch.cuda.Event()
+            staging.copied.record(torch.cuda.current_stream(self.device))
+        return Batch(fields, version=m[0], actor_id=m[1], seq=m[2], staleness=m[3], index=index, weight=weight)
+
+    def update_priorities(self, index: Any, priorities: Any) -> None:
+        ids = _numpy(index).astype(np.int64, copy=False).reshape(-1)
+        p = _checked(_numpy(priorities), ids.size)
+        with self.cond:
+            if self.sampler is not None:
+                self.sampler.update(ids, p)
+
+    # --- pausing for a checkpoint ---------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop inserts (they wait, and so do the actors) and wait for one in flight."""
+        with self.cond:
+            self.paused += 1
+            while self.inserting:
+                self.cond.wait()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused -= 1
+            self.cond.notify_all()
+
+
+class _Staging:
+    """Host buffers for one batch; torch tensors made from them keep them referenced."""
+
+    def __init__(self, table: ReplayTable, rows: int, batch_size: int, pin: bool):
+        self.rows = rows
+        self.fields = [_empty((rows, spec.step_bytes), np.uint8, pin) for spec in table.schema.fields]
+        self.meta = _empty((4, rows), np.int64, pin)
+        self.index = _empty((batch_size,), np.int64, pin)
+        self.weight = _empty((batch_size,), np.float32, pin)
+        self.copied: Any = None  # the CUDA event of the copy to the device
+
+    def in_use(self) -> bool:
+        if self.copied is not None and not self.copied.query():
+            return True
+        # 4 = this object's slot, the tuple, the loop variable and getrefcount's argument.
+        return any(sys.getrefcount(a) > 4 for a in (*self.fields, self.meta, self.index, self.weight))
+
+
+def _empty(shape: tuple[int, ...], dtype: Any, pin: bool) -> np.ndarray:
+    if pin:
+        import torch
+
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy().view(dtype).reshape(shape)
+    return np.empty(shape, dtype=dtype)
+
+
+def _again(exc: BaseException) -> BaseException:
+    """A fresh error of the inserter's type for this caller, with the original as its cause."""
+    try:
+        again = type(exc)(f"the replay stopped receiving: {exc}")
+    except Exception:  # noqa: BLE001 - a type that takes other arguments: say it plainly
+        again = Closed(f"the replay stopped receiving: {exc!r}")
+    again.__cause__ = exc
+    return again
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor, maybe on a GPU
+        return x.detach().cpu().numpy()
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"expected an array or tensor, got {type(x).__name__}") from exc

@@ -1,0 +1,141 @@
+"""The replay table: ``capacity`` steps in preallocated per-field storage, oldest evicted first.
+
+Every inserted step gets an *id* from an insertion counter (never reused); it lives in slot
+``id % capacity`` until ``capacity`` later steps evict it, so the held ids are always the
+range ``[inserted - held, inserted)``. Each field is one flat byte array viewed as
+``[capacity, step_bytes]`` rows, so a batch is one ``np.take`` per field whatever the dtype
+(bfloat16 included); its rows are reinterpreted as the field's dtype and shape by torch.
+
+Per slot the table also keeps the step's actor, sequence number and behaviour version, and,
+for windows of ``T`` steps, ``prev`` (the id of the same actor's previous step when its
+sequence number is exactly one less) and ``back`` (the id ``T - 1`` steps back along those
+links, or -1): a window ending at id ``e`` is whole iff ``back[e]`` is still held.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..wire.codec import Schema
+
+__all__ = ["ReplayTable"]
+
+PRIORITY_FIELD = "_priority"  # the reserved field an actor adds for put(..., priority=p)
+
+
+class ReplayTable:
+    def __init__(self, schema: Schema, capacity: int, sequence_length: int | None = None, *, pin: bool = False,
+                 touch: bool = True):  # fmt: skip
+        self.schema = schema  # the stored fields (without the priority field)
+        self.capacity = capacity
+        self.window = sequence_length or 1
+        self.rows: list[np.ndarray] = []  # per field: [capacity, step_bytes] uint8
+        for spec in schema.fields:
+            self.rows.append(_alloc(capacity * spec.step_bytes, pin, touch).reshape(capacity, spec.step_bytes))
+        meta = np.zeros((5, capacity), dtype=np.int64)  # pages touched now, not at the first insert
+        self.actor_id, self.seq, self.version, self.prev, self.back = meta
+        self.prev[:] = -1
+        self.back[:] = -1
+        self.inserted = 0  # the next id
+        self.held = 0
+        self._chains: dict[int, tuple[int, np.ndarray]] = {}  # actor -> (last seq, last T ids)
+
+    @property
+    def first(self) -> int:
+        """The oldest held id."""
+        return self.inserted - self.held
+
+    def slots(self, ids: np.ndarray) -> np.ndarray:
+        return np.asarray(ids, dtype=np.int64) % self.capacity
+
+    def is_held(self, ids: np.ndarray) -> np.ndarray:
+        ids = np.asarray(ids, dtype=np.int64)
+        return (ids >= self.first) & (ids < self.inserted)
+
+    # --- inserting: reserve (under the caller's lock), write (outside it), publish (under it)
+    def evict_for(self, n: int) -> range:
+        """Forget the oldest steps so ``n`` more fit; returns the evicted ids."""
+        drop = max(0, self.held + n - self.capacity)
+        gone = range(self.first, self.first + drop)
+        self.held -= drop
+        return gone
+
+    def write(self, start_id: int, fields: list[np.ndarray], count: int) -> None:
+        """Copy ``count`` steps (per field: raw bytes, ``count * step_bytes``) to ids from ``start_id``."""
+        for rows, data in zip(self.rows, fields):
+            for slot, lo, k in self._runs(start_id, count):
+                rows[slot : slot + k].reshape(-1)[:] = data[lo * rows.shape[1] : (lo + k) * rows.shape[1]]
+
+    def _runs(self, start_id: int, count: int) -> list[tuple[int, int, int]]:
+        slot = start_id % self.capacity
+        first = min(count, self.capacity - slot)
+        return [(slot, 0, first)] + ([(0, first, count - first)] if count > first else [])
+
+    def describe(self, start_id: int, count: int, actor_id: int, seq: int, version: int) -> None:
+        """Record the metadata and sequence links of ``count`` steps of one actor's stream."""
+        ids = np.arange(start_id, start_id + count, dtype=np.int64)
+        slots = ids % self.capacity
+        self.actor_id[slots] = actor_id
+        self.seq[slots] = np.arange(seq, seq + count)
+        self.version[slots] = version
+        last_seq, history = self._chains.get(actor_id, (None, None))
+        if last_seq != seq - 1 or history is None:  # a gap (or a new actor): a new chain
+            history = np.full(self.window, -1, dtype=np.int64)
+        chain = np.concatenate([history, ids])
+        self.prev[slots] = chain[self.window - 1 : -1]
+        self.back[slots] = chain[1 : count + 1] if self.window > 1 else ids
+        self._chains[actor_id] = (seq + count - 1, chain[-self.window :])
+
+    def publish(self, count: int) -> None:
+        self.inserted += count
+        self.held += count
+
+    # --- reading ------------------------------------------------------------------------------
+    def whole_windows(self, ends: np.ndarray) -> np.ndarray:
+        """Which window-end ids have all ``T`` steps still held."""
+        back = self.back[self.slots(ends)]
+        return (back >= self.first) & self.is_held(ends)
+
+    def window_ids(self, ends: np.ndarray) -> np.ndarray:
+        """``[B, T]`` ids of the windows ending at ``ends`` (whole ones: see whole_windows)."""
+        out = np.empty((len(ends), self.window), dtype=np.int64)
+        out[:, -1] = ends
+        for t in range(self.window - 1, 0, -1):
+            out[:, t - 1] = self.prev[out[:, t] % self.capacity]
+        return out
+
+    def gather(self, ids: np.ndarray, outs: list[np.ndarray]) -> None:
+        """Copy the rows of ``ids`` (any shape) into ``outs`` (per field ``[ids.size, step_bytes]``)."""
+        slots = (np.asarray(ids, dtype=np.int64) % self.capacity).ravel()
+        for rows, out in zip(self.rows, outs):
+            np.take(rows, slots, axis=0, out=out)
+
+    def meta(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        slots = np.asarray(ids, dtype=np.int64) % self.capacity
+        return self.version[slots], self.actor_id[slots], self.seq[slots]
+
+    # --- checkpoints ---------------------------------------------------------------------------
+    def state(self) -> dict[str, Any]:
+        return {"inserted": self.inserted, "held": self.held,
+                "chains": [[a, s, h.tolist()] for a, (s, h) in self._chains.items()]}  # fmt: skip
+
+    def restore(self, state: dict[str, Any]) -> None:
+        self.inserted, self.held = int(state["inserted"]), int(state["held"])
+        self._chains = {int(a): (int(s), np.asarray(h, dtype=np.int64)) for a, s, h in state["chains"]}
+
+    def id_order_runs(self) -> list[tuple[int, int]]:
+        """The held slots as at most two ``(slot, count)`` runs, oldest first."""
+        return [(s, k) for s, _, k in self._runs(self.first, self.held)] if self.held else []
+
+
+def _alloc(nbytes: int, pin: bool, touch: bool) -> np.ndarray:
+    if pin:
+        import torch
+
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
+    out = np.empty(nbytes, dtype=np.uint8)
+    if touch:  # every page now: the first inserts should not pay the page faults (a load fills them anyway)
+        out[::4096] = 0
+    return out

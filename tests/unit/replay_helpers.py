@@ -1,0 +1,80 @@
+"""Helpers for the replay unit tests: a real StepRing fed by hand, as the I/O threads would."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+
+from rlink_ucx.store.ring import StepRing
+from rlink_ucx.wire.codec import Schema
+
+SCHEMA = Schema.from_spec({"obs": ("float32", (3,)), "action": ("int64", ()), "done": ("bool", ())})
+PRIO_SCHEMA = Schema.from_spec({"obs": ("float32", (3,)), "action": ("int64", ()), "done": ("bool", ()),
+                                "_priority": ("float32", ())})  # fmt: skip
+
+
+def new_ring(schema: Schema = SCHEMA, steps: int = 4096, frame: int = 64) -> StepRing:
+    return StepRing(schema, steps * schema.step_bytes, frame)
+
+
+def steps(actor: int, seq: int, n: int, priority: np.ndarray | None = None) -> dict[str, np.ndarray]:
+    """Steps whose values encode (actor, seq): obs = [actor, seq, seq / 2], action = actor * 1e6 + seq."""
+    s = np.arange(seq, seq + n)
+    out = {
+        "obs": np.stack([np.full(n, actor), s, s / 2], 1).astype(np.float32),
+        "action": (actor * 1_000_000 + s).astype(np.int64),
+        "done": s % 5 == 4,
+    }
+    if priority is not None:
+        out["_priority"] = np.asarray(priority, dtype=np.float32)
+    return out
+
+
+def feed(ring: StepRing, actor: int, seq: int, values: dict[str, np.ndarray], version: int = 0) -> None:
+    """Write one frame into the ring as a receiving plane does (reserve, fill the views, commit)."""
+    n = len(next(iter(values.values())))
+    ring.grant(n)
+    seg = ring.reserve(n, actor, seq, version)
+    for spec, views in zip(ring.schema.fields, ring.field_views(seg)):
+        raw = np.ascontiguousarray(values[spec.name]).view(np.uint8).reshape(-1)
+        at = 0
+        for v in views:
+            v[:] = raw[at : at + len(v)]
+            at += len(v)
+    ring.commit(seg)
+
+
+def put(ring: StepRing, actor: int, seq: int, n: int, frame: int = 64, version: int = 0, priority=None) -> None:
+    for lo in range(0, n, frame):
+        k = min(frame, n - lo)
+        p = None if priority is None else np.asarray(priority)[lo : lo + k]
+        feed(ring, actor, seq + lo, steps(actor, seq + lo, k, p), version)
+
+
+class FakeLearner:
+    """What ReplayDataset uses of a Learner: its ring, version, config and closed flag."""
+
+    def __init__(self, ring: StepRing | None):
+        from rlink_ucx import Config
+
+        self.ring = ring
+        self.version = 0
+        self.closed = False
+        self.config = Config()
+        self.ready = threading.Event()
+        if ring is not None:
+            self.ready.set()
+
+    def _wait_ring(self, timeout: float):
+        return self.ring if self.ready.wait(timeout) else None
+
+
+def wait_for(cond, timeout: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.005)
+    return cond()

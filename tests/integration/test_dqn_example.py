@@ -11,6 +11,7 @@ import pytest
 pytest.importorskip("gymnasium")
 
 
+@pytest.mark.slow  # 13-133 s here, and it failed once in a fresh-clone run: not in the default run yet
 @pytest.mark.timeout(420)
 def test_dqn_with_prioritized_replay_reaches_a_mean_return_of_195():
     # The spawned actor imports the example by name: keep its folder on the path meanwhile.

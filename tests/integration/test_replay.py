@@ -13,6 +13,7 @@ from rlink_ucx import Config, Learner, ReplayDataset
 from tests.conftest import TRANSPORTS
 from tests.integration.procs import encoded_steps
 from tests.integration.replay_procs import priority_of, replay_actor
+from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")
 
@@ -23,14 +24,6 @@ def start(*procs):
     return list(procs)
 
 
-def join_all(procs, timeout=90):
-    deadline = time.monotonic() + timeout
-    for p in procs:
-        p.join(max(0.1, deadline - time.monotonic()))
-    for p in procs:
-        if p.is_alive():
-            p.kill()
-    return [p.exitcode for p in procs]
 
 
 def held(replay: ReplayDataset) -> dict[str, np.ndarray]:
@@ -61,7 +54,7 @@ def test_two_actor_processes_fill_a_prioritized_replay_with_their_priorities(tra
         procs = start(*(SPAWN.Process(target=replay_actor, args=(learner.address, transport, a, n)) for a in (1, 2)))
         batch = replay.sample(timeout=60)
         assert "_priority" not in batch and batch.weight.shape == (64,)
-        assert join_all(procs) == [0, 0]
+        assert join_all(procs, 90) == [0, 0]
         deadline = time.monotonic() + 30
         while replay.inserted < 2 * n and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -94,7 +87,7 @@ def test_windows_from_interleaved_actor_processes_never_mix_actors():
             actors.update(actor[:, 0].tolist())
             if replay.inserted >= 2 * n:
                 break
-        assert join_all(procs) == [0, 0]
+        assert join_all(procs, 90) == [0, 0]
         assert actors == {1, 2}
 
 
@@ -118,7 +111,7 @@ def test_a_rate_limiter_that_holds_inserts_back_slows_the_actor_and_loses_nothin
             assert 200 - 100 <= diff <= 200 + 100, diff  # s*m +- e, exactly
             time.sleep(pace)
         report = results.get(timeout=60)
-        assert join_all(procs) == [0]
+        assert join_all(procs, 90) == [0]
         h = held(replay)
         check_stream(h, 1, n)  # every step, once, in order: nothing was dropped
         assert report["lost"] == 0 and report["acked"] == n

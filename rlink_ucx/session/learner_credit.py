@@ -1,5 +1,13 @@
-"""Credit for actors, granted fairly: each pass starts one actor further round the list of
-sessions, so one flooding actor cannot starve the others; idle actors give credit back."""
+"""Credit for actors, granted fairly.
+
+Each actor may hold at most a *fair window*: the configured window, shrunk as more actors
+connect so that together they hold at most half the ring (the other half absorbs frames in
+flight and batches the consumer has not released yet). Grants go round robin, each pass
+starting one actor further round the list, so one flooding actor cannot starve the others.
+Credit promised while fewer actors were connected is taken back from the actors that hold more
+than the new fair window, busy or not; idle actors give theirs back too once the ring has
+nothing left to give.
+"""
 
 from __future__ import annotations
 
@@ -22,14 +30,20 @@ class CreditGranter:
         self._rotation = 0
         self._pending = False  # a grant is scheduled on the loop and has not run yet
 
+    def window(self, ring: StepRing, actors: int) -> int:
+        """Steps of credit one actor may hold while ``actors`` share ``ring``."""
+        configured = max(4 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
+        fair = ring.capacity // (2 * max(1, actors))
+        return max(1, min(configured, fair))
+
     def space_freed(self) -> None:
         """The consumer freed ring space (its thread). Wake the loop only if an actor is low on
-        credit: only those get any (see grant_credits), and each wake is a thread switch."""
+        credit: only those get any (see grant), and each wake is a thread switch."""
         if any(s.low_on_credit for s in list(self.sessions.values())):
             self.request_grant()
 
     def request_grant(self) -> None:
-        """Run grant_credits on the loop soon (any thread); at most one pending at a time."""
+        """Run grant on the loop soon (any thread); at most one pending at a time."""
         if not self._pending:
             self._pending = True
             self.loop.call_soon_threadsafe(self._grant_now)
@@ -43,33 +57,45 @@ class CreditGranter:
         ring = self.ring
         if ring is None:
             return
-        window = max(4 * ring.max_frame_steps, self.config.actor_window_bytes // ring.step_bytes)
-        threshold = max(1, window // 4)  # grant in chunks: one Credit message per quarter window
         active = [s for s in self.sessions.values() if s.state == "open" and s.ring is ring and s.receiver]
         if not active:
             return
+        window = self.window(ring, len(active))
+        threshold = max(1, window // 4)  # grant in chunks: one Credit message per quarter window
+        keep_idle = min(window, ring.max_frame_steps)
         self._rotation = (self._rotation + 1) % len(active)
         now = time.monotonic()
         for session in active[self._rotation :] + active[: self._rotation]:
-            if session.revoking or (session.idle(now) and session.credit >= ring.max_frame_steps):
+            if session.revoking or (session.idle(now) and session.credit >= keep_idle):
                 continue  # idle, with a frame's worth: more would sit unused while others wait
             want = window - session.credit
             if want < threshold:
                 continue
             give = min(want, ring.grantable())
             if give <= 0:
-                return
+                break
             if give < threshold and session.credit > 0:
                 continue
             ring.grant(give)
             session.grant(give, low_water=window - threshold)
+        # Take back what actors hold beyond the fair window (promised while fewer were
+        # connected); their Returned grants it to the others.
+        self._revoke_excess(active, window, threshold)
+
+    @staticmethod
+    def _revoke_excess(active: list[Any], window: int, threshold: int) -> None:
+        for session in active:
+            if session.credit - window >= threshold:
+                session.revoke_credit(keep=window)
 
     def reclaim_idle(self, now: float) -> None:
         """When the ring has no room left to grant, take credit back from idle actors (keeping
-        them one frame's worth) so the ones still sending are not starved."""
+        them a frame's worth, at most a fair window) so the ones still sending are not starved."""
         ring = self.ring
         if ring is None or ring.grantable() >= ring.max_frame_steps:
             return
-        for session in list(self.sessions.values()):
-            if session.ring is ring:
-                session.revoke_idle_credit(now, keep=ring.max_frame_steps)
+        sessions = [s for s in list(self.sessions.values()) if s.ring is ring]
+        keep = min(self.window(ring, len(sessions)), ring.max_frame_steps)
+        for session in sessions:
+            if session.idle(now):
+                session.revoke_credit(keep=keep)

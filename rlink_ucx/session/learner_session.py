@@ -144,10 +144,10 @@ class LearnerSession:
         """No frame for ``IDLE_SECONDS``: its credit is better spent on actors still sending."""
         return now - self.last_frame > IDLE_SECONDS
 
-    def revoke_idle_credit(self, now: float, keep: int) -> None:
-        """Ask an actor that sent nothing for a while to give back its credit beyond ``keep``
-        steps: held by an idle actor, it would starve the ones still sending."""
-        if self.revoking or self.state != "open" or not self.idle(now) or self.credit <= keep:
+    def revoke_credit(self, keep: int) -> None:
+        """Ask the actor to give back its credit beyond ``keep`` steps: more actors connected
+        since it was granted, or it went idle, and others need the ring space."""
+        if self.revoking or self.state != "open" or self.credit <= keep:
             return
         self.revoking = True
         self.control.send(_wire.Revoke(self.credit - keep))

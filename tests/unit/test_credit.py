@@ -1,0 +1,122 @@
+"""The learner's credit granter: fair windows, round robin, and credit taken back from actors
+that hold more than their share once more actors connect (stand-in sessions, a real ring)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from rlink_ucx import Config
+from rlink_ucx.session.learner_credit import CreditGranter
+from rlink_ucx.store.ring import StepRing
+from rlink_ucx.wire.codec import Schema
+
+SCHEMA = Schema.from_spec({"x": ("int64", ())})  # 8-byte steps, like the scale benchmark's counters
+
+
+class Session:
+    """What CreditGranter sees of a LearnerSession; Revoke is answered at once, like an actor
+    that has not spent the credit yet."""
+
+    def __init__(self, ring: StepRing, busy: bool = True):
+        self.ring, self.receiver, self.state = ring, object(), "open"
+        self.credit, self.low_water, self.revoking, self.busy = 0, 0, False, busy
+        self.revokes = 0
+
+    def idle(self, now: float) -> bool:
+        return not self.busy
+
+    @property
+    def low_on_credit(self) -> bool:
+        return self.credit <= self.low_water
+
+    def grant(self, steps: int, low_water: int) -> None:
+        self.credit += steps
+        self.low_water = low_water
+
+    def revoke_credit(self, keep: int) -> None:
+        if self.revoking or self.credit <= keep:
+            return
+        self.revokes += 1
+        give, self.credit = self.credit - keep, keep  # the actor's Returned
+        self.ring.revoke(give)
+
+
+def granter(sessions: dict, ring: StepRing, **config) -> CreditGranter:
+    g = CreditGranter(sessions, Config(**config), asyncio.new_event_loop())
+    g.ring = ring
+    return g
+
+
+def new_ring(mib: int = 64) -> StepRing:
+    return StepRing(SCHEMA, mib << 20, max_frame_steps=(1 << 20) // 8)
+
+
+def test_one_actor_gets_the_configured_window_and_many_share_half_the_ring():
+    ring = new_ring()
+    sessions = {0: Session(ring)}
+    g = granter(sessions, ring)
+    g.grant()
+    assert sessions[0].credit == (32 << 20) // 8  # actor_window_bytes, as before
+    for i in range(1, 256):
+        sessions[i] = Session(ring)
+    for _ in range(3):
+        g.grant()
+    share = ring.capacity // (2 * 256)
+    credits = [s.credit for s in sessions.values()]
+    assert all(c >= share * 3 // 4 for c in credits), min(credits)  # nobody starves
+    assert max(credits) <= share  # the first actor gave back what it was promised alone
+    assert sessions[0].revokes == 1
+    assert ring.grantable() + sum(credits) == ring.capacity  # the ring's books balance
+
+
+def test_late_actors_are_not_starved_by_busy_early_ones():
+    """The bug this replaced: 16 actors, two busy ones holding 32 MiB each = the whole 64 MiB
+    ring, were never idle, so the others waited for credit forever."""
+    ring = new_ring()
+    sessions = {0: Session(ring), 1: Session(ring)}
+    g = granter(sessions, ring)
+    g.grant()
+    assert ring.grantable() == ring.capacity // 2  # two actors: a quarter of the ring each
+    for i in range(2, 16):
+        sessions[i] = Session(ring)
+    g.grant()  # what a new session's Accept triggers
+    g.grant()  # and the Returned of the revoked ones
+    window = g.window(ring, 16)
+    assert window == ring.capacity // 32
+    for i, s in sessions.items():
+        assert window * 3 // 4 <= s.credit <= window, (i, s.credit)
+
+
+def test_an_idle_actor_keeps_a_little_and_a_full_ring_grants_nothing():
+    ring = new_ring(8)
+    idle, busy = Session(ring, busy=False), Session(ring)
+    g = granter({0: idle, 1: busy}, ring)
+    g.grant()
+    window = g.window(ring, 2)
+    assert idle.credit == busy.credit == window
+    seq = 0
+    while busy.credit:  # the busy actor sends frames the consumer never releases
+        n = min(busy.credit, ring.max_frame_steps)
+        ring.reserve(n, actor_id=1, seq=seq, version=0)
+        busy.credit -= n
+        seq += n
+        g.grant()
+    assert ring.grantable() == 0 and ring.used == ring.capacity - window
+    g.grant()
+    assert (idle.credit, busy.credit) == (window, 0)  # nothing to give, nothing revoked
+    g.reclaim_idle(0.0)
+    keep = min(window, ring.max_frame_steps)
+    assert idle.credit == keep and ring.grantable() == window - keep
+    g.grant()
+    assert busy.credit == window - keep  # what the idle actor gave back
+
+
+@pytest.mark.parametrize("actors", [1, 3, 1024])
+def test_the_window_is_never_zero_and_never_above_the_configured_one(actors):
+    ring = new_ring(1)
+    g = granter({}, ring, actor_window_bytes=256 << 10)
+    w = g.window(ring, actors)
+    assert 1 <= w <= max(4 * ring.max_frame_steps, (256 << 10) // 8)
+    assert w <= max(1, ring.capacity // (2 * actors))

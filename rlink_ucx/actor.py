@@ -32,7 +32,10 @@ class Actor:
     Args:
         address: the learner's ``host:port`` (``[::1]:8443`` for IPv6; a ``tcp://``, ``ucx://``,
             ``shm://`` or ``rlink://`` prefix names the transport).
-        token: shared secret (default ``RLINK_TOKEN`` / ``RLINK_TOKEN_FILE``).
+        token: shared secret, at least 16 bytes (default ``RLINK_TOKEN`` / ``RLINK_TOKEN_FILE``).
+            With none, an actor connecting to a loopback address uses the token its learner
+            generated (the file only this user can read, see ``Config.token_dir``), read anew
+            at each connection attempt; for other addresses a token must be given.
         transport: ``"auto"`` (the learner picks: ``shm`` on its own host, ``ucx`` where UCX has
             RDMA or CUDA transports, ``tcp`` otherwise), or ``"tcp"``, ``"ucx"``, ``"shm"``;
             :attr:`transport` and :attr:`transport_reason` report the choice.
@@ -42,6 +45,9 @@ class Actor:
             from the first ``put``.
         subscribe: start receiving published weights now (else at the first
             ``get_remote_model``).
+        insecure: accept a learner that does not authenticate (one started with
+            ``insecure=True``). Without it such a learner is refused with :class:`AuthError`:
+            anyone could be listening on that port.
 
     The actor may start before its learner: it retries with backoff until
     ``Config.connect_timeout`` (120 s). When the learner finishes, the next call raises
@@ -59,12 +65,14 @@ class Actor:
 
     Raises:
         ConnectError: the learner could not be reached within ``Config.connect_timeout``.
-        AuthError: the learner refused the token (or could not prove it knows it).
+        AuthError: the learner refused the token, could not prove it knows it, or does not
+            authenticate at all (without ``insecure=True``); no step is sent to such a learner.
     """
 
     def __init__(self, address: str, *, token: str | bytes | None = None, transport: str = "auto",
                  actor_id: int | None = None, config: Config | None = None,
-                 schema: dict[str, Any] | Schema | None = None, subscribe: bool = False):  # fmt: skip
+                 schema: dict[str, Any] | Schema | None = None, subscribe: bool = False,
+                 insecure: bool = False):  # fmt: skip
         self.config = resolve(config)
         check_transport(transport)
         host, port, transport = parse_endpoint(address, transport)
@@ -78,7 +86,7 @@ class Actor:
         incarnation = time.time_ns()
         self._conn = ActorConnection(host, port, token=resolve_token(token), transport=transport,
                                      actor_id=actor_id, incarnation=incarnation & (2**63 - 1),
-                                     config=self.config, loop=self._io.loop)  # fmt: skip
+                                     config=self.config, loop=self._io.loop, insecure=insecure)  # fmt: skip
         self._writer = StepWriter(self._conn, self._io, self.config)
         # put and put_many go through this class (one call more, ~0.1 us) for their priority=.
         budget = self.config.connect_timeout + 2 * self.config.handshake_timeout + 1

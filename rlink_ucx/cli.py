@@ -1,4 +1,4 @@
-"""The ``rlink`` command: ``info``/``doctor``, ``smoke``, ``learner``, ``bench``."""
+"""The ``rlink`` command: ``info``, ``doctor``, ``smoke``, ``learner``, ``token``, ``bench``."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import time
 from typing import Any
 
 from ._version import __version__
+from .errors import ConfigError
 from .transport import TRANSPORT_HELP, TRANSPORTS
 
 
@@ -59,6 +60,20 @@ def _cuda_state() -> str:
         return "no CUDA device visible"
     names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     return f"{len(names)} device(s): {', '.join(names)}"
+
+
+def _doctor(args: argparse.Namespace) -> int:
+    """Check this machine (and a running learner with --learner); exit 1 when a check fails."""
+    from .actor import Actor
+    from .config import Config
+    from .session import doctor, doctor_learner
+
+    checks = doctor.system_checks(Config.from_env(), actors=args.actors)
+    if args.learner:
+        checks.append(doctor_learner.check_learner(args.learner, connect=Actor, attempts=args.attempts,
+                                                   timeout=args.timeout))  # fmt: skip
+    doctor_learner.render(checks, as_json=args.json)
+    return 1 if doctor.worst(checks) == "fail" else 0
 
 
 def _smoke_actor(address: str, transport: str, actor: int, steps: int, token: str | None) -> None:
@@ -118,12 +133,19 @@ def _smoke(args: argparse.Namespace) -> int:
 
 def _learner(args: argparse.Namespace) -> int:
     """A standalone learner that drains steps and logs stats (for smoke tests across hosts)."""
+    from .config import read_token_file
     from .dataset import RLinkDataset
     from .errors import TimeoutError as RLinkTimeout
     from .learner import Learner
 
-    with Learner(args.address, token=args.token, transport=args.transport) as learner:
+    token = read_token_file(args.token_file) if args.token_file else None
+    with Learner(args.address, token=token, transport=args.transport, metrics_port=args.metrics_port,
+                 metrics_host=args.metrics_host, insecure=args.insecure) as learner:  # fmt: skip
         print(f"listening on {learner.address}", flush=True)
+        if learner.token_file is not None:
+            print(f"token for this user's local actors: {learner.token_file}", flush=True)
+        if learner.metrics_address is not None:
+            print(f"metrics on http://{learner.metrics_address}/metrics", flush=True)
         dataset = RLinkDataset(learner, batch_size=args.batch_size)
         deadline = time.monotonic() + args.seconds if args.seconds else None
         last = time.monotonic()
@@ -140,6 +162,24 @@ def _learner(args: argparse.Namespace) -> int:
     return 0
 
 
+def _token(args: argparse.Namespace) -> int:
+    """Print a new random token, or write it to a new 0600 file."""
+    from .session.token_file import new_token, write_new
+
+    token = new_token()
+    if not args.file:
+        print(token)
+        return 0
+    write_new(args.file, token)
+    print(f"wrote a new token to {args.file} (mode 0600): use it with RLINK_TOKEN_FILE={args.file} "
+          f"or rlink learner --token-file {args.file}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
+_NO_ARGV_TOKEN = ("--token is not accepted: a token on the command line is visible to every user in ps. "
+                  "Set RLINK_TOKEN, or use --token-file PATH (make one with `rlink token --file PATH`)")  # fmt: skip
+
+
 def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     from .bench.suite import main as bench_main
 
@@ -151,8 +191,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=__version__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (connections, data planes)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", aliases=["doctor"], help="library, UCX and CUDA versions; which data plane auto picks")
+    p = sub.add_parser("info", help="library, UCX and CUDA versions; which data plane auto picks")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p = sub.add_parser("doctor", help="check UCX, RDMA, CUDA, /dev/shm, limits and tokens (and a learner); advise")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.add_argument("--learner", default=None, metavar="HOST:PORT",
+                   help="also connect to this learner as an actor would: reachability, auth, data plane, connect time")
+    p.add_argument("--actors", type=int, default=16, help="actors you expect (sizes the /dev/shm and file checks)")
+    p.add_argument("--attempts", type=int, default=3, help="connections to the learner to time")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds each connection to the learner may take")
     p = sub.add_parser("smoke", help="stream steps from actor processes to a learner and verify them")
     p.add_argument("--actors", type=int, default=2, help="actor processes")
     p.add_argument("--steps", type=int, default=50_000, help="steps per actor")
@@ -160,11 +207,23 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("learner", help="run a standalone learner that drains and logs")
     p.add_argument("--address", default="127.0.0.1:8443",
                    help="host:port to listen on (port 0: any free port; a non-loopback host needs a token)")
-    p.add_argument("--token", default=None, help="shared secret; prefer RLINK_TOKEN or RLINK_TOKEN_FILE (argv shows in ps)")
+    p.add_argument("--token", default=None, metavar="-",
+                   help="not accepted (argv shows in ps): set RLINK_TOKEN or use --token-file")
+    p.add_argument("--token-file", default=None, metavar="PATH",
+                   help="read the token from this file (mode 0600; like RLINK_TOKEN_FILE). Without a token the "
+                        "learner generates one for this user's local actors")  # fmt: skip
+    p.add_argument("--insecure", action="store_true",
+                   help="no authentication: any local process may connect (loopback addresses only)")
     p.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help=TRANSPORT_HELP)
     p.add_argument("--batch-size", type=int, default=256, help="steps per batch the learner drains")
     p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = run until Ctrl-C)")
     p.add_argument("--log-every", type=float, default=5.0, help="seconds between stats lines")
+    p.add_argument("--metrics-port", type=int, default=None,
+                   help="serve Prometheus metrics on this port (0: any free port; off when not given)")
+    p.add_argument("--metrics-host", default="127.0.0.1",
+                   help="address of the metrics endpoint (default loopback; it has no authentication)")
+    p = sub.add_parser("token", help="print a new random token (or write it to a new 0600 file)")
+    p.add_argument("--file", default=None, metavar="PATH", help="write it to this new file (mode 0600) instead")
     sub.add_parser("bench", help="rlink vs the physical limits and its peers (see `rlink bench --help`)", add_help=False)
     sub.add_parser("demo", help="train PPO on CartPole with actor processes (see `rlink demo --help`)", add_help=False)
     args, rest = parser.parse_known_args(argv)
@@ -176,11 +235,17 @@ def main(argv: list[str] | None = None) -> int:
         return demo_main(rest)
     if args.command != "bench" and rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
-    handlers: dict[str, Any] = {"info": _info, "doctor": _info, "smoke": _smoke, "learner": _learner}
+    if getattr(args, "token", None) is not None:
+        parser.error(_NO_ARGV_TOKEN)  # never echoes the value
+    handlers: dict[str, Any] = {"info": _info, "doctor": _doctor, "smoke": _smoke, "learner": _learner,
+                                "token": _token}  # fmt: skip
     try:
         if args.command == "bench":
             return _bench(args, [r for r in rest if r != "--"])
         return int(handlers[args.command](args))
+    except ConfigError as exc:
+        print(f"rlink {args.command}: {exc}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
 

@@ -36,6 +36,10 @@ class Config:
     # --- timeouts -------------------------------------------------------------------------
     connect_timeout: float = 120.0  # an actor waits this long for its learner (it may start first)
     handshake_timeout: float = 5.0
+    # A new connection must prove the token (or attach with its session's ticket) this soon
+    # after it is accepted, else it is dropped: unauthenticated sockets cannot hold a slot for
+    # the whole handshake_timeout. An actor that was too slow retries with backoff.
+    preauth_timeout: float = 3.0
     put_timeout: float = 30.0
     flush_timeout: float = 30.0
     fetch_timeout: float = 300.0
@@ -70,6 +74,10 @@ class Config:
     max_preauth_bytes: int = 512  # largest message read before authentication
     max_connections: int = 1024  # actors served at once (each holds 2-4 file descriptors)
     max_handshakes: int = 128  # connections still handshaking, apart from the actors; the oldest goes first
+    # ... and from one peer address (an IPv6 peer: its /64); at the cap that peer's oldest goes
+    # if older than preauth_timeout/2, else the newcomer is refused (and retries), so a flood
+    # from one address cannot push out the handshakes of others, nor a host's own storm churn.
+    max_handshakes_per_peer: int = 32
     max_fields: int = 256
     max_weights_bytes: int = 16 * 1024 * MiB  # largest published model an actor accepts
     max_weights_tensors: int = 100_000
@@ -93,6 +101,11 @@ class Config:
     # live, have ended, it starts a fresh worker and moves the live ucx actors to it (they
     # reconnect once, losing nothing); 0: never.
     ucx_recycle_after: int = 16
+
+    # --- authentication -------------------------------------------------------------------
+    # Where a learner given no token writes the one it generates, and where the same user's
+    # actors on this host look for it ("": $XDG_RUNTIME_DIR/rlink, else /tmp/rlink-<uid>).
+    token_dir: str = ""
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -134,23 +147,55 @@ def resolve(config: Config | None) -> Config:
     return config if config is not None else Config.from_env()
 
 
-def resolve_token(token: str | bytes | None) -> bytes | None:
-    """The token as bytes: the argument, else ``RLINK_TOKEN``, else the file in ``RLINK_TOKEN_FILE``.
+MIN_TOKEN_BYTES = 16  # the token as given (a 16-byte secret as hex or base64 is longer)
+MAKE_TOKEN = "make one with `rlink token` (or python -c 'import secrets; print(secrets.token_urlsafe(32))')"
 
-    A token file must not be readable by group or others (mode 0600), like an ssh key.
+
+def check_token(token: str | bytes, source: str = "the token") -> bytes:
+    """``token`` as bytes, refused when empty or shorter than ``MIN_TOKEN_BYTES``.
+
+    The rule counts the bytes of the string as given, so a 16-byte secret written as hex (32
+    characters) or base64 (24) passes, and so does any passphrase of 16 characters or more.
+
+    Raises:
+        ConfigError: the token is too short to resist guessing.
     """
-    if token is None:
-        token = os.environ.get("RLINK_TOKEN") or None
-    if token is None and os.environ.get("RLINK_TOKEN_FILE"):
-        path = os.environ["RLINK_TOKEN_FILE"]
+    raw = token.encode() if isinstance(token, str) else bytes(token)
+    if len(raw) < MIN_TOKEN_BYTES:
+        what = "empty" if not raw else f"{len(raw)} bytes long"
+        raise ConfigError(f"{source} is {what}; a token must be at least {MIN_TOKEN_BYTES} bytes: {MAKE_TOKEN}")
+    return raw
+
+
+def read_token_file(path: str) -> bytes:
+    """The token in the file ``path`` (surrounding whitespace stripped), which must not be
+    accessible by group or others (chmod 600), like an ssh key.
+
+    Raises:
+        ConfigError: the file is missing, unreadable, open to others, or holds a short token.
+    """
+    try:
         mode = os.stat(path).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
             raise ConfigError(f"token file {path} is accessible by group/others; chmod 600 it")
         with open(path, "rb") as fh:
-            token = fh.read().strip()
-    if token is None:
-        return None
-    raw = token.encode() if isinstance(token, str) else bytes(token)
-    if not raw:
-        raise ConfigError("an empty token is not a token")
-    return raw
+            raw = fh.read(64 * 1024).strip()
+    except OSError as exc:
+        raise ConfigError(f"cannot read the token file {path}: {exc.strerror or exc}") from exc
+    return check_token(raw, f"the token in {path}")
+
+
+def resolve_token(token: str | bytes | None) -> bytes | None:
+    """The token as bytes: the argument, else ``RLINK_TOKEN``, else the file in ``RLINK_TOKEN_FILE``;
+    None when none is given (the learner then generates one, see ``Config.token_dir``).
+
+    Raises:
+        ConfigError: the token is shorter than ``MIN_TOKEN_BYTES``, or the file is unusable.
+    """
+    if token is not None:
+        return check_token(token)
+    if os.environ.get("RLINK_TOKEN"):
+        return check_token(os.environ["RLINK_TOKEN"], "RLINK_TOKEN")
+    if os.environ.get("RLINK_TOKEN_FILE"):
+        return read_token_file(os.environ["RLINK_TOKEN_FILE"])
+    return None

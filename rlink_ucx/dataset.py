@@ -25,7 +25,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
 
     Args:
         learner: the :class:`Learner` to read from. When omitted, a learner is created on
-            ``address`` (default ``127.0.0.1:8443``) and closed with the dataset.
+            ``address`` (default ``127.0.0.1:8443``) and closed with the dataset; ``token``,
+            ``transport``, ``config`` and ``insecure`` are passed to it.
         batch_size: steps per batch.
         device: ``"cpu"`` or ``"cuda:N"``; ``gpu_id=N`` is shorthand for ``"cuda:N"``.
         timeout: default seconds ``fetch`` waits (``Config.fetch_timeout`` if None).
@@ -56,7 +57,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
                  gpu_id: int | None = None, timeout: float | None = None, address: str | None = None,
                  token: str | bytes | None = None, transport: str = "auto", config: Config | None = None,
                  max_staleness: int | None = None, stop_when_actors_done: bool = False,
-                 drop_last: bool = False):  # fmt: skip
+                 drop_last: bool = False, insecure: bool = False):  # fmt: skip
         if batch_size <= 0:
             raise ConfigError("batch_size must be positive")
         if gpu_id is not None:
@@ -66,7 +67,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             raise ConfigError(f"device {self.device} requested but CUDA is not available")
         self._owns_learner = learner is None
         if learner is None:
-            learner = Learner(address or f"127.0.0.1:{DEFAULT_PORT}", token=token, transport=transport, config=config)
+            learner = Learner(address or f"127.0.0.1:{DEFAULT_PORT}", token=token, transport=transport, config=config,
+                              insecure=insecure)  # fmt: skip
         self.learner = learner
         self.batch_size = batch_size
         self.timeout = timeout
@@ -91,7 +93,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         """
         if timeout is None:
             timeout = self.timeout if self.timeout is not None else self.learner.config.fetch_timeout
-        deadline = time.monotonic() + timeout
+        started = time.monotonic()
+        deadline = started + timeout
         with self._lock:
             if self.learner.closed:
                 raise Closed("the learner is closed")
@@ -117,6 +120,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             for p in pieces:
                 counts[version - p.version] = counts.get(version - p.version, 0) + p.count
             self.learner._record_staleness(counts)
+            self.learner._record_fetch(pieces, started)
             self.batches += 1
             return batch
 

@@ -9,6 +9,9 @@ from typing import Any
 
 from .config import Config, resolve, resolve_token
 from .errors import Closed, ConfigError
+from .session import token_file
+from .session.learner_counters import FetchTimings
+from .session.learner_metrics import MetricsServer, require_prometheus, sample
 from .session.learner_server import LearnerServer
 from .transport import check_transport
 from .transport.address import format_address, is_loopback, parse_endpoint
@@ -27,13 +30,24 @@ class Learner:
         address: ``host:port`` to listen on (``[::1]:8443`` for IPv6; a ``tcp://``, ``ucx://``,
             ``shm://`` or ``rlink://`` prefix names the transport). Port 0 picks a free port;
             read the real one from :attr:`address`. Binding a non-loopback host requires a token.
-        token: shared secret for the mutual HMAC handshake (default: ``RLINK_TOKEN`` or the
-            0600 file named by ``RLINK_TOKEN_FILE``).
+        token: shared secret for the mutual HMAC handshake, at least 16 bytes (default:
+            ``RLINK_TOKEN`` or the 0600 file named by ``RLINK_TOKEN_FILE``). With none, the
+            learner generates a strong one and writes it where only its user can read it
+            (:attr:`token_file`, see ``Config.token_dir``): the same user's actors that connect
+            to a loopback address find it there; other users cannot.
         transport: ``"auto"`` (per actor: ``shm`` on this host, ``ucx`` where UCX has RDMA or
             CUDA transports, ``tcp`` otherwise), or ``"tcp"``, ``"ucx"``, ``"shm"`` for all.
         config: timeouts and caps; defaults from ``RLINK_*`` environment variables.
         schema: optional declaration ``{"obs": ("float32", (4,)), ...}``; otherwise the first
             actor's schema is accepted.
+        metrics_port: serve Prometheus metrics over HTTP on this port (0 picks a free one; read
+            it from :attr:`metrics_address`). Off (no port opened) when None. Needs the
+            ``metrics`` extra (``pip install "rlink-ucx[metrics]"``); docs/operations.md lists
+            the metrics.
+        metrics_host: where the metrics endpoint listens: loopback unless you name another
+            address (the endpoint has no authentication).
+        insecure: turn authentication off, so that any local process may connect and stream
+            (loopback addresses only, and no token with it).
 
     Closing the learner (``close()``, the end of a ``with`` block, or the end of the process)
     tells every actor, whose next call then raises :class:`Closed`.
@@ -44,12 +58,16 @@ class Learner:
             print(learner.address)
 
     Raises:
-        ConfigError: bad address/transport, or a non-loopback bind without a token.
+        ConfigError: bad address/transport, a non-loopback bind without a token, metrics
+            asked for without prometheus_client, or a metrics port that cannot be bound; a
+            token shorter than 16 bytes, a token with ``insecure=True``, or no private
+            directory for the generated token.
     """
 
     def __init__(self, address: str = "127.0.0.1:8443", *, token: str | bytes | None = None,
                  transport: str = "auto", config: Config | None = None,
-                 schema: dict[str, Any] | Schema | None = None):  # fmt: skip
+                 schema: dict[str, Any] | Schema | None = None, metrics_port: int | None = None,
+                 metrics_host: str = "127.0.0.1", insecure: bool = False):  # fmt: skip
         self.config = resolve(config)
         check_transport(transport)
         host, port, transport = parse_endpoint(address, transport)  # the address first: a typo is a typo
@@ -57,13 +75,26 @@ class Learner:
         if self._token is None and not is_loopback(host):
             raise ConfigError(
                 f"refusing to listen on non-loopback address {host!r} without a token: pass token=... "
-                "or set RLINK_TOKEN (the data would otherwise be open to the network)"
+                "or set RLINK_TOKEN / RLINK_TOKEN_FILE (the data would otherwise be open to the network; "
+                "make a token with `rlink token`)"
             )
+        if insecure and self._token is not None:
+            raise ConfigError("insecure=True turns authentication off, but a token was given (token=, RLINK_TOKEN "
+                              "or RLINK_TOKEN_FILE): drop one of them")  # fmt: skip
+        generated = self._token is None and not insecure
+        if generated:  # written for the same user's local actors once the port is bound
+            self._token = token_file.new_token().encode()
         declared = Schema.from_spec(schema) if isinstance(schema, dict) else schema
+        if metrics_port is not None:  # before anything starts: nothing to undo
+            if not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:
+                raise ConfigError(f"metrics_port must be a port number (0-65535), got {metrics_port!r}")
+            require_prometheus()
         self._closed = False
+        self._metrics: MetricsServer | None = None
+        self._timings: FetchTimings | None = None  # the dataset and publish() feed it while metrics are on
         self._io = IOThread(name="rlink-learner-io")
         self._server = LearnerServer(host, port, token=self._token, transport=transport, config=self.config,
-                                     loop=self._io.loop, schema=declared)  # fmt: skip
+                                     loop=self._io.loop, schema=declared, publish_token=generated)  # fmt: skip
         try:
             self._io.call(self._server.start(), self.config.connect_timeout, "learner start")
         except OSError as exc:
@@ -73,8 +104,12 @@ class Learner:
             self._io.stop(self.config.close_timeout)
             raise
         self._address = format_address(host, self._server.port)
+        if metrics_port is not None:
+            self._start_metrics(metrics_host, metrics_port)
         # Closes at interpreter exit (so actors hear the learner finished) or when collected.
-        self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config)
+        self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config, self._metrics)
+        if insecure:
+            log.warning("learner on %s runs with insecure=True: any local process may connect and stream", self.address)
         log.info("learner listening on %s (transport=%s, auth=%s)", self.address, transport, self._token is not None)
 
     @property
@@ -86,6 +121,36 @@ class Learner:
     def port(self) -> int:
         """The port the learner listens on."""
         return self._server.port
+
+    @property
+    def token_file(self) -> str | None:
+        """Where the generated token was written (None when a token was given, or insecure).
+        An actor elsewhere may use a copy of it as ``RLINK_TOKEN_FILE`` (mode 0600)."""
+        path = self._server.token_path
+        return None if path is None else str(path)
+
+    @property
+    def metrics_address(self) -> str | None:
+        """The ``host:port`` of the Prometheus endpoint (``http://<it>/metrics``), None when off."""
+        return self._metrics.address if self._metrics is not None else None
+
+    def _start_metrics(self, host: str, port: int) -> None:
+        timings = FetchTimings()
+        server, io, timeout = self._server, self._io, self.config.close_timeout
+
+        async def on_loop() -> dict[str, Any]:
+            return sample(server, timings)
+
+        try:  # the snapshot holds the server, not the learner: a dropped learner is still collected
+            self._metrics = MetricsServer(host, port, lambda: io.call(on_loop(), timeout, "metrics scrape"))
+        except OSError as exc:
+            _shutdown(self._server, self._io, self.config, None)
+            raise ConfigError(f"cannot serve metrics on {format_address(host, port)}: {exc}") from exc
+        except BaseException:
+            _shutdown(self._server, self._io, self.config, None)
+            raise
+        self._timings = timings
+        log.info("learner metrics on http://%s/metrics", self._metrics.address)
 
     @property
     def version(self) -> int:
@@ -106,7 +171,11 @@ class Learner:
         does not confirm in time is dropped from the broadcast group and pulls instead.
         """
         self._check_open()
-        return self._server.publisher.publish(model_or_state_dict, wait=wait, timeout=timeout)
+        started = time.monotonic()
+        version = self._server.publisher.publish(model_or_state_dict, wait=wait, timeout=timeout)
+        if self._timings is not None:
+            self._timings.publish.observe(time.monotonic() - started)
+        return version
 
     def wait_published(self, version: int | None = None, timeout: float | None = None) -> bool:
         """Wait until every live subscriber has ``version`` (default: the newest); False on timeout."""
@@ -142,6 +211,11 @@ class Learner:
     def _record_staleness(self, counts: dict[int, int]) -> None:
         self._server.staleness.record(counts)
 
+    def _record_fetch(self, pieces: list[Any], started: float) -> None:
+        """A batch of ring ``pieces`` was handed out by a fetch begun at ``started`` (monotonic)."""
+        if self._timings is not None:
+            self._timings.record_fetch(pieces, started, time.monotonic())
+
     def _request_pinned(self) -> None:
         self._server.pin_memory = True
 
@@ -167,14 +241,18 @@ class Learner:
         return f"Learner(address={self.address!r}, version={self.version}, closed={self._closed})"
 
 
-def _shutdown(server: LearnerServer, io: IOThread, config: Config) -> None:
-    """Close a learner's server and I/O thread (once: from close(), at exit, or when collected)."""
+def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: MetricsServer | None) -> None:
+    """Close a learner's metrics endpoint, server and I/O thread (once: from close(), at exit,
+    or when collected)."""
+    if metrics is not None:
+        metrics.close(config.close_timeout)
     server.publisher.close()
     try:
         io.call(server.stop(), config.close_timeout, "learner close")
     except Exception:  # noqa: BLE001 - close must release resources even if the graceful path fails
         log.debug("graceful learner shutdown failed", exc_info=True)
     finally:
+        server.withdraw_token()
         if server.ring is not None:
             server.ring.close()
         io.stop(config.close_timeout)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import random
 import socket
 import sys
 from typing import Any
@@ -21,6 +22,7 @@ from ..transport.control import ControlConnection
 from ..transport.tcp import TcpSender
 from ..wire import auth as _auth
 from ..wire import messages as _wire
+from . import token_file
 
 log = logging.getLogger(__name__)
 
@@ -52,13 +54,17 @@ class Handshake:
             raise Rejected(f"learner speaks protocol {challenge.proto}, actor {_wire.PROTOCOL_VERSION}")
         return conn, challenge
 
-    async def connect(self, timeout: float | None = None) -> None:
+    async def connect(self, timeout: float | None = None, answered_timeout: float | None = None) -> None:
         """One attempt: open the control channel, authenticate, attach the data plane, all
-        within ``timeout`` (default: ``handshake_timeout``)."""
+        within ``timeout`` (default: ``handshake_timeout``), or within ``answered_timeout``
+        from the learner's first message where that is longer: a learner that answered is
+        alive, only busy (a storm of actors connecting), and giving up on it would only add
+        a retry to its load."""
         if timeout is None:
             timeout = self.config.handshake_timeout
         try:
-            async with asyncio.timeout(timeout):
+            async with asyncio.timeout(timeout) as scope:
+                self._attempt = (scope, answered_timeout)
                 await self._connect()
         except (TimeoutError, asyncio.TimeoutError) as exc:
             raise ConnectError(f"handshake with {self.host}:{self.port} timed out") from exc
@@ -69,17 +75,21 @@ class Handshake:
 
     async def _connect(self) -> None:
         conn, challenge = await self._open()
+        self._learner_answered()
         self.control = conn
-        if challenge.auth and self.token is None:
-            raise AuthError("the learner requires a token; pass token=... or set RLINK_TOKEN")
-        if self.token is not None and not challenge.auth:
-            raise AuthError("this actor has a token but the learner cannot prove it knows it (learner has no token)")
+        token, source = self._login_token(challenge.auth)
         nonce = _auth.new_nonce()
-        mac = _auth.actor_proof(self.token, challenge.nonce, nonce) if self.token else b""
+        mac = _auth.actor_proof(token, challenge.nonce, nonce) if token is not None else b""
         conn.send(_wire.Login(_wire.PROTOCOL_VERSION, nonce, mac))
-        if self.token is not None:
-            proof = await self._expect(conn, _wire.Proof)
-            _auth.verify(_auth.learner_proof(self.token, challenge.nonce, nonce), proof.mac, "learner")
+        if token is not None:
+            try:
+                proof = await self._expect(conn, _wire.Proof)
+                _auth.verify(_auth.learner_proof(token, challenge.nonce, nonce), proof.mac, "learner")
+            except AuthError as exc:
+                if source is None:
+                    raise
+                raise AuthError(f"{exc} (with the token in {source}: left by an earlier learner on this port? "
+                                "pass token=... or set RLINK_TOKEN)") from exc  # fmt: skip
         conn.send(_wire.Hello(self.actor_id, self.incarnation, __version__, self.transport_wanted, ucx_available(),
                               _cuda_visible(), hostname(), os.getpid(), shm.available()))  # fmt: skip
         welcome = await self._expect(conn, _wire.Welcome)
@@ -102,6 +112,34 @@ class Handshake:
         self._tasks.append(self.loop.create_task(self._send_loop()))
         self.connected = True
 
+    def _learner_answered(self) -> None:
+        scope, longer = self._attempt
+        if scope is None or longer is None or scope.when() is None:
+            return
+        when = self.loop.time() + longer
+        if when > scope.when():
+            scope.reschedule(when)
+
+    def _login_token(self, learner_auth: bool) -> tuple[bytes | None, str | None]:
+        """The token to prove and, when it is the learner's generated one, the file it came
+        from; (None, None) for a learner that does not authenticate (only with ``insecure``)."""
+        where = f"{self.host}:{self.port}"
+        if not learner_auth:
+            if not self.insecure:
+                raise AuthError(f"the learner at {where} does not authenticate (it runs with insecure=True), so "
+                                "anyone could be listening there: refused; pass insecure=True to the actor to accept it")  # fmt: skip
+            return None, None
+        if self.token is not None:
+            return self.token, None
+        if not is_loopback(self.host):  # the generated token never leaves the learner's host
+            raise AuthError(f"the learner at {where} requires a token: pass token=... or set RLINK_TOKEN / "
+                            "RLINK_TOKEN_FILE (make one with `rlink token`)")  # fmt: skip
+        token, source = token_file.find(self.config, self.port)
+        if token is None:
+            raise AuthError(f"the learner at {where} requires a token and this actor has none ({source}): pass "
+                            "token=..., set RLINK_TOKEN / RLINK_TOKEN_FILE, or give it the learner's Config.token_dir")  # fmt: skip
+        return token, source
+
     async def _expect(self, conn: ControlConnection, kind: type) -> Any:
         msg = await conn.recv(self.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
@@ -123,7 +161,7 @@ class Handshake:
         if ring is not None and self._probe is None and self.config.shm_direct_read and cma.available():
             self._probe = cma.Probe()  # lives as long as the connection: the learner reads it at each attach
         probe = self._probe.describe() if ring is not None and self._probe is not None else None
-        data, challenge = await self._open()
+        data, challenge = await self._open_data_connection()
         data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
                                _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session),
                                ring is not None, arena, probe))  # fmt: skip
@@ -136,6 +174,18 @@ class Handshake:
         else:
             self.sender = TcpSender(data.sock, self.loop, timeout, self.config.tcp_congestion)
 
+    async def _open_data_connection(self) -> tuple[ControlConnection, _wire.Challenge]:
+        """Open the data connection. In a storm of actors the learner may turn it away at its
+        cap of connections not yet authenticated, although this actor's session is already
+        set up: retry it alone (within the attempt's timeout) rather than the whole session."""
+        delay = 0.02
+        while True:
+            try:
+                return await self._open()
+            except (ConnectError, PeerLost):
+                await asyncio.sleep(delay * (0.5 + random.random()))
+                delay = min(2 * delay, 0.5)
+
     def _frame_memory_bytes(self) -> int:
         """Room for every frame buffer the actor may hold: those kept for resending, those
         being filled, and a few spare (beyond it, frame buffers are plain memory, and on the
@@ -145,7 +195,7 @@ class Handshake:
 
     def _new_arena(self) -> shm.Arena | None:
         try:
-            return shm.Arena(self._frame_memory_bytes())
+            return shm.Arena(self._frame_memory_bytes(), ahead=2 * self.config.frame_bytes)
         except OSError as exc:
             log.info("no shared frame buffers (%s): frames go through the ring", exc)
             return None
@@ -169,7 +219,7 @@ class Handshake:
         if self.arena is not None:
             return self.arena.block(nbytes)
         if self._frame_reserve is None:
-            self._frame_reserve = Reserve(self._frame_memory_bytes(), "frames")
+            self._frame_reserve = Reserve(self._frame_memory_bytes(), "frames", ahead=2 * self.config.frame_bytes)
         return self._frame_reserve.take(nbytes)
 
     def _map_shm_ring(self, welcome: _wire.Welcome) -> shm.ShmRing | None:

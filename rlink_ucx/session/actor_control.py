@@ -4,21 +4,29 @@ and heartbeats from the learner, and what happens when the connection fails."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
+from typing import Any
 
 from ..errors import AuthError, Closed, PeerLost, ProtocolError, RLinkError, SchemaMismatch
 from ..transport import shm
 from ..transport.loop import ticks
+from ..wire import keys as _keys
 from ..wire import messages as _wire
 from .actor_frames import BorrowedFrame
 
 log = logging.getLogger(__name__)
+# Weights messages go to the subscriber (StoreReply too: its rendezvous waits for it).
+_WEIGHTS = (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed, _wire.WeightsKey, _wire.Seal, _wire.StoreReply)
 
 
 class ControlReader:
     """Part of :class:`ActorConnection`: reads the learner's control messages on the I/O loop,
     keeps the learner's liveness, and turns a failure into a reconnect or a final ``error``."""
+
+    _attach_proof: bytes | None = None  # the learner's AttachProof, checked when Ready comes
+    _weights_key: tuple[bytes, bytes] | None = None  # (the session's ticket, its weights key)
 
     async def _read_control(self) -> None:
         assert self.control is not None
@@ -42,9 +50,12 @@ class ControlReader:
                     self.control.send(_wire.Returned(give))
                 elif isinstance(msg, _wire.Heartbeat):
                     pass
-                elif isinstance(msg, (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed)):
+                elif isinstance(msg, _WEIGHTS):
                     self._on_weights(msg)
+                elif isinstance(msg, _wire.AttachProof):
+                    self._attach_proof = msg.mac
                 elif isinstance(msg, _wire.Ready):
+                    self._check_attach(msg)
                     if isinstance(self.sender, shm.ShmSender):
                         if not msg.arena:
                             self.sender.arena = None  # the learner could not map it: use the ring
@@ -76,7 +87,42 @@ class ControlReader:
                     self.free.append(frame)
             self.changed.notify_all()
 
-    def _on_weights(self, msg: _wire.Version | _wire.Publish | _wire.Group | _wire.Sealed) -> None:
+    def _session_token(self) -> bytes | None:
+        """The token this session's handshake proved: the given one, else the learner's
+        generated one (looked up as the handshake did); None for a learner that does not
+        authenticate (accepted only with ``insecure=True``)."""
+        if self.token is not None:
+            return self.token
+        try:
+            return self._login_token(True)[0]
+        except AuthError:
+            return None
+
+    def weights_key(self) -> bytes:
+        """This session's weights key (``wire.keys.session_key``), from the token; for a learner
+        that does not authenticate, from the ticket alone (which protects nothing)."""
+        welcome = self.welcome
+        if welcome is None:
+            raise PeerLost("no session with the learner")
+        cached = self._weights_key
+        if cached is not None and cached[0] == welcome.ticket:  # a restarted learner reuses session ids
+            return cached[1]
+        key = _keys.session_key(self._session_token(), welcome.ticket, welcome.session)
+        self._weights_key = (welcome.ticket, key)
+        return key
+
+    def _check_attach(self, ready: _wire.Ready) -> None:
+        """A tcp or shm data plane is used only once the learner proved, with the session's
+        key, that it attached it: something without the token that took the data connection
+        cannot make the actor stream to it. (A ucx plane's Ready comes with the Welcome.)"""
+        proof, self._attach_proof = self._attach_proof, None
+        if ready.transport not in ("tcp", "shm") or self._session_token() is None or self.welcome is None:
+            return
+        expected = _keys.attach_proof(self.weights_key(), self.welcome.session, ready.transport)
+        if proof is None or not hmac.compare_digest(expected, proof):
+            raise AuthError("the learner did not prove it attached this session's data connection")
+
+    def _on_weights(self, msg: Any) -> None:
         if isinstance(msg, _wire.Version):
             self.latest_version = max(self.latest_version, msg.version)
         elif isinstance(msg, _wire.Publish):

@@ -34,9 +34,11 @@ class ActorConnection(Handshake, ControlReader, Reconnect, Outbox):
     """Everything the actor does on its I/O loop. Errors land in :attr:`error` for the caller."""
 
     def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, actor_id: int | None,
-                 incarnation: int, config: Config, loop: asyncio.AbstractEventLoop):  # fmt: skip
+                 incarnation: int, config: Config, loop: asyncio.AbstractEventLoop,
+                 insecure: bool = False):  # fmt: skip
         self.host, self.port = host, port
-        self.token = token
+        self.token = token  # None: the learner's generated token, looked up at each attempt
+        self.insecure = insecure  # accept a learner that does not authenticate
         self.transport_wanted = transport
         self.actor_id = actor_id
         self.incarnation = incarnation
@@ -83,6 +85,7 @@ class ActorConnection(Handshake, ControlReader, Reconnect, Outbox):
         self.arena: shm.Arena | None = None  # shm plane: frame buffers the learner can read directly
         self._frame_reserve: Reserve | None = None  # the other planes: frame buffers in populated memory
         self._probe: cma.Probe | None = None  # shm: lets the learner prove it may read our memory
+        self._attempt: tuple[Any, float | None] = (None, None)  # the connect attempt's timeout scope
 
 
     # --- closing -----------------------------------------------------------------------------------

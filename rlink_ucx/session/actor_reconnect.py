@@ -78,7 +78,8 @@ class Reconnect:
                 await asyncio.sleep(min(left, delay * (0.5 + random.random())))
                 delay = min(2 * delay, 2.0)
             try:
-                await self.connect(min(attempt_timeout, max(0.1, deadline - time.monotonic())))
+                left = max(0.1, deadline - time.monotonic())
+                await self.connect(min(attempt_timeout, left), answered_timeout=min(cap, left))
                 return None
             except FINAL as exc:
                 return exc

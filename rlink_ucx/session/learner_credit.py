@@ -65,7 +65,11 @@ class CreditGranter:
         keep_idle = min(window, ring.max_frame_steps)
         self._rotation = (self._rotation + 1) % len(active)
         now = time.monotonic()
+        low_water = window - threshold
         for session in active[self._rotation :] + active[: self._rotation]:
+            # A mark set under a larger window would keep the session "low" for good, and every
+            # batch the consumer frees would wake this loop for nothing.
+            session.low_water = min(session.low_water, low_water)
             if session.revoking or (session.idle(now) and session.credit >= keep_idle):
                 continue  # idle, with a frame's worth: more would sit unused while others wait
             want = window - session.credit
@@ -77,7 +81,7 @@ class CreditGranter:
             if give < threshold and session.credit > 0:
                 continue
             ring.grant(give)
-            session.grant(give, low_water=window - threshold)
+            session.grant(give, low_water=low_water)
         # Take back what actors hold beyond the fair window (promised while fewer were
         # connected); their Returned grants it to the others.
         self._revoke_excess(active, window, threshold)

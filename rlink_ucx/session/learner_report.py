@@ -49,7 +49,9 @@ def report(server: Any) -> dict[str, Any]:
         "lost_actors": sum(1 for a in server.ended if a["state"] == "lost"),
         "rejected_connections": server.rejected_connections,
         "handshakes_in_flight": server.admission.in_flight,
-        "shed_handshakes": server.admission.shed,
+        "shed_handshakes": server.admission.shed,  # unauthenticated, dropped by either cap
+        "shed_handshakes_per_peer": server.admission.shed_per_peer,  # ... of which by max_handshakes_per_peer
+        "preauth_timeouts": server.admission.timed_out,  # no login within preauth_timeout
         "auth_failures": server.auth_failures,
         "ucx_workers_recycled": server.ucx.recycled if server.ucx is not None else 0,
         "buffer": {

@@ -25,8 +25,10 @@ from ..weights.publisher import Publisher
 from ..wire import auth as _auth
 from ..wire import messages as _wire
 from ..wire.codec import Schema
+from . import token_file
 from .learner_admission import Admission, listen_backlog, raise_file_limit
 from .learner_attach import attach_data_connection
+from .learner_counters import ActorTotals
 from .learner_credit import CreditGranter
 from .learner_report import StalenessHistogram, describe_session, report
 from .learner_session import LearnerSession
@@ -48,11 +50,18 @@ class Busy(ProtocolError):
     kind = "busy"
 
 
+class PreauthTimeout(TimeoutError):
+    """A new connection did not log in (or attach) within ``Config.preauth_timeout``."""
+
+
 class LearnerServer:
     def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, config: Config,
-                 loop: asyncio.AbstractEventLoop, schema: Schema | None = None):  # fmt: skip
+                 loop: asyncio.AbstractEventLoop, schema: Schema | None = None,
+                 publish_token: bool = False):  # fmt: skip
         self.host, self.port = host, port
         self.token = token
+        self.publish_token = publish_token  # a generated token: written for local actors once bound
+        self.token_path: Any = None  # where it was written
         self.transport = transport
         self.config = config
         self.loop = loop
@@ -94,6 +103,7 @@ class LearnerServer:
             load_ucxx()
         self.publisher = Publisher(self)
         self.staleness = StalenessHistogram()  # fed by RLinkDataset
+        self.totals = ActorTotals()  # ended sessions' counters, for the metrics endpoint
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -103,6 +113,16 @@ class LearnerServer:
         sock.setblocking(False)
         self._listener = sock
         self.port = sock.getsockname()[1]
+        if self.publish_token and self.token is not None:
+            # After the bind (port 0 is now the real port), before the first accept: an actor
+            # that connected early waits in the backlog, and finds the file once challenged.
+            try:
+                self.token_path = token_file.publish(self.config, self.port, self.token)
+            except BaseException:
+                sock.close()
+                self._listener = None
+                raise
+            log.info("learner token for local actors written to %s", self.token_path)
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
 
@@ -112,7 +132,14 @@ class LearnerServer:
         task.add_done_callback(self._tasks.discard)
         return task
 
+    def withdraw_token(self) -> None:
+        """Remove the generated token's file (idempotent; any thread)."""
+        path, self.token_path = self.token_path, None
+        if path is not None and self.token is not None:
+            token_file.withdraw(path, self.token)
+
     async def stop(self) -> None:
+        self.withdraw_token()
         for session in list(self.sessions.values()):
             session.control.send(_wire.Bye("learner closing"))
             session.close("learner closing", lost=False)
@@ -147,7 +174,7 @@ class LearnerServer:
             task = self._spawn(self._handle(conn))
             # Also when the task is dropped before it ever ran (admission sheds the oldest).
             task.add_done_callback(lambda _task, conn=conn: conn.handed_off or conn.close())
-            self.admission.admit(task)
+            self.admission.admit(task, addr[0])
 
     async def _handle(self, conn: ControlConnection) -> None:
         peer = conn.peer
@@ -157,8 +184,11 @@ class LearnerServer:
                 async with asyncio.timeout(self.config.handshake_timeout):
                     result = await self._handshake(conn)
                 self.admission.finished(asyncio.current_task())
-            except (asyncio.TimeoutError, TimeoutError):
+            except (asyncio.TimeoutError, TimeoutError) as exc:
                 # Not a rejection: a busy learner or a slow link; the actor may try again.
+                if isinstance(exc, PreauthTimeout):  # counted and logged (rate-limited) by admission
+                    conn.send(_wire.Error("timeout", str(exc)))
+                    return
                 log.info("handshake with %s did not finish within %ss", peer, self.config.handshake_timeout)
                 conn.send(_wire.Error("timeout", f"handshake did not finish within {self.config.handshake_timeout}s"))
                 return
@@ -196,7 +226,13 @@ class LearnerServer:
     async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[LearnerSession, int] | None:
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
-        first = await conn.recv(self.config.max_preauth_bytes)
+        limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
+        try:  # what follows is verified at once: only this wait is unauthenticated
+            async with asyncio.timeout(limit):
+                first = await conn.recv(self.config.max_preauth_bytes)
+        except TimeoutError:
+            self.admission.preauth_expired(conn.peer)
+            raise PreauthTimeout(f"no login within {limit}s (Config.preauth_timeout)") from None
         if isinstance(first, _wire.Attach):
             attach_data_connection(self.sessions, conn, first, nonce, self.config.tcp_congestion)
             self.grant_credits()
@@ -211,6 +247,7 @@ class LearnerServer:
             raise ProtocolError("bad nonce length")
         if self.token is not None:
             _auth.verify(_auth.actor_proof(self.token, nonce, first.nonce), first.mac, "actor")
+            self.admission.finished(asyncio.current_task())  # authenticated: no longer a pre-auth slot
             conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
         hello = await conn.recv(self.config.max_control_bytes)
         if not isinstance(hello, _wire.Hello):
@@ -264,6 +301,7 @@ class LearnerServer:
         resume = self.resume.pop((actor_id, hello.incarnation), None)
         session.next_seq = resume  # None: the first frame says where this stream starts
         session.resumed = resume is not None
+        self.totals.reconnects += session.resumed
         self.sessions[session.id] = session
         conn.send(_wire.Welcome(
             session.id, actor_id, self.version, transport, reason, session.ticket, ucx_address,
@@ -287,7 +325,8 @@ class LearnerServer:
             from ..transport.ucx import UcxLearnerPlane
 
             loopback = is_loopback(self.host)
-            self._ucx_starting = self.loop.run_in_executor(None, UcxLearnerPlane, self.loop, self.config, loopback)
+            self._ucx_starting = self.loop.run_in_executor(None, UcxLearnerPlane, self.loop, self.config, loopback,
+                                                         self.host)  # UCX listens where we do
         starting = self._ucx_starting
         try:
             self.ucx = await asyncio.shield(starting)  # a cancelled handshake leaves it starting
@@ -350,6 +389,7 @@ class LearnerServer:
             while len(self.resume) > 10_000:
                 self.resume.popitem(last=False)
         self.ended.append(describe_session(session))
+        self.totals.ended(session.actor_id, session.stats, lost=session.state == "lost")
         del self.ended[:-1000]
         if session.state != "closed":  # lost or moved: its actor may come back
             self.last_unclean_end = time.monotonic()

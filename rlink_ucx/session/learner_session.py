@@ -53,6 +53,7 @@ class SessionStats:
     protocol_errors: int = 0
     duplicate_steps: int = 0  # resent after a reconnect but already delivered: dropped
     lost_steps: int = 0  # a resumed stream started past where it stopped (the actor kept no copy)
+    credit_exhausted: int = 0  # frames that used the actor's last credit (its next put waits for a grant)
 
 
 class LearnerSession:
@@ -113,6 +114,8 @@ class LearnerSession:
                 self.server.publisher.on_got(self, msg.version)
             elif isinstance(msg, _wire.Subscribe):
                 self.server.publisher.on_subscribe(self, msg)
+            elif isinstance(msg, _wire.StoreRequest):  # the fan-out group's rendezvous, relayed
+                self.server.publisher.on_store(self, msg)
             elif isinstance(msg, _wire.Bye):
                 self.close("actor said goodbye: " + msg.reason[:200], lost=False)
                 return
@@ -217,6 +220,7 @@ class LearnerSession:
             raise ProtocolError(f"frame seq {h.seq}, expected {self.next_seq}")
         seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version)
         self.credit -= h.n_steps
+        self.stats.credit_exhausted += not self.credit
         self._frame = (h, seg)
         views = ring.field_views(seg)
         if self.transport == "ucx" and any(len(v) > 1 for v in views):

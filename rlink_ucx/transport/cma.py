@@ -7,10 +7,14 @@ shared ring and one out of it. UCX's ``cma`` transport does the same.
 
 The kernel allows it only where the reader may ptrace the target: same user, and with Yama's
 ``ptrace_scope`` >= 1 or a container's default seccomp profile usually not at all. rlink never
-widens that (no ``PR_SET_PTRACER``). Whether it works is probed per session: the actor shows a
-random nonce at an address in its memory (:class:`Probe`), and the learner reads it back
-(:func:`verify`) before it accepts a frame by address. The learner only ever writes into its
-own buffers, of the sizes it validated; a bad address costs the actor its connection.
+widens that (no ``PR_SET_PTRACER``). The pid read from is never the peer's word alone: the
+kernel must show that process holding the actor's end of the data connection
+(``transport/peer.py``), and a :class:`Process` handle (a pidfd) taken before that check
+tells when the process is gone, so a pid reused by another process is never read from and
+kept. Whether reading works is then probed per session: the actor shows a random nonce at an
+address in its memory (:class:`Probe`), and the learner reads it back (:func:`verify`) before
+it accepts a frame by address. The learner only ever writes into its own buffers, of the sizes
+it validated; a bad address costs the actor its connection.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import select
 import secrets
 import sys
 from typing import Any
@@ -102,11 +107,39 @@ class Probe:
 def verify(pid: int, where: Any) -> None:
     """Read the actor's :class:`Probe` (``[address, nonce]``) out of process ``pid``;
     ``OSError`` unless it can be read and holds the nonce."""
+    # Checked by type before use: bytes(n) of a hostile int n would allocate n bytes.
+    if not isinstance(where, (list, tuple)) or len(where) != 2:
+        raise OSError(errno.EINVAL, "malformed probe")
     address, nonce = where
-    nonce = bytes(nonce)
-    if len(nonce) != _NONCE_BYTES:
+    if type(address) is not int or not 0 < address < 1 << 64 or type(nonce) is not bytes or len(nonce) != _NONCE_BYTES:
         raise OSError(errno.EINVAL, "malformed probe")
     got = bytearray(_NONCE_BYTES)
     read(pid, [(int(address), _NONCE_BYTES)], [memoryview(got)])
     if bytes(got) != nonce:
         raise OSError(errno.EINVAL, f"process {pid} does not hold the announced nonce")
+
+
+class Process:
+    """One process, held by a pidfd so that its pid can never silently name another process:
+    :meth:`read` fails once it has exited, even where the pid was reused before the read."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self._fd: int | None = os.pidfd_open(pid)  # OSError: no such process, or no pidfds here
+        self._poll = select.poll()
+        self._poll.register(self._fd, select.POLLIN)  # readable once the process has exited
+
+    def exited(self) -> bool:
+        return self._fd is None or bool(self._poll.poll(0))
+
+    def read(self, remote: list[tuple[int, int]], local: list[memoryview]) -> None:
+        """:func:`read` from this process. Checked after the read: a process alive then held
+        its pid all along, so the bytes are its own; otherwise ``ESRCH`` and they are void."""
+        read(self.pid, remote, local)
+        if self.exited():
+            raise OSError(errno.ESRCH, f"process {self.pid} has exited")
+
+    def close(self) -> None:
+        fd, self._fd = self._fd, None
+        if fd is not None:
+            os.close(fd)

@@ -136,6 +136,16 @@ class ShmSender:
                 self.arena_frames += 1
             elif self.direct and sum(len(v) for v in payload) >= cma.MIN_BYTES:
                 self._send_direct(header, payload)
+            elif self._fits(payload):
+                # Copied first, announced after, in one send: the learner's ring hands out steps
+                # in arrival order, so a frame it has begun but whose bytes are still to come
+                # holds back every actor's steps behind it (seconds, with 256 actor threads
+                # waiting for their processes' GIL between the header and the bytes).
+                for buf in payload:
+                    if len(buf):
+                        self.ring.copy_in(self.written, buf)
+                        self.written += len(buf)
+                self.sock.sendall(b"".join((RING_FRAME, header, WRITTEN, COUNTER.pack(self.written))))
             else:
                 self.sock.sendall(RING_FRAME + header)
                 self._stream(payload)
@@ -156,6 +166,9 @@ class ShmSender:
             # sees it and drops the frame rather than deliver memory that changed under it.
             _close(self.sock)
             raise
+
+    def _fits(self, payload: list[memoryview]) -> bool:
+        return sum(len(v) for v in payload) <= self.ring.size - (self.written - self._replies.freed)
 
     def _stream(self, payload: list[memoryview]) -> None:
         for buf in payload:
@@ -239,11 +252,12 @@ class ShmReceiver(SocketReceiver):
     name = "shm"
 
     def __init__(self, sock: socket.socket, ring: ShmRing, sink: FrameSink, name: str = "rlink-shm-recv",
-                 arena: ShmRing | None = None, actor_pid: int | None = None):  # fmt: skip
+                 arena: ShmRing | None = None, actor_pid: int | cma.Process | None = None):  # fmt: skip
         super().__init__(sock, sink, name)
         self.ring = ring
         self.arena = arena
-        self.actor_pid = actor_pid  # set once we proved we may read the actor's memory
+        # Set once we proved we may read the actor's memory (its pid checked with the kernel).
+        self.actor = cma.Process(actor_pid) if isinstance(actor_pid, int) else actor_pid
         self._read_directly = 0
         self._written = 0  # what the actor announced
         self._consumed = 0  # copied out
@@ -303,13 +317,13 @@ class ShmReceiver(SocketReceiver):
         self.arena.copy_extents(extents, views)
 
     def _copy_directly(self, extents: list[tuple[int, int]], views: list[memoryview]) -> None:
-        if self.actor_pid is None:
+        if self.actor is None:
             raise ProtocolError("a frame by address from an actor whose memory we did not probe")
         total = sum(n for _, n in extents)
         if total != sum(len(v) for v in views):
             raise ProtocolError("a frame's pieces do not add up to its payload")
         try:
-            cma.read(self.actor_pid, extents, views)
+            self.actor.read(extents, views)  # void (ESRCH) if the process exited meanwhile
         except OSError as exc:
             # An actor killed mid-frame loses its memory before its sockets close: give them a
             # moment to close before calling it a bad address.
@@ -358,3 +372,5 @@ class ShmReceiver(SocketReceiver):
         self.ring.close()  # this thread was the only one copying out of them
         if self.arena is not None:
             self.arena.close()
+        if self.actor is not None:
+            self.actor.close()

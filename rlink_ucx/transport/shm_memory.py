@@ -142,10 +142,10 @@ class Arena:
     here reach the learner with one copy, straight out of the frame buffer. Blocks are handed
     out once and live as long as the actor (frame buffers are reused, never freed)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, ahead: int | None = None):
         self.region, self.nonce = ShmRing.create(size, ARENA_NAME)
-        # Populated ahead of the frames written into it (rlink_ucx/_memory.py).
-        self._memory = Reserve(size, "arena", mapping=self.region.mm, offset=DATA_OFFSET, align=4096)
+        # Populated ``ahead`` of the frames written into it (rlink_ucx/_memory.py).
+        self._memory = Reserve(size, "arena", mapping=self.region.mm, offset=DATA_OFFSET, align=4096, ahead=ahead)
 
     def describe(self) -> list[Any]:
         assert self.region.fd is not None

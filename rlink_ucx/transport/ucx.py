@@ -13,10 +13,13 @@ costs ~10 us and beats a raw socket. So:
 - each actor owns a worker with one endpoint to the learner's worker address (exchanged over
   the authenticated control channel) and sends ``header, field_0, field_1, ...`` with one tag.
 
-Tags are ``session_tag << 32 | kind`` where ``session_tag`` is derived from the session's
-secret ticket, so a process that did not authenticate cannot address a session's buffers.
-Endpoint error handling is off: it would restrict UCX to TCP and lose same-host shared memory
-(sysv/cma, 3-5x a raw socket here); a dead peer is detected by the control channel instead.
+Each session has two tags (headers, payloads) of 64 secret bits each, derived from its
+secret ticket (``ucx_setup.session_tags``), so a process that did not authenticate cannot
+address a session's buffers; what it sends anyway is thrown away (``ucx_unexpected.py``)
+rather than kept by UCX for a receive that never comes. UCX's TCP transport listens only on
+the interfaces of the control channel (``ucx_probe.net_devices``). Endpoint error handling
+is off: it would restrict UCX to TCP and lose same-host shared memory (sysv/cma, 3-5x a raw
+socket here); a dead peer is detected by the control channel instead.
 """
 
 from __future__ import annotations
@@ -34,7 +37,10 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import PeerLost, ProtocolError
 from ..wire.frame import FRAME_HEADER_BYTES
+from . import ucx_probe
 from .base import DataPlaneRetired
+from .ucx_setup import HEADER_KIND, PAYLOAD_KIND, load_ucxx, make_worker, session_tags, ucx_options
+from .ucx_unexpected import Sweeper
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -43,50 +49,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-HEADER_KIND = 0
-PAYLOAD_KIND = 1
+__all__ = ["HEADER_KIND", "PAYLOAD_KIND", "UcxActorPlane", "UcxLearnerPlane", "load_ucxx", "make_worker",
+           "recycle_due", "session_tags", "ucx_options"]  # fmt: skip
 _RECYCLED = "the learner started a fresh UCX worker; reconnect to it"
 # Progress calls that found nothing before a busy-polling thread yields its core on every
 # further call: with more processes than cores (4 actors and a learner on 2 cores) pure
 # spinning starves the very peer it waits for.
 _SPINS_BEFORE_YIELD = 32
-
-
-def ucx_options(config: Config, loopback: bool = False) -> dict[str, str]:
-    """UCX settings we ship (unless the user set the variable): see docs/transports.md.
-
-    ``loopback``: the learner listens on loopback only, so UCX's TCP transport must not listen
-    on the other interfaces either (it listens on every one it may use)."""
-    seg = f"{max(64, config.ucx_segment_bytes // 1024)}k"
-    ours = {
-        "TCP_TX_SEG_SIZE": seg,
-        "TCP_RX_SEG_SIZE": seg,  # must be >= TX or the worker refuses to start
-        "RNDV_FRAG_SIZE": "host:4M",
-    }
-    if loopback:
-        ours["NET_DEVICES"] = "lo"
-    return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
-
-
-def load_ucxx() -> tuple[Any, Any]:
-    """Import ucxx's low-level module and its Array (slow the first time: it loads UCX)."""
-    try:
-        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        import ucxx._lib.libucxx as libucxx
-        from ucxx._lib.arr import Array
-    except ImportError as exc:  # pragma: no cover - checked by transport.choose first
-        raise ImportError('the ucx data plane needs ucxx: pip install "rlink-ucx[cu12]"') from exc
-    return libucxx, Array
-
-
-def session_tag(ticket: bytes) -> int:
-    return int.from_bytes(ticket[:4], "little")
-
-
-def make_worker(config: Config, loopback: bool = False) -> tuple[Any, Any, Any]:
-    u, _ = load_ucxx()
-    context = u.UCXContext(ucx_options(config, loopback), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
-    return u, context, u.UCXWorker(context)
+_UNANNOUNCED_GRACE = 1.0  # seconds a payload message may wait for its header's receive to complete
 
 
 def recycle_due(ended: int, live: int, after: int) -> bool:
@@ -105,24 +75,25 @@ class _Generation:
     process it has talked to, dead or alive, for as long as it lives; so after enough ended
     sessions the plane starts a new generation and retires this one once its sessions are gone."""
 
-    def __init__(self, config: Config, loopback: bool):
-        self.u, self.context, self.worker = make_worker(config, loopback)
+    def __init__(self, config: Config, loopback: bool, devices: list[str] | None):
+        self.u, self.context, self.worker = make_worker(config, loopback, devices)
         self.address = bytes(self.worker.address.tobytes())
         self.worker.init_blocking_progress_mode()  # the plane sleeps in its epoll when idle
         self.ended = 0  # sessions of this worker that have ended
+        self.sweeper = Sweeper(self.u, load_ucxx()[1])
 
     def release(self) -> None:
         """Destroy the worker (on the progress thread, which made it): its mappings go with it."""
-        self.worker = self.context = None
+        self.worker = self.context = self.sweeper = None
 
 
 class _Receive:
     """One actor's receive state, touched only by the progress thread."""
 
-    def __init__(self, sink: FrameSink, actor_id: int, tag: int, generation: _Generation):
+    def __init__(self, sink: FrameSink, actor_id: int, tags: tuple[int, int], generation: _Generation):
         self.sink = sink
         self.actor_id = actor_id
-        self.tag = tag
+        self.tags = tags  # indexed by kind: HEADER_KIND, PAYLOAD_KIND
         self.generation = generation  # the worker whose address the actor was sent
         # Receives are posted through an endpoint of their own (to our own worker): matching is
         # still by tag alone, but closing the endpoint cancels exactly this session's receives.
@@ -130,6 +101,7 @@ class _Receive:
         self.header = bytearray(FRAME_HEADER_BYTES)
         self.requests: list[tuple[Any, Any, int]] = []  # (request, Array, kind) in flight
         self.payload_left = 0
+        self.unannounced_since: float | None = None  # payload of ours seen while awaiting a header
         self.dead = False
         self.frame_started: float | None = None
 
@@ -159,11 +131,16 @@ class UcxLearnerPlane:
 
     _IDLE_SPINS = 2000  # progress calls without completions before sleeping in epoll
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, config: Config, loopback: bool = False):
+    def __init__(self, loop: asyncio.AbstractEventLoop, config: Config, loopback: bool = False,
+                 host: str | None = None):  # fmt: skip
+        """``host``: the control channel's bind address; UCX listens on its interfaces only."""
         self.u, self.Array = load_ucxx()
         self.loop = loop
         self.config = config
         self.loopback = loopback
+        self.devices = None if loopback or host is None else ucx_probe.net_devices(host)
+        # Every live session's tags -> (receive, kind), for telling its messages from strangers'.
+        self._by_tag: dict[int, tuple[_Receive, int]] = {}
         self.current: _Generation
         self._retiring: list[_Generation] = []  # older workers, until their sessions are gone
         self.recycled = 0
@@ -185,9 +162,18 @@ class UcxLearnerPlane:
         """Receive one actor's frames into ``sink`` on ``generation``, the worker whose address
         the actor was sent (read from ``current`` when its session was opened); the tags come
         from the session's secret ``ticket``. Returns the started receiver."""
-        receiver = UcxReceiver(self, _Receive(sink, actor_id, session_tag(ticket) << 32, generation))
+        state = _Receive(sink, actor_id, session_tags(ticket), generation)
+        for kind, tag in enumerate(state.tags):  # before its first message can arrive
+            self._by_tag[tag] = (state, kind)
+        receiver = UcxReceiver(self, state)
         receiver.start()
         return receiver
+
+    @property
+    def discarded(self) -> int:
+        """Messages thrown away by the current worker: no live session asked for them."""
+        sweeper = self.current.sweeper
+        return sweeper.discarded if sweeper is not None else 0
 
     def call(self, fn: Callable[[], None]) -> None:
         self._calls.put(fn)
@@ -199,7 +185,7 @@ class UcxLearnerPlane:
     # --- the progress thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.current = _Generation(self.config, self.loopback)
+            self.current = _Generation(self.config, self.loopback, self.devices)
         except BaseException as exc:  # reported by __init__ in the caller's thread
             self._start_error = exc
             self._started.set()
@@ -224,7 +210,10 @@ class UcxLearnerPlane:
             self.current.worker.progress()
             for generation in self._retiring:
                 generation.worker.progress()
-            if self._poll():
+            moved = self._poll()
+            for generation in (self.current, *self._retiring):
+                moved = self._sweep(generation) > 0 or moved
+            if moved:
                 idle = 0
             else:
                 idle += 1
@@ -257,9 +246,36 @@ class UcxLearnerPlane:
                         self._on_frame(state)
         return moved
 
+    def _sweep(self, generation: _Generation) -> int:
+        """Throw away the messages on ``generation``'s worker that no live session of it asked
+        for; a session's next message waits its turn. After ``_poll``: every receive that
+        completed has been followed by the next one, so nothing still waiting is misjudged."""
+
+        def unasked(tag: int) -> bool:
+            state, kind = self._by_tag.get(tag, (None, HEADER_KIND))
+            if state is None or state.dead or state.generation is not generation:
+                return True
+            if kind == HEADER_KIND or state.payload_left:
+                return False  # its next frame's header, read once this frame is done
+            # Payload while it waits for a header: more than its last header announced, unless
+            # that header's receive has not been seen complete yet (given a moment).
+            now = time.monotonic()
+            if state.unannounced_since is None or now - state.unannounced_since < _UNANNOUNCED_GRACE:
+                state.unannounced_since = state.unannounced_since or now
+                return False
+            self._failed(state, ProtocolError("the actor sent payload that no frame header announced"))
+            return True
+
+        before = generation.sweeper.discarded
+        n = generation.sweeper.sweep(generation.worker, unasked)
+        if n and before == 0:
+            log.warning("discarding UCX messages no session asked for (a peer that did not authenticate, "
+                        "or one whose session ended)")  # fmt: skip
+        return n
+
     def _recv(self, state: _Receive, buffer: Any, kind: int) -> None:
         array = self.Array(buffer)
-        request = state.endpoint.tag_recv(array, self.u.UCXXTag(state.tag | kind))
+        request = state.endpoint.tag_recv(array, self.u.UCXXTag(state.tags[kind]))
         state.requests.append((request, array, kind))
 
     def _post_header(self, state: _Receive) -> None:
@@ -277,6 +293,7 @@ class UcxLearnerPlane:
 
     def _on_header(self, state: _Receive) -> None:
         state.frame_started = time.monotonic()
+        state.unannounced_since = None
         try:
             views = [v for v in state.sink.begin(bytes(state.header)) if len(v)]
         except ProtocolError as exc:
@@ -304,6 +321,9 @@ class UcxLearnerPlane:
     def _drop(self, state: _Receive) -> None:
         """The session ended: withdraw its receives so UCX never writes into reused memory."""
         state.dead = True
+        for tag in state.tags:  # from now on its messages are nobody's: thrown away
+            if self._by_tag.get(tag, (None,))[0] is state:
+                del self._by_tag[tag]
         if state not in self._receives:
             return
         if state.endpoint is not None:
@@ -341,7 +361,7 @@ class UcxLearnerPlane:
         """Start a new worker for new sessions and move the live ones to it: their sessions
         end here, and their actors reconnect (resending what was not acknowledged)."""
         try:
-            fresh = _Generation(self.config, self.loopback)
+            fresh = _Generation(self.config, self.loopback, self.devices)
         except Exception:  # noqa: BLE001 - keep serving on the old worker; try again later
             log.warning("could not start a fresh UCX worker; keeping the current one", exc_info=True)
             self.current.ended = 0
@@ -380,11 +400,13 @@ class UcxActorPlane:
     # I/O loop) may touch it, so callers must not send from their own threads.
     any_thread = False
 
-    def __init__(self, u: Any, context: Any, worker: Any, endpoint: Any, tag: int, loop: asyncio.AbstractEventLoop,
-                 config: Config, control: socket.socket | None = None):  # fmt: skip
+    def __init__(self, u: Any, context: Any, worker: Any, endpoint: Any, tags: tuple[int, int],
+                 loop: asyncio.AbstractEventLoop, config: Config, control: socket.socket | None = None):  # fmt: skip
         _, self.Array = load_ucxx()
         self.u, self._context, self.worker, self.endpoint = u, context, worker, endpoint
-        self.tag = tag
+        self.tags = tuple(u.UCXXTag(t) for t in tags)  # indexed by kind
+        # We never receive: whatever arrives at our worker is a stranger's, thrown away.
+        self._sweeper = Sweeper(u, self.Array)
         self.loop = loop
         self.config = config
         # A session the learner ended (dropped, or moved to a fresh worker) never completes our
@@ -400,14 +422,16 @@ class UcxActorPlane:
                       config: Config, loopback: bool = False, control: socket.socket | None = None) -> UcxActorPlane:  # fmt: skip
         if not welcome.ucx_address:
             raise ProtocolError("learner chose ucx but sent no worker address")
-        u, context, worker = make_worker(config, loopback)
+        devices = None
+        if not loopback and control is not None:  # the interface our control channel left by
+            devices = await loop.run_in_executor(None, ucx_probe.net_devices, control.getsockname()[0])
+        u, context, worker = make_worker(config, loopback, devices)
         address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
         endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
-        return cls(u, context, worker, endpoint, session_tag(welcome.ticket) << 32, loop, config, control)
+        return cls(u, context, worker, endpoint, session_tags(welcome.ticket), loop, config, control)
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
-        tag_header = self.u.UCXXTag(self.tag | HEADER_KIND)
-        tag_payload = self.u.UCXXTag(self.tag | PAYLOAD_KIND)
+        tag_header, tag_payload = self.tags[HEADER_KIND], self.tags[PAYLOAD_KIND]
         keep = [self.Array(bytearray(header))]  # UCX needs a writable, contiguous buffer
         requests = [self.endpoint.tag_send(keep[0], tag_header)]
         for view in payload:
@@ -430,6 +454,7 @@ class UcxActorPlane:
                     raise PeerLost("the learner ended the session while a frame was being sent")
         for request in requests:
             request.check_error()
+        self._sweeper.sweep(self.worker, lambda tag: True)
 
     def close(self) -> None:
         if self.endpoint is None:

@@ -64,3 +64,16 @@ def transports() -> dict[str, list[str]]:
 def fast_transports() -> set[str]:
     """UCX transports here that can beat the tcp plane (RDMA or CUDA)."""
     return set(transports()) & (RDMA | CUDA)
+
+
+def net_devices(host: str) -> list[str] | None:
+    """The network devices UCX should use for a control channel on ``host``: the interfaces
+    that carry that address, plus every RDMA device (whose ports are not TCP listeners and
+    are the reason to use UCX). None: no restriction (a wildcard address, or none found)."""
+    from . import interfaces
+
+    found = interfaces.holding(host)
+    if found is None:
+        return None
+    rdma = {d for name, devices in transports().items() if name in RDMA for d in devices}
+    return found + sorted(rdma - set(found))

@@ -1,10 +1,11 @@
 """torch.distributed process groups for the weight fan-out, kept apart from the user's own.
 
 Every group is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore``
-over the learner's private ``TCPStore``: ``init_process_group`` and the default group are never
-touched, so a training script that already runs under torchrun/DDP keeps its group as it is.
-The store listens on the learner's own bind address (a socket we bind, handed to the store), and
-its keys live under a random per-learner prefix sent only over the authenticated control channel.
+over the store it is given: ``init_process_group`` and the default group are never touched, so a
+training script that already runs under torchrun/DDP keeps its group as it is. The fan-out's
+store is relayed over the authenticated control channel (``rendezvous.py``); nothing listens
+for it. ``serve_store``/``connect_store`` make a plain ``TCPStore``, which anyone who reaches
+its port may read and write: only the benchmarks' baselines use them.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import datetime
 import socket
 from typing import Any
 
-__all__ = ["broadcast", "connect_store", "new_group", "serve_store", "wait_all"]
+__all__ = ["broadcast", "connect_store", "formation_timeout", "new_group", "serve_store", "wait_all"]
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -21,7 +22,8 @@ def _delta(seconds: float) -> datetime.timedelta:
 
 
 def serve_store(host: str, timeout: float) -> tuple[Any, int]:
-    """A ``TCPStore`` server listening on ``host`` (port chosen by the OS)."""
+    """A ``TCPStore`` server listening on ``host`` (port chosen by the OS); unauthenticated:
+    for benchmark baselines on loopback, never for the fan-out."""
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -38,20 +40,30 @@ def connect_store(host: str, port: int, timeout: float) -> Any:
     return dist.TCPStore(host, port, is_master=False, timeout=_delta(timeout), wait_for_workers=False)
 
 
+def formation_timeout(timeout: float, world: int) -> float:
+    """How long the ranks of a group of ``world`` may take to find each other: live processes
+    do it in well under a second, and gloo, whose pair connections retry, can take several
+    times its timeout to give up on one that died meanwhile; so a few seconds, not ``timeout``."""
+    return min(timeout, 5.0 + 0.05 * world)
+
+
 def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, hostname: str, timeout: float) -> Any:
     """A process group of ``world`` ranks on ``store`` under ``prefix``; blocks until every rank
-    joined, or raises once ``timeout`` passed."""
+    joined, or raises once :func:`formation_timeout` passed. Its collectives time out after
+    ``timeout``."""
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(prefix, store)
-    if backend == "nccl":
+    if backend == "nccl":  # NCCL connects at the first collective, within ``timeout``
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _delta(timeout)
         return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()
-    opts._timeout = _delta(timeout)
+    opts._timeout = _delta(formation_timeout(timeout, world))
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
-    return dist.ProcessGroupGloo(prefixed, rank, world, opts)
+    group = dist.ProcessGroupGloo(prefixed, rank, world, opts)
+    group._set_default_timeout(_delta(timeout))
+    return group
 
 
 def broadcast(group: Any, tensors: list[Any], timeout: float, on_done: Any = None) -> None:

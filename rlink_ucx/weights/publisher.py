@@ -3,31 +3,36 @@
 ``publish`` copies the parameters into a flat buffer and returns; a fan-out thread then
 broadcasts the newest version (older pending ones are skipped: actors only want the newest)
 to every subscribed actor that is caught up, in a torch.distributed group made for exactly
-those actors. An actor that is new, slow, frozen or failed a broadcast is left out of the
-group and pulls the version over its own authenticated connection instead; once it has caught
-up it joins the next generation. Every step is bounded by ``Config.weights_timeout``.
+those actors. The group meets through a store relayed over each member's authenticated control
+connection (``rendezvous.py``): no store listens anywhere. An actor that is new, slow, frozen
+or failed a broadcast is left out of the group and pulls the version over its own
+authenticated connection instead; once it has caught up it joins the next generation. Either
+way every bucket carries a tag keyed with the version's secret, which reaches each actor
+wrapped under its own key (``wire/keys.py``). Every step is bounded by ``Config.weights_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..config import Config
-from ..errors import AuthError, Closed
+from ..errors import AuthError, Closed, ProtocolError
 from ..transport import hostname
 from ..transport.control import ControlConnection
 from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
+from ..wire import keys as _keys
 from ..wire import messages as _wire
-from .group import new_group, serve_store, wait_all
-from .snapshot import BufferPool, Snapshot, begin_snapshot, checksums, fill, state_dict_of
+from .group import formation_timeout, new_group, wait_all
+from .rendezvous import KeyValue, LocalStore, answer, relay_store
+from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, state_dict_of
 
 
 class Member(Protocol):
@@ -36,7 +41,7 @@ class Member(Protocol):
     id: int
     state: str  # "open" while the actor is connected
     hello: _wire.Hello
-    ticket: bytes  # the session's secret: a weights pull proves it
+    ticket: bytes  # the session's secret: its weights key derives from it and the token
     control: ControlConnection
     subscribed: bool  # wants every published version
     cuda_device: int | None  # where it receives weights (NCCL needs distinct GPUs)
@@ -50,8 +55,16 @@ class Owner(Protocol):
     config: Config
     loop: asyncio.AbstractEventLoop
     host: str
+    token: bytes | None  # the shared token: every weights key derives from it
     version: int  # the newest published version: the publisher advances it
     sessions: dict[int, Any]  # session id -> Member
+
+
+@dataclass
+class _Pull:
+    key: bytes  # this pull's key (fresh by both nonces)
+    proof: bytes  # the learner's proof, sent first on the pull connection
+
 
 log = logging.getLogger(__name__)
 
@@ -70,11 +83,13 @@ class Publisher:
         self._thread: threading.Thread | None = None
         self._closed = False
         self._group: Any = None
+        self._group_store: Any = None  # the group's store: torch keeps only its C++ side alive
         self._group_key: tuple[Any, ...] = ()
         self._generation = 0
-        self._store: Any = None
-        self._store_port = 0
-        self._prefix = secrets.token_hex(16)  # store keys are unguessable from outside
+        self.rendezvous = KeyValue()
+        self._session_keys: dict[int, bytes] = {}  # session id -> its weights key
+        self._subscription_keys: dict[int, bytes] = {}  # session id -> its subscription's key
+        self._pulls: dict[int, _Pull] = {}  # session id -> the pull just verified, until served
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "groups": 0,
             "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None, "backend": None,
@@ -121,6 +136,25 @@ class Publisher:
     def _subscribers(self) -> list[Member]:
         return [s for s in list(self.server.sessions.values()) if s.state == "open" and s.subscribed]
 
+    # --- keys -----------------------------------------------------------------------------------
+    def _session_key(self, session: Member) -> bytes:
+        key = self._session_keys.get(session.id)
+        if key is None:
+            if len(self._session_keys) > 2 * len(self.server.sessions) + 64:  # forget ended sessions
+                self._session_keys = {i: k for i, k in self._session_keys.items() if i in self.server.sessions}
+            key = self._session_keys[session.id] = _keys.session_key(self.server.token, session.ticket, session.id)
+        return key
+
+    def attach_proof(self, session: Member, transport: str) -> bytes:
+        """The learner's proof, for the actor, that it attached ``session``'s data plane."""
+        return _keys.attach_proof(self._session_key(session), session.id, transport)
+
+    def _seal(self, key: bytes, snap: Snapshot) -> tuple[_wire.WeightsKey, _wire.Seal]:
+        """The version's secret wrapped for the holder of ``key``, and the Seal binding it."""
+        wrapped = _keys.wrap(key, snap.version, snap.key.secret)
+        mac = _keys.seal_mac(key, snap.version, snap.manifest, wrapped, snap.tags)
+        return _wire.WeightsKey(snap.version, wrapped), _wire.Seal(snap.version, list(snap.tags), mac)
+
     # --- loop thread --------------------------------------------------------------------------
     def on_got(self, session: Member, version: int) -> None:
         with self._cv:
@@ -128,6 +162,10 @@ class Publisher:
             self._cv.notify_all()
 
     def on_subscribe(self, session: Member, msg: _wire.Subscribe) -> None:
+        nonce = getattr(msg, "nonce", b"")
+        if not isinstance(msg, _wire.KeyedSubscribe) or len(nonce) != _auth.NONCE_BYTES:
+            raise ProtocolError("weights subscription without a key nonce (an actor of an older rlink?)")
+        self._subscription_keys[session.id] = _keys.subscription_key(self._session_key(session), nonce)
         session.subscribed = True
         session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
         # The actor pulls the current version right away; until it acknowledges it, it stays
@@ -136,27 +174,45 @@ class Publisher:
         with self._cv:
             self._cv.notify_all()
 
-    async def serve_pull(self, conn: Any, session: Member, have: int) -> None:
-        """Answer a pull: the newest version's manifest and bytes, or Version if none is newer."""
-        snap = self.latest
-        if snap is None or snap.version <= have:
-            await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Version(self.server.version)))
-            return
-        host = await self.loop.run_in_executor(None, self._host_copy, snap) if snap.device != "cpu" else snap
-        set_congestion(conn.sock, self.config.tcp_congestion)  # a whole model goes out on it
-        async with asyncio.timeout(self.config.weights_timeout):
-            await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Publish(0, host.manifest)))
-            await self.loop.sock_sendall(conn.sock, memoryview(host.flat))
-        session.weights_sent = max(session.weights_sent, host.version)
-        self.stats["pulls_served"] += 1
-        self.stats["pull_bytes"] += host.manifest.total_bytes
+    def on_store(self, session: Member, msg: _wire.StoreRequest) -> None:
+        """An actor's rendezvous request, answered on its control connection."""
+        answer(self.rendezvous, session.id, msg, session.control.send, self.loop)
 
     def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> Member:
+        """Check a pull connection's proof (on the loop, right before :meth:`serve_pull`)."""
         session = self.server.sessions.get(msg.session)
         if session is None or session.state != "open":
             raise AuthError("weights pull for an unknown session")
-        _auth.verify(_auth.pull_proof(session.ticket, nonce, msg.session), msg.mac, "weights pull")
+        actor_nonce = getattr(msg, "nonce", b"")
+        if not isinstance(msg, _wire.KeyedPull) or len(actor_nonce) != _auth.NONCE_BYTES:
+            raise AuthError("weights pull without a fresh nonce (an actor of an older rlink?)")
+        key = self._session_key(session)
+        _auth.verify(_keys.pull_proof(key, "actor", nonce, actor_nonce, session.id), msg.mac, "weights pull")
+        self._pulls[session.id] = _Pull(_keys.pull_key(key, nonce, actor_nonce),
+                                        _keys.pull_proof(key, "learner", nonce, actor_nonce, session.id))  # fmt: skip
         return session
+
+    async def serve_pull(self, conn: Any, session: Member, have: int) -> None:
+        """Answer a pull: the learner's proof, then the newest version's manifest, its key and
+        Seal for this pull, and its bytes; or Version if none is newer."""
+        pull = self._pulls.pop(session.id, None)  # before any await: verify_pull just set it
+        if pull is None:
+            raise AuthError("weights pull without a verified proof")
+        send = self.loop.sock_sendall
+        await send(conn.sock, _wire.encode(_wire.Proof(pull.proof)))
+        snap = self.latest
+        if snap is None or snap.version <= have:
+            await send(conn.sock, _wire.encode(_wire.Version(self.server.version)))
+            return
+        host = await self.loop.run_in_executor(None, self._host_copy, snap) if snap.device != "cpu" else snap
+        set_congestion(conn.sock, self.config.tcp_congestion)  # a whole model goes out on it
+        wrapped, seal = self._seal(pull.key, host)
+        async with asyncio.timeout(self.config.weights_timeout):
+            await send(conn.sock, b"".join(_wire.encode(m) for m in (_wire.Publish(0, host.manifest), wrapped, seal)))
+            await send(conn.sock, memoryview(host.flat))
+        session.weights_sent = max(session.weights_sent, host.version)
+        self.stats["pulls_served"] += 1
+        self.stats["pull_bytes"] += host.manifest.total_bytes
 
     # --- fan-out thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -184,9 +240,11 @@ class Publisher:
 
     def _fan_out(self, snap: Snapshot) -> None:
         timeout = self.config.weights_timeout
+        for gone in [i for i in list(self._subscription_keys) if i not in self.server.sessions]:
+            self._subscription_keys.pop(gone, None)
         sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
         subscribed = [s for s in sessions if s.subscribed]
-        caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent]
+        caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent and s.id in self._subscription_keys]
         backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
         source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
         members: list[Member] = []
@@ -199,11 +257,13 @@ class Publisher:
         for s in subscribed:
             s.weights_sent = snap.version
         others = [s for s in sessions if s not in members]
-        sent = source.manifest  # without checksums if the copy is still running: Sealed follows
-        self._send(members, _wire.Publish(self._generation, sent))
+        keys = {s.id: self._subscription_keys[s.id] for s in members}
+        for s in members:  # the key first: members tag each bucket as it arrives
+            wrapped = _wire.WeightsKey(snap.version, _keys.wrap(keys[s.id], snap.version, snap.key.secret))
+            self._send([s], _wire.Publish(self._generation, source.manifest), wrapped)
         if members:
             try:
-                self._stream(source, members, timeout, sealed=bool(sent.checksums))
+                self._stream(source, members, keys, timeout)
             except Exception as exc:  # noqa: BLE001 - a member died or froze mid-broadcast
                 self._failed(f"broadcast of version {snap.version} failed: {exc}")
                 others += [s for s in members if s.state == "open"]
@@ -222,16 +282,16 @@ class Publisher:
                     break
                 self._cv.wait(min(left, 0.25))
 
-    def _stream(self, source: Snapshot, members: list[Member], timeout: float, *, sealed: bool) -> None:
-        """Broadcast each bucket as soon as it is copied; send the checksums once sealed,
-        unless the Publish already carried them."""
+    def _stream(self, source: Snapshot, members: list[Member], keys: dict[int, bytes], timeout: float) -> None:
+        """Broadcast each bucket as soon as it is copied; send each member its Seal once every
+        bucket is tagged (the tags are computed while the first buckets are on their way)."""
         works = []
         for i, (a, b) in enumerate(source.manifest.buckets()):
             source.wait_ready(i + 1, timeout)
             works.append(self._group.broadcast(source.bucket(a, b), 0))
-        if not sealed:
-            source.wait_ready(len(works) + 1, timeout)
-            self._send(members, _wire.Sealed(source.version, source.manifest.checksums))
+        source.wait_ready(len(works) + 1, timeout)
+        for s in members:
+            self._send([s], self._seal(keys[s.id], source)[1])
         wait_all(works, timeout)
 
     def _ensure_group(self, members: list[Member], backend: str, device: str) -> None:
@@ -240,20 +300,23 @@ class Publisher:
             return
         self._drop_group()
         timeout = self.config.weights_timeout
-        if self._store is None:
-            self._store, self._store_port = serve_store(self.server.host, timeout)
         self._generation += 1
-        prefix = f"{self._prefix}/{self._generation}/"
+        prefix = f"rlink/{self._generation}/"
         world = len(members) + 1
-        for rank, s in enumerate(members, 1):
-            self._send([s], _wire.Group(self._generation, rank, world, self._store_port, prefix, backend, timeout))
+        self.rendezvous.reset(self._generation, {s.id for s in members})
+        for rank, s in enumerate(members, 1):  # store port 0: the store is relayed over this channel
+            self._send([s], _wire.Group(self._generation, rank, world, 0, prefix, backend, timeout))
         hostname = _local_address(members[0], self.server.host)
         if backend == "nccl":  # the current CUDA device is per thread: use the snapshot's
             import torch
 
             torch.cuda.set_device(torch.device(device))
         log.info("fan-out group %d: %s ranks over %s", self._generation, world, backend)
-        self._group = new_group(self._store, prefix, 0, world, backend=backend, hostname=hostname, timeout=timeout)
+        # A member whose session ends will never join: give up at once rather than at the
+        # timeout (the others then pull, and the next publish builds a group without it).
+        store = relay_store(LocalStore(self.rendezvous, formation_timeout(timeout, world), lambda: _gone(members)))
+        self._group = new_group(store, prefix, 0, world, backend=backend, hostname=hostname, timeout=timeout)
+        self._group_store = store
         self._group_key = key
         self.stats["groups"] += 1
         self.stats["backend"] = backend
@@ -265,29 +328,29 @@ class Publisher:
         self._drop_group()
 
     def _drop_group(self) -> None:
-        self._group, self._group_key = None, ()
+        self._group, self._group_key, self._group_store = None, (), None
+        self.rendezvous.reset(0, frozenset())
 
-    def _send(self, sessions: list[Member], msg: Any) -> None:
+    def _send(self, sessions: list[Member], *msgs: Any) -> None:
         for s in sessions:
-            try:
-                self.loop.call_soon_threadsafe(s.control.send, msg)
-            except RuntimeError:  # the loop has stopped: the learner is closing
-                return
+            for msg in msgs:
+                try:
+                    self.loop.call_soon_threadsafe(s.control.send, msg)
+                except RuntimeError:  # the loop has stopped: the learner is closing
+                    return
 
     def _host_copy(self, snap: Snapshot) -> Snapshot:
-        """A host copy of a CUDA snapshot, for gloo and pulls (made once per version). It waits
-        until the snapshot is sealed: the fan-out starts while ``publish`` is still copying, and
-        a copy taken earlier would send (and cache, for every later pull) a half-written model."""
+        """A host copy of a CUDA snapshot, for gloo and pulls (made once per version; same key
+        and tags: the same bytes). It waits until the snapshot is sealed: the fan-out starts
+        while ``publish`` is still copying, and a copy taken earlier would send (and cache, for
+        every later pull) a half-written model."""
         if snap.device == "cpu":
             return snap
         snap.wait_ready(len(snap.manifest.buckets()) + 1, self.config.weights_timeout)
         cached = snap.host
         if cached is None:
             flat = np.ascontiguousarray(snap.flat.cpu().numpy())
-            from msgspec.structs import replace
-
-            manifest = replace(snap.manifest, checksum="xxh3", checksums=checksums(flat, snap.manifest.buckets(), "xxh3"))
-            cached = Snapshot(manifest, flat, "cpu")
+            cached = Snapshot(snap.manifest, flat, "cpu", key=snap.key, tags=snap.tags)
             snap.host = cached
         return cached
 
@@ -308,6 +371,11 @@ class Publisher:
             self._cv.notify_all()
         if self._thread is not None:
             self._thread.join(self.config.close_timeout)
+
+
+def _gone(members: list[Member]) -> str | None:
+    left = [s.id for s in members if s.state != "open"]
+    return f"the session of member(s) {left} ended" if left else None
 
 
 def _distinct_gpus(device: str, members: list[Member]) -> bool:

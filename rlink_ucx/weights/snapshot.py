@@ -1,27 +1,28 @@
-"""Model weights as one flat, versioned, checksummed byte buffer: no pickle, ever.
+"""Model weights as one flat, versioned byte buffer with a keyed tag per bucket: no pickle, ever.
 
 A state dict is laid out tensor after tensor (64-byte aligned) in one ``uint8`` buffer. The
-:class:`Manifest` says where each tensor lives, and carries one checksum per *bucket* (a
-fixed-size byte range; the fan-out moves one bucket per collective). A receiver validates the
-manifest before allocating anything, and verifies every bucket before exposing the version.
+:class:`Manifest` says where each tensor lives; every *bucket* (a fixed-size byte range; the
+fan-out moves one bucket per collective) gets a tag keyed with the version's own secret
+(``mac.py``). A receiver validates the manifest before allocating anything, and checks every
+bucket's tag before exposing the version.
 """
 
 from __future__ import annotations
 
+import hmac
 import sys
 import threading
 from collections.abc import Mapping
 from typing import Any
 
-import msgspec
 import numpy as np
-import xxhash
 
 from ..errors import ProtocolError, RLinkError
 from ..wire.codec import DTYPES
-from ..wire.manifest import ALIGN, Entry, Manifest
+from ..wire.manifest import ALIGN, KEYED, Entry, Manifest
+from .mac import VersionKey
 
-__all__ = ["Snapshot", "BufferPool", "snapshot", "state_dict_of"]
+__all__ = ["BufferPool", "Snapshot", "snapshot", "state_dict_of"]
 
 def _np(t: Any) -> np.ndarray:
     """A numpy view of a CPU tensor's bytes (numpy copies are much faster than torch's here)."""
@@ -60,35 +61,23 @@ def layout(state: Mapping[str, Any]) -> tuple[list[Entry], int]:
     return entries, offset
 
 
-def checksum(flat: Any, start: int, stop: int, kind: str) -> int:
-    """One bucket's checksum: XXH3-64 of host bytes (~13 GB/s here, 5x crc32), or for a CUDA
-    buffer the wrapped sum of its int64 words computed on the GPU (no host copy)."""
-    if kind == "xxh3":
-        return int(xxhash.xxh3_64_intdigest(memoryview(flat)[start:stop]))
-    import torch
-
-    body = (stop - start) // 8 * 8
-    total = flat[start : start + body].view(torch.int64).sum() if body else torch.zeros((), dtype=torch.int64)
-    if stop > start + body:
-        total = total + flat[start + body : stop].to(torch.int64).sum()
-    return int(total) & (2**64 - 1)
-
-
-def checksums(flat: Any, buckets: list[tuple[int, int]], kind: str) -> list[int]:
-    return [checksum(flat, a, b, kind) for a, b in buckets]
-
-
 class Snapshot:
-    """One version: the flat buffer (host ``np.uint8`` or a CUDA ``torch.uint8`` tensor) and its
-    manifest. A snapshot being written (:func:`begin_snapshot`) becomes readable bucket by
-    bucket, so the fan-out can send bucket 0 while later ones are still being copied."""
+    """One version: the flat buffer (host ``np.uint8`` or a CUDA ``torch.uint8`` tensor), its
+    manifest, its key and its bucket tags. A snapshot being written (:func:`begin_snapshot`)
+    becomes readable bucket by bucket, so the fan-out can send bucket 0 while later ones are
+    still being copied; it is *sealed* once every bucket's tag is computed."""
 
-    __slots__ = ("manifest", "flat", "device", "host", "ready", "sealed", "_cv")
+    __slots__ = ("_cv", "device", "flat", "host", "key", "manifest", "ready", "sealed", "tags")
 
-    def __init__(self, manifest: Manifest, flat: Any, device: str, *, sealed: bool = True):
+    def __init__(self, manifest: Manifest, flat: Any, device: str, *, sealed: bool = True,
+                 key: VersionKey | None = None, tags: list[bytes] | None = None):  # fmt: skip
         self.manifest, self.flat, self.device = manifest, flat, device
         self.host: Snapshot | None = None  # a CUDA snapshot's host copy, made on demand
-        self.sealed = sealed  # every bucket copied and the checksums in the manifest
+        self.key = key if key is not None else VersionKey()
+        self.tags: list[bytes] = tags if tags is not None else []
+        if sealed and tags is None:
+            self.tags = self.key.tags(flat, manifest.buckets(), manifest.version)
+        self.sealed = sealed  # every bucket copied and tagged
         self.ready = len(manifest.buckets()) if sealed else 0  # buckets copied so far
         self._cv = threading.Condition()
 
@@ -111,11 +100,12 @@ class Snapshot:
                 raise RLinkError(f"weights version {self.version}: snapshot not written within {timeout:.3g}s")
 
     def verify(self, index: int | None = None) -> None:
-        """Check one bucket (or all) against the manifest."""
+        """Check one bucket (or all) against its tag; ProtocolError names a bucket that differs."""
         buckets = self.manifest.buckets()
         for i in range(len(buckets)) if index is None else (index,):
-            if checksum(self.flat, *buckets[i], self.manifest.checksum) != self.manifest.checksums[i]:
-                raise ProtocolError(f"weights version {self.version}: bucket {i} checksum mismatch")
+            if i >= len(self.tags) or not hmac.compare_digest(self.key.tag(self.flat, *buckets[i], self.version, i),
+                                                               self.tags[i]):  # fmt: skip
+                raise ProtocolError(f"weights version {self.version}: bucket {i} failed its MAC (altered?)")
 
     def tensors(self) -> dict[str, Any]:
         """Zero-copy torch views of every tensor, keyed by name."""
@@ -168,33 +158,44 @@ class BufferPool:
 
 
 def begin_snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:
-    """An empty snapshot laid out for ``state`` (every dtype checked); fill it with :func:`fill`."""
+    """An empty snapshot laid out for ``state`` (every dtype checked), with a fresh key; fill it
+    with :func:`fill`."""
     entries, total = layout(state)
     devices = {str(t.device) for t in state.values()}
     if len(devices) == 1 and next(iter(devices)).startswith("cuda"):
         import torch
 
-        flat, kind, device = torch.empty(total, dtype=torch.uint8, device=next(iter(devices))), "sum64", next(iter(devices))
+        device = next(iter(devices))
+        flat = torch.empty(total, dtype=torch.uint8, device=device)
     else:
-        flat, kind, device = pool.get(total), "xxh3", "cpu"
-    manifest = Manifest(version, entries, total, max(ALIGN, bucket_bytes), [], kind)
-    return Snapshot(manifest, flat, device, sealed=False)
+        flat, device = pool.get(total), "cpu"
+    bucket = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
+    return Snapshot(Manifest(version, entries, total, bucket, [], KEYED), flat, device, sealed=False)
 
 
 def fill(snap: Snapshot, state: Mapping[str, Any]) -> None:
-    """Copy ``state`` into ``snap`` in bucket-sized pieces; each bucket is checksummed and
-    released to readers as soon as it is complete; finally the snapshot is sealed."""
+    """Copy ``state`` into ``snap`` in bucket-sized pieces, releasing each bucket to the fan-out
+    as soon as it is copied; then tag every bucket (while the first ones are on their way) and
+    seal the snapshot."""
     buckets = snap.manifest.buckets()
-    sums: list[int] = []
+    on_device = not isinstance(snap.flat, np.ndarray)
+    released = 0
 
     def release_upto(done: int) -> None:
-        while len(sums) < len(buckets) and buckets[len(sums)][1] <= done:
-            sums.append(checksum(snap.flat, *buckets[len(sums)], snap.manifest.checksum))
+        nonlocal released
+        n = released
+        while n < len(buckets) and buckets[n][1] <= done:
+            n += 1
+        if n > released:
+            if on_device and snap.flat.device.type == "cuda":
+                import torch
+
+                # The fan-out thread's collective runs on its own stream: the copy must be done.
+                torch.cuda.current_stream(snap.flat.device).synchronize()
             with snap._cv:
-                snap.ready = len(sums)
+                snap.ready = released = n
                 snap._cv.notify_all()
 
-    on_device = not isinstance(snap.flat, np.ndarray)
     for e, t in zip(snap.manifest.entries, state.values()):
         if on_device:
             src = t.detach().contiguous().reshape(-1).view(snap.flat.dtype)
@@ -208,14 +209,15 @@ def fill(snap: Snapshot, state: Mapping[str, Any]) -> None:
             at = stop
             release_upto(e.offset + at)
     release_upto(snap.manifest.total_bytes)
+    tags = snap.key.tags(snap.flat, buckets, snap.version)
     with snap._cv:
-        snap.manifest = msgspec.structs.replace(snap.manifest, checksums=sums)
+        snap.tags = tags
         snap.sealed = True
         snap._cv.notify_all()
 
 
 def snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:
-    """Copy ``state`` into a flat buffer (so training may go on at once) and checksum it."""
+    """Copy ``state`` into a flat buffer (so training may go on at once) and tag it."""
     snap = begin_snapshot(state, version, bucket_bytes, pool)
     fill(snap, state)
     return snap

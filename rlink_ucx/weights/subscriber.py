@@ -1,14 +1,17 @@
 """The actor's side of the weight fan-out: keeps the newest version ready, double-buffered.
 
-A background thread joins the learner's broadcast groups and receives each version into a
-buffer nobody else is reading, or pulls it over an authenticated connection of its own when it
-is not in a group (just subscribed, slow, or a broadcast failed). Only a complete version whose
-every bucket matched its checksum is exposed, so ``get_remote_model`` never sees a half-written
-one, and costs no network round trip when nothing changed.
+A background thread joins the learner's broadcast groups (meeting through a store relayed over
+the control connection, ``rendezvous.py``) and receives each version into a buffer nobody else
+is reading, or pulls it over a connection of its own when it is not in a group (just
+subscribed, slow, or a broadcast failed); on that connection both sides prove the session's
+weights key before anything else is read. Only a complete version whose every bucket matched
+its keyed tag, under a Seal this actor's key verifies, is exposed: ``get_remote_model`` never
+sees a half-written or altered one, and costs no network round trip when nothing changed.
 """
 
 from __future__ import annotations
 
+import hmac
 import logging
 import queue
 import socket
@@ -18,17 +21,18 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-import msgspec
-
 from ..config import Config
-from ..errors import Closed, ProtocolError, RLinkError
+from ..errors import AuthError, Closed, ProtocolError, RLinkError
 from ..errors import TimeoutError as RLinkTimeout
 from ..transport.control import ControlConnection
 from ..transport.loop import IOThread
 from ..wire import auth as _auth
+from ..wire import keys as _keys
 from ..wire import messages as _wire
-from .group import broadcast, connect_store, new_group
-from .snapshot import BufferPool, Snapshot, checksum
+from .group import broadcast, formation_timeout, new_group
+from .mac import VersionKey, check_tags
+from .rendezvous import RemoteStore, relay_store
+from .snapshot import BufferPool, Snapshot
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +48,12 @@ class Link(Protocol):
     error: RLinkError | None  # set once the connection failed for good
     welcome: _wire.Welcome | None  # session id and ticket: a pull proves them
     control: ControlConnection | None
-    weights_listener: Callable[[Any], None] | None  # gets Version/Publish/Group/Sealed messages
+    weights_listener: Callable[[Any], None] | None  # gets the weights messages (and StoreReply)
     subscription: Any  # the Subscribe message, repeated after a reconnect
+
+    def weights_key(self) -> bytes:
+        """The current session's weights key (``wire.keys.session_key``)."""
+        ...
 
 
 _PULL = object()  # event: pull now, whatever the announced version
@@ -63,15 +71,18 @@ class Subscriber:
         self._cv = threading.Condition()
         self._closed = False
         self._group: Any = None
+        self._group_store: Any = None  # torch keeps only the C++ side of a Python store alive
+        self._relay: RemoteStore | None = None  # the group's rendezvous, over the control channel
         self._generation = 0
         self._backend = "gloo"
-        self._stores: dict[int, Any] = {}
-        self.stats: dict[str, Any] = {"broadcasts": 0, "pulls": 0, "failures": 0, "last_error": None}
+        self.rejected: RLinkError | None = None  # the last version refused as altered or unproven
+        self.stats: dict[str, Any] = {"broadcasts": 0, "pulls": 0, "failures": 0, "rejected": 0, "last_error": None}
         conn.weights_listener = self.deliver
         self._device = _cuda_device()  # the caller's GPU: NCCL receives land there
+        self._nonce = _auth.new_nonce()  # makes this subscription's key fresh (wire/keys.py)
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
-        conn.subscription = _wire.Subscribe(self._device)  # repeated after a reconnect
+        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
         self._events.put(_PULL)
 
@@ -81,6 +92,11 @@ class Subscriber:
 
     # --- I/O loop: control messages from the learner ----------------------------------------
     def deliver(self, msg: Any) -> None:
+        if isinstance(msg, _wire.StoreReply):  # the weights thread waits for it inside gloo/NCCL
+            relay = self._relay
+            if relay is not None:
+                relay.deliver(msg)
+            return
         with self._cv:
             self._cv.notify_all()  # conn.latest_version moved: waiters re-check
         self._events.put(msg)
@@ -106,6 +122,9 @@ class Subscriber:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     newest = self.conn.latest_version
+                    rejected = self.rejected
+                    if rejected is not None and newest > self.have:
+                        raise type(rejected)(f"weights version {newest} was refused: {rejected}") from rejected
                     raise RLinkTimeout(
                         f"no weights within {limit:.3g}s: the learner has version {newest}, this actor "
                         f"{self.have or 'none'}" + ("" if newest else " (nothing published yet)")
@@ -134,15 +153,14 @@ class Subscriber:
                 elif isinstance(msg, _wire.Publish):
                     self._receive(msg)
             except Exception as exc:  # noqa: BLE001 - logged and counted; the next version retries
-                self._group = None
+                self._group = self._group_store = None
                 self.stats["failures"] += 1
                 self.stats["last_error"] = repr(exc)[:500]
                 if not self._closed:
                     log.warning("actor %s: weights update failed: %s", self.conn.actor_id, exc)
-                    if self.conn.latest_version > self.have and not isinstance(msg, _wire.Version):
-                        self._events.put(_PULL)
-                    elif isinstance(msg, _wire.Version):
-                        time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken pull
+                    if self.conn.latest_version > self.have or isinstance(msg, _wire.Version):
+                        if msg is _PULL or isinstance(msg, _wire.Version):
+                            time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken pull
                         self._events.put(_PULL)
         self._group = None
 
@@ -150,58 +168,112 @@ class Subscriber:
         with self._cv:
             if self.ready is None or snap.version > self.ready.version:
                 self.ready, self._tensors = snap, None
+                self.rejected = None
             self._cv.notify_all()
         self.io.soon(self._send, _wire.Got(snap.version))
 
     def _check(self, manifest: Any) -> None:
         manifest.validate(max_bytes=self.config.max_weights_bytes, max_entries=self.config.max_weights_tensors)
 
+    def _refuse(self, exc: RLinkError) -> RLinkError:
+        """Note a version refused as unproven or altered (``get`` reports it); returns ``exc``."""
+        self.rejected = exc
+        self.stats["rejected"] += 1
+        return exc
+
+    def _open_seal(self, key: bytes, manifest: Any, wrapped: _wire.WeightsKey, seal: _wire.Seal) -> VersionKey:
+        """The version's key, once the Seal's MAC under ``key`` covers it, its manifest and tags."""
+        version = manifest.version
+        if wrapped.version != version or seal.version != version:
+            raise ProtocolError(f"weights key or Seal for version {seal.version}, expected {version}")
+        mac = _keys.seal_mac(key, version, manifest, wrapped.wrapped, list(seal.tags))
+        if not hmac.compare_digest(mac, seal.mac):
+            raise self._refuse(AuthError(f"weights version {version}: its Seal does not verify under this "
+                                         "actor's key (not from the learner, or altered)"))  # fmt: skip
+        return VersionKey(_keys.wrap(key, version, wrapped.wrapped))
+
     def _pull(self) -> None:
-        """Fetch the newest version over a connection of our own (authenticated by the
-        session's ticket), unless it is no newer than what we have."""
+        """Fetch the newest version over a connection of our own, unless it is no newer than
+        what we have. Both sides prove the session's weights key over fresh nonces first."""
         welcome = self.conn.welcome
         assert welcome is not None
+        session_key = self.conn.weights_key()
         sock = socket.create_connection((self.conn.host, self.conn.port), timeout=self.config.handshake_timeout)
         try:
             sock.settimeout(self.config.weights_timeout)
             challenge = _wire.read_message(sock, self.config.max_preauth_bytes)
             if not isinstance(challenge, _wire.Challenge):
                 raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
-            mac = _auth.pull_proof(welcome.ticket, challenge.nonce, welcome.session)
-            sock.sendall(_wire.encode(_wire.Pull(_wire.PROTOCOL_VERSION, welcome.session, mac, self.have)))
-            reply = _wire.read_message(sock, self.config.max_control_bytes)
+            nonce = _auth.new_nonce()
+            mac = _keys.pull_proof(session_key, "actor", challenge.nonce, nonce, welcome.session)
+            sock.sendall(_wire.encode(_wire.KeyedPull(_wire.PROTOCOL_VERSION, welcome.session, mac, self.have, nonce)))
+            proof = _wire.read_message(sock, self.config.max_control_bytes)
+            if isinstance(proof, _wire.Error):
+                raise (AuthError if proof.kind == "auth" else ProtocolError)(f"learner refused the pull: {proof.text}")
+            expected = _keys.pull_proof(session_key, "learner", challenge.nonce, nonce, welcome.session)
+            if not isinstance(proof, _wire.Proof) or not hmac.compare_digest(expected, proof.mac):
+                raise self._refuse(AuthError("the peer answering a weights pull did not prove the session's key "
+                                             "(not the learner?)"))  # fmt: skip
+            reply = self._read(sock, (_wire.Version, _wire.Publish))
             if isinstance(reply, _wire.Version):
                 return  # nothing newer than what we have
-            if isinstance(reply, _wire.Error):
-                raise ProtocolError(f"learner refused the weights pull: {reply.text}")
-            if not isinstance(reply, _wire.Publish):
-                raise ProtocolError(f"expected Publish, got {type(reply).__name__}")
             self._check(reply.manifest)
+            wrapped, seal = self._read(sock, _wire.WeightsKey), self._read(sock, _wire.Seal)
+            key = self._open_seal(_keys.pull_key(session_key, challenge.nonce, nonce), reply.manifest, wrapped, seal)
             flat = self._pool.get(reply.manifest.total_bytes)
             _wire.recv_exact_into(sock, memoryview(flat))
-            snap = Snapshot(reply.manifest, flat, "cpu")
-            snap.verify()
+            snap = Snapshot(reply.manifest, flat, "cpu", key=key, tags=list(seal.tags))
+            try:
+                snap.verify()
+            except ProtocolError as exc:
+                raise self._refuse(exc) from None
         finally:
             sock.close()
         self.stats["pulls"] += 1
         self._expose(snap)
 
+    def _read(self, sock: socket.socket, kind: Any) -> Any:
+        msg = _wire.read_message(sock, self.config.max_control_bytes)
+        if isinstance(msg, _wire.Error):
+            raise (AuthError if msg.kind == "auth" else ProtocolError)(f"learner refused the weights pull: {msg.text}")
+        if not isinstance(msg, kind):
+            raise ProtocolError(f"weights pull: unexpected {type(msg).__name__}")
+        return msg
+
     def _join(self, msg: _wire.Group) -> None:
-        self._group = None
-        store = self._stores.get(msg.store_port)
-        if store is None:
-            store = self._stores[msg.store_port] = connect_store(self.conn.host, msg.store_port, msg.timeout)
+        self._group = self._group_store = None
+        if self._relay is not None:
+            self._relay.fail(RLinkError("a newer fan-out group replaced this one"))
+        relay = self._relay = RemoteStore(lambda m: self.io.soon(self._send, m), msg.generation,
+                                          formation_timeout(msg.timeout, msg.world))  # fmt: skip
         assert self.conn.control is not None
         hostname = str(self.conn.control.sock.getsockname()[0])
+        store = relay_store(relay)
         self._group = new_group(store, msg.prefix, msg.rank, msg.world, backend=msg.backend, hostname=hostname,
                                 timeout=msg.timeout)  # fmt: skip
+        self._group_store = store
         self._generation, self._backend = msg.generation, msg.backend
+
+    def _next(self, kind: type, version: int) -> Any:
+        """The next weights message, which must be a ``kind`` for ``version`` (the learner sends
+        a member Publish, WeightsKey, and after the buckets Seal, in that order)."""
+        try:
+            msg = self._events.get(timeout=self.config.weights_timeout)
+        except queue.Empty:
+            raise ProtocolError(f"no {kind.__name__} for weights version {version}") from None
+        if not isinstance(msg, kind) or getattr(msg, "version", None) != version:
+            raise ProtocolError(f"expected the {kind.__name__} of version {version}, got {type(msg).__name__}")
+        return msg
 
     def _receive(self, msg: _wire.Publish) -> None:
         manifest = msg.manifest
         self._check(manifest)
         if self._group is None or msg.generation != self._generation:
             raise ProtocolError(f"broadcast for group {msg.generation}, which this actor is not in")
+        version = manifest.version
+        wrapped = self._next(_wire.WeightsKey, version)
+        subscription_key = _keys.subscription_key(self.conn.weights_key(), self._nonce)
+        key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))  # trusted once the Seal verifies
         if self._backend == "nccl":
             import torch
 
@@ -209,29 +281,25 @@ class Subscriber:
         else:
             flat = self._pool.get(manifest.total_bytes)
         buckets = manifest.buckets()
-        sums: list[int] = []
-        receiving = Snapshot(manifest, flat, "cpu" if self._backend == "gloo" else str(flat.device))
+        tags: list[bytes] = []
+        receiving = Snapshot(manifest, flat, "cpu" if self._backend == "gloo" else str(flat.device), sealed=False,
+                             key=key)
+        # Each bucket is tagged as soon as it is in, while later ones are still arriving.
         broadcast(self._group, [receiving.bucket(a, b) for a, b in buckets], self.config.weights_timeout,
-                  on_done=lambda i: sums.append(checksum(flat, *buckets[i], manifest.checksum)))  # fmt: skip
-        expected = manifest.checksums or self._await_sealed(manifest.version)
-        bad = [i for i, (want, got) in enumerate(zip(expected, sums)) if want != got]
-        if bad or len(expected) != len(sums):
-            raise ProtocolError(f"weights version {manifest.version}: checksum mismatch in buckets {bad}")
-        self.stats["broadcasts"] += 1
-        self._expose(Snapshot(msgspec.structs.replace(manifest, checksums=expected), flat, receiving.device))
-
-    def _await_sealed(self, version: int) -> list[int]:
-        """The checksums of a version whose buckets were streamed while being copied."""
+                  on_done=lambda i: tags.append(key.tag(flat, *buckets[i], version, i)))  # fmt: skip
+        seal = self._next(_wire.Seal, version)
+        self._open_seal(subscription_key, manifest, wrapped, seal)
         try:
-            msg = self._events.get(timeout=self.config.weights_timeout)
-        except queue.Empty:
-            raise ProtocolError(f"no checksums for weights version {version}") from None
-        if not isinstance(msg, _wire.Sealed) or msg.version != version:
-            raise ProtocolError(f"expected the checksums of version {version}, got {type(msg).__name__}")
-        return list(msg.checksums)
+            check_tags(list(seal.tags), tags, version)
+        except ProtocolError as exc:
+            raise self._refuse(exc) from None
+        self.stats["broadcasts"] += 1
+        self._expose(Snapshot(manifest, flat, receiving.device, key=key, tags=list(seal.tags)))
 
     def close(self) -> None:
         self._closed = True
+        if self._relay is not None:
+            self._relay.fail(Closed("the actor is closed"))
         with self._cv:
             self._cv.notify_all()
         self._thread.join(self.config.close_timeout)

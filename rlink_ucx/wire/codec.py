@@ -51,7 +51,7 @@ class FieldSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not (0 < len(self.name) <= MAX_NAME_LEN):
             raise ProtocolError(f"bad field name {self.name!r}")
-        if self.dtype not in DTYPES:
+        if not isinstance(self.dtype, str) or self.dtype not in DTYPES:  # a list from the wire is unhashable
             raise ProtocolError(f"field {self.name!r}: dtype {self.dtype!r} is not allowed")
         if len(self.shape) > MAX_DIMS or any(
             not isinstance(d, int) or isinstance(d, bool) or d < 0 or d > 2**31 for d in self.shape

@@ -1,5 +1,6 @@
-"""The manifest of one model version: where each tensor lies in the flat weights buffer, and
-one checksum per bucket. A receiver validates it before allocating anything."""
+"""The manifest of one model version: where each tensor lies in the flat weights buffer, split
+into buckets (one collective each). A receiver validates it before allocating anything; the
+buckets' keyed tags travel apart, in a Seal (``wire/keys.py``, ``weights/mac.py``)."""
 
 from __future__ import annotations
 
@@ -10,9 +11,10 @@ import msgspec
 from ..errors import ProtocolError
 from .codec import DTYPES, MAX_DIMS, MAX_NAME_LEN
 
-__all__ = ["ALIGN", "Entry", "Manifest"]
+__all__ = ["ALIGN", "KEYED", "Entry", "Manifest"]
 
 ALIGN = 64
+KEYED = "keyed-v1"  # the bucket check: a keyed tag per bucket, sent in a Seal (weights/mac.py)
 MAX_BUCKETS = 1 << 16  # a manifest cannot make a receiver build a huge bucket list
 
 
@@ -27,14 +29,14 @@ class Entry(msgspec.Struct, array_like=True, frozen=True):
 
 
 class Manifest(msgspec.Struct, array_like=True, frozen=True):
-    """Where every tensor of one version lives in the flat buffer, and its checksums."""
+    """Where every tensor of one version lives in the flat buffer, and how its buckets are checked."""
 
     version: int
     entries: list[Entry]
     total_bytes: int
     bucket_bytes: int
-    checksums: list[int]  # one per bucket; empty while streaming (they follow in a Sealed message)
-    checksum: str  # "xxh3" (host buffers) or "sum64" (device buffers, computed on the GPU)
+    checksums: list[int]  # always empty: the keyed tags of the buckets follow in a Seal message
+    checksum: str  # the bucket check: KEYED (unkeyed checksums are refused)
 
     def buckets(self) -> list[tuple[int, int]]:
         """``(start, stop)`` byte ranges, one per collective."""
@@ -45,15 +47,15 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
         """Reject a manifest that could make the receiver over-allocate or read out of bounds."""
         if not 0 <= self.total_bytes <= max_bytes:
             raise ProtocolError(f"weights of {self.total_bytes} bytes exceed max_weights_bytes={max_bytes}")
-        if self.bucket_bytes < ALIGN or self.version <= 0:
+        if self.bucket_bytes < ALIGN or self.bucket_bytes % ALIGN or self.version <= 0:
             raise ProtocolError("weights manifest has a bad bucket size or version")
         n_buckets = -(-self.total_bytes // self.bucket_bytes)  # counted, not listed: no allocation yet
         if n_buckets > MAX_BUCKETS:
             raise ProtocolError(f"weights manifest splits into {n_buckets} buckets; limit {MAX_BUCKETS}")
         if len(self.entries) > max_entries:
             raise ProtocolError(f"weights manifest lists {len(self.entries)} tensors; limit {max_entries}")
-        if self.checksum not in ("xxh3", "sum64") or len(self.checksums) not in (0, n_buckets):
-            raise ProtocolError("weights manifest checksums do not match its buckets")
+        if self.checksum != KEYED or self.checksums:
+            raise ProtocolError(f"weights manifest with checksums {self.checksum[:20]!r}: only {KEYED!r} is accepted")
         names = set()
         for e in self.entries:
             if e.dtype not in DTYPES or not 0 < len(e.name) <= 4 * MAX_NAME_LEN or e.name in names:

@@ -197,9 +197,70 @@ class Error(_Msg):
     text: str
 
 
+# --- weights, keyed (wire/keys.py) -------------------------------------------------------------
+class KeyedSubscribe(Subscribe):
+    """Actor -> learner: Subscribe, with the nonce that makes this subscription's key fresh."""
+
+    nonce: bytes
+
+
+class KeyedPull(Pull):
+    """Actor -> learner on a new connection: Pull, with the actor's nonce; ``mac`` proves the
+    session's weights key over both nonces. The learner answers with its own Proof first."""
+
+    nonce: bytes
+
+
+class WeightsKey(_Msg):
+    """Learner -> actor: the secret of weights ``version`` (its bucket tags are keyed with it),
+    wrapped for this subscription or pull."""
+
+    version: int
+    wrapped: bytes
+
+
+class Seal(_Msg):
+    """Learner -> actor: one keyed tag per bucket of ``version``, and a MAC under this
+    subscription's (or pull's) key over the version, its manifest, the wrapped key and the tags."""
+
+    version: int
+    tags: list[bytes]
+    mac: bytes
+
+
+class StoreRequest(_Msg):
+    """Actor -> learner: one operation on fan-out group ``generation``'s rendezvous store."""
+
+    rid: int
+    generation: int
+    op: str  # set | get (waits until every key exists) | add | check | compare_set | delete | count
+    keys: list[str]
+    values: list[bytes]
+    number: int  # add: the increment
+    timeout: float  # get: how long the learner may hold the request
+
+
+class StoreReply(_Msg):
+    """Learner -> actor: the answer to StoreRequest ``rid``."""
+
+    rid: int
+    ok: bool
+    values: list[bytes]
+    number: int
+    error: str
+
+
+class AttachProof(_Msg):
+    """Learner -> actor, right before Ready: proof (under the session's weights key, which
+    takes the token) that the learner itself attached this session's data connection."""
+
+    mac: bytes
+
+
 Message = Union[
     Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye,
     Error, Subscribe, Version, Group, Publish, Sealed, Got, Pull, Revoke, Returned,
+    KeyedSubscribe, KeyedPull, WeightsKey, Seal, StoreRequest, StoreReply, AttachProof,
 ]
 
 _encoder = msgspec.msgpack.Encoder()
@@ -217,6 +278,8 @@ def decode(body: bytes | memoryview) -> Message:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:
         raise ProtocolError(f"malformed control message: {exc}") from exc
+    except RecursionError:  # lists nested ~1000 deep in a field typed ``list``
+        raise ProtocolError("malformed control message: nested too deeply") from None
 
 
 def check_length(length: int, limit: int) -> None:

@@ -259,13 +259,13 @@ def pressing_actor(address: str, actor: int, seconds: float, results, put_timeou
         results.put({"actor_id": actor, "backpressure": backpressure, "put": seq, **a.stats(), "before_flush": stats})
 
 
-def proxied_actor(address: str, n: int, results, transport: str = "tcp") -> None:
+def proxied_actor(address: str, n: int, results, transport: str = "tcp", token: str | None = None) -> None:
     """Stream x = seq in small steps (coalesced, kept for resending) through a fault proxy."""
     from rlink_ucx import Actor, Config
 
     config = Config(reconnect_timeout=60, heartbeat_interval=0.2, heartbeat_timeout=1.5, frame_timeout=2,
                     frame_bytes=64 << 10)  # fmt: skip
-    with Actor(address, transport=transport, actor_id=3, config=config) as a:
+    with Actor(address, token=token, transport=transport, actor_id=3, config=config) as a:
         for start in range(0, n, 100):
             a.put_many({"x": np.arange(start, start + 100, dtype=np.int64)})
             time.sleep(0.005)  # about 2 s of streaming: the faults land mid-stream

@@ -133,7 +133,8 @@ def test_the_quickstart_scripts_run_to_the_end_and_exit_cleanly(tmp_path):
 def test_every_cli_option_has_help_and_info_is_listed_once(capsys):
     import argparse
 
-    for argv in (["learner", "--help"], ["smoke", "--help"], ["info", "--help"], ["demo", "--help"]):
+    for argv in (["learner", "--help"], ["smoke", "--help"], ["info", "--help"], ["doctor", "--help"],
+                 ["demo", "--help"]):  # fmt: skip
         with pytest.raises(SystemExit):
             cli.main(argv)
         out = capsys.readouterr().out
@@ -147,7 +148,7 @@ def test_every_cli_option_has_help_and_info_is_listed_once(capsys):
     with pytest.raises(SystemExit):
         cli.main(["--help"])
     top = capsys.readouterr().out
-    assert top.count("library, UCX and CUDA versions") == 1 and "info (doctor)" in top
+    assert top.count("library, UCX and CUDA versions") == 1 and top.count("check UCX, RDMA, CUDA") == 1
     assert isinstance(argparse.ArgumentParser, type)
 
 

@@ -34,6 +34,10 @@ from tests.integration.procs import (
 )
 from tests.integration.test_datapath import join_all
 
+# Actors that reach the learner through a fault proxy connect to the proxy's port, where no
+# generated token file is: they are given the learner's token, as a remote actor would be.
+PROXY_TOKEN = "fault-proxy-test-token-0123456789"
+
 SPAWN = mp.get_context("spawn")
 
 
@@ -247,7 +251,7 @@ def _handshake_refused(address: str, make_login) -> float:
 def test_missing_replayed_and_reflected_proofs_are_refused_within_the_handshake_timeout():
     from rlink_ucx.wire import auth as _auth
 
-    token = b"s3cret-token"
+    token = b"s3cret-token-s3cret"
     config = Config(handshake_timeout=2)
     with Learner("127.0.0.1:0", token=token, config=config) as learner:
         recorded: dict = {}
@@ -524,12 +528,12 @@ def test_a_misbehaving_network_never_duplicates_never_hangs_and_loses_nothing_ke
 
     n = 40_000
     config = Config(heartbeat_interval=0.2, heartbeat_timeout=1.5, frame_timeout=2)
-    with Learner("127.0.0.1:0", transport=transport, config=config) as learner:
+    with Learner("127.0.0.1:0", token=PROXY_TOKEN, transport=transport, config=config) as learner:
         host, port = learner.address.rsplit(":", 1)
         proxy = FaultProxy((host, int(port)))
         dataset = RLinkDataset(learner, batch_size=100)
         results = SPAWN.Queue()
-        actor = SPAWN.Process(target=proxied_actor, args=(proxy.address, n, results, transport))
+        actor = SPAWN.Process(target=proxied_actor, args=(proxy.address, n, results, transport, PROXY_TOKEN))
         actor.start()
         seqs: list = []
         try:
@@ -696,7 +700,7 @@ def test_a_large_put_caught_by_a_link_cut_is_resent_after_the_reconnect_not_rais
 
     n, elements = 24, 1 << 19  # 4 MiB steps
     hb = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
-    with Learner("127.0.0.1:0", transport=transport, config=Config(**hb)) as learner:
+    with Learner("127.0.0.1:0", token=PROXY_TOKEN, transport=transport, config=Config(**hb)) as learner:
         host, port = learner.address.rsplit(":", 1)
         proxy = FaultProxy((host, int(port)))
         dataset = RLinkDataset(learner, batch_size=1)
@@ -719,7 +723,7 @@ def test_a_large_put_caught_by_a_link_cut_is_resent_after_the_reconnect_not_rais
         consumer.start()
         try:
             config = Config(**hb, reconnect_timeout=30, put_timeout=30, flush_timeout=30)
-            with Actor(proxy.address, transport=transport, actor_id=6, config=config) as actor:
+            with Actor(proxy.address, token=PROXY_TOKEN, transport=transport, actor_id=6, config=config) as actor:
                 x = np.empty(elements, np.int64)
                 for seq in range(n):
                     if seq == 8:
@@ -749,13 +753,13 @@ def test_a_link_cut_during_the_first_schema_negotiation_is_ridden_out():
     from tests.integration.faultproxy import FaultProxy
 
     hb = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.5}
-    with Learner("127.0.0.1:0", transport="tcp", config=Config(**hb)) as learner:
+    with Learner("127.0.0.1:0", token=PROXY_TOKEN, transport="tcp", config=Config(**hb)) as learner:
         host, port = learner.address.rsplit(":", 1)
         proxy = FaultProxy((host, int(port)))
         dataset = RLinkDataset(learner, batch_size=1)
         try:
             config = Config(**hb, handshake_timeout=20, reconnect_timeout=30)
-            with Actor(proxy.address, transport="tcp", actor_id=4, config=config) as actor:
+            with Actor(proxy.address, token=PROXY_TOKEN, transport="tcp", actor_id=4, config=config) as actor:
                 proxy.set("cut")  # the first put's proposal is swallowed, and so is the answer
                 threading.Timer(3.0, proxy.set, (None,)).start()
                 actor.put({"x": np.int64(42)})  # negotiates the schema: must survive the reconnect
@@ -775,13 +779,13 @@ def test_an_actor_resumes_soon_after_a_cut_link_is_restored():
 
     hb = {"heartbeat_interval": 0.2, "heartbeat_timeout": 1.0}
     slow = {"connect_timeout": 30, "handshake_timeout": 30}
-    with Learner("127.0.0.1:0", transport="tcp", config=Config(**hb, **slow)) as learner:
+    with Learner("127.0.0.1:0", token=PROXY_TOKEN, transport="tcp", config=Config(**hb, **slow)) as learner:
         host, port = learner.address.rsplit(":", 1)
         proxy = FaultProxy((host, int(port)))
         dataset = RLinkDataset(learner, batch_size=1)
         try:
             config = Config(**hb, **slow, reconnect_timeout=60, flush_timeout=60)
-            with Actor(proxy.address, transport="tcp", actor_id=5, config=config) as actor:
+            with Actor(proxy.address, token=PROXY_TOKEN, transport="tcp", actor_id=5, config=config) as actor:
                 actor.put({"x": np.int64(0)})
                 actor.flush(10)
                 proxy.set("cut")

@@ -1,13 +1,18 @@
-"""Fuzzing the two parsers that face the network: data-frame headers and control messages.
+"""Fuzzing what faces the network: data-frame headers, every control message type at every
+stage of a connection (before authentication, after it, on an open session, as a data
+connection's Attach), the size caps, and the shm data connection's records.
 
-Whatever the bytes, the result is an accepted frame that satisfies every limit, or
-ProtocolError before anything is allocated; nothing else escapes and nothing is reserved.
+Whatever the bytes, the result is an accepted frame or message that satisfies every limit,
+or a typed error (ProtocolError and its kin) before anything is allocated; nothing else
+escapes, and every input stays within a tracemalloc peak and a time bound.
 """
 
 from __future__ import annotations
 
+import os
 import struct
 
+import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -15,7 +20,8 @@ from hypothesis import strategies as st
 from rlink_ucx import ProtocolError
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.frame import FRAME_HEADER, FRAME_HEADER_BYTES
-from rlink_ucx.wire.manifest import Entry, Manifest
+from rlink_ucx.wire.manifest import KEYED, Entry, Manifest
+from tests import fuzzing as fz
 from tests.unit.test_validation import SCHEMA, make_session
 
 FUZZ = settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -81,7 +87,7 @@ def test_random_control_messages_decode_or_raise_protocol_error(body):
     sums=st.integers(0, 3),
 )
 def test_weights_manifests_are_validated_before_allocation(total, bucket, dims, offset, dtype, sums):
-    m = Manifest(1, [Entry("w", dtype, dims, offset)], total, bucket, [0] * sums, "xxh3")
+    m = Manifest(1, [Entry("w", dtype, dims, offset)], total, bucket, [0] * sums, KEYED)
     try:
         m.validate(max_bytes=1 << 30, max_entries=10)
     except ProtocolError:
@@ -93,3 +99,131 @@ def test_weights_manifests_are_validated_before_allocation(total, bucket, dims, 
 def test_length_prefix_over_the_cap_is_refused_before_reading_the_body():
     with pytest.raises(ProtocolError, match="exceeds"):
         _wire.check_length(struct.unpack("<I", b"\xff\xff\xff\xff")[0], 512)
+
+
+# --- every control message type, with hostile field values, at every stage of a connection ---
+# tests/fuzzing.py builds the inputs and runs them on the learner's own code; bench/fuzz.py
+# runs the same for as long as asked.
+FEW = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+TYPES = pytest.mark.parametrize("cls", fz.MESSAGE_TYPES, ids=lambda c: c.__name__)
+# A decoded message may hold Python objects for every byte (a list of small ints: ~40 bytes
+# each), so the bound grows with the input; a claimed length honoured would be far above it.
+DECODE_PEAK = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def lab():
+    lab = fz.Lab()
+    yield lab
+    lab.close()
+
+
+def test_the_fuzz_seeds_cover_every_message_type():
+    assert {type(m) for m in fz.valid_examples()} == set(fz.MESSAGE_TYPES)
+
+
+@pytest.mark.timeout(120)
+@TYPES
+@FEW
+@given(rng=st.randoms(use_true_random=False))
+def test_every_message_type_with_hostile_fields_decodes_to_a_typed_message_or_protocol_error(cls, rng):
+    body = fz.hostile_body(rng, cls)
+    try:
+        msg = fz.bounded(_wire.decode, body, peak=DECODE_PEAK + 64 * len(body), seconds=2)
+    except ProtocolError:
+        return
+    assert type(msg) in fz.MESSAGE_TYPES
+
+
+@pytest.mark.parametrize("cls", fz.MESSAGE_TYPES, ids=lambda c: c.__name__)
+def test_deep_nesting_length_claims_and_wrong_types_in_any_field_are_protocol_errors(cls):
+    tag, *fields = fz._SEEDS[cls]
+    hostile = [fz.deep(d) for d in (999, 1000, 5000, 50_000)] + list(fz.CLAIMS)
+    hostile += [{"a": 1}, [[[]]], -1, 2**64 - 1, float("nan"), None, "x" * 600, b"\xff" * 600]
+    for i in range(len(fields)):
+        for value in hostile:
+            body = msgspec.msgpack.encode([tag, *fields[:i], value, *fields[i + 1 :]])
+            try:  # anything but a typed message or ProtocolError (RecursionError, ...) fails here
+                msg = fz.bounded(_wire.decode, body, peak=DECODE_PEAK + 64 * len(body), seconds=2)
+            except ProtocolError:
+                continue
+            assert type(msg) is cls
+
+
+@pytest.mark.timeout(120)
+@TYPES
+@FEW
+@given(rng=st.randoms(use_true_random=False))
+def test_every_message_type_before_authentication_is_refused_typed_and_bounded(lab, cls, rng):
+    raw = fz.framed(fz.hostile_body(rng, cls))
+    got = fz.bounded(lab.preauth, fz.mutate(rng, raw) if rng.random() < 0.3 else raw, peak=1 << 20, seconds=5)
+    # With a token, nothing sent before a valid proof opens a session, a pull or a data plane.
+    assert got in ("ProtocolError", "AuthError", "PeerLost", "Refused"), got
+
+
+@pytest.mark.timeout(120)
+@TYPES
+@FEW
+@given(rng=st.randoms(use_true_random=False))
+def test_every_message_type_after_authentication_in_place_of_hello_is_typed_and_bounded(lab, cls, rng):
+    got = fz.bounded(lab.authenticated, fz.framed(fz.hostile_body(rng, cls)), peak=1 << 20, seconds=5)
+    assert got in ("ProtocolError", "PeerLost", "Refused", "Busy", "Superseded") or (
+        got == "session" and cls is _wire.Hello), got  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@TYPES
+@FEW
+@given(rng=st.randoms(use_true_random=False))
+def test_every_message_type_on_an_open_session_is_typed_and_bounded(lab, cls, rng):
+    raw = fz.framed(fz.hostile_body(rng, cls)) + fz.framed(fz.hostile_body(rng, rng.choice(fz.SESSION_TYPES)))
+    got = fz.bounded(lab.session, raw, peak=4 << 20, seconds=5)
+    assert got in ("ProtocolError", "SchemaMismatch", "PeerLost") or (got == "closed" and _wire.Bye.__name__ in
+                                                                      repr(raw)), got  # fmt: skip
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(rng=st.randoms(use_true_random=False))
+def test_an_attach_with_hostile_fields_and_a_valid_proof_is_typed_and_bounded(lab, rng):
+    got = fz.bounded(lab.attach, fz.hostile_body(rng, _wire.Attach), peak=4 << 20, seconds=5)
+    assert got in ("ProtocolError", "AuthError") or got.startswith("attached"), got
+
+
+def test_an_attach_with_numbers_where_bytes_belong_allocates_nothing(lab):
+    # bytes(n) of an int n allocates n zeroed bytes: an arena or probe "nonce" of 2**28 used to.
+    for arena, probe in [([os.getpid(), 3, 2**28, 1 << 16], None), (None, [4096, 2**28]), ([os.getpid(), 3, b"", 2**28], [2**63, b"x" * 16])]:
+        body = msgspec.msgpack.encode(_wire.Attach(_wire.PROTOCOL_VERSION, 1, b"", True, arena, probe))
+        got = fz.bounded(lab.attach, body, peak=4 << 20, seconds=5)
+        assert got == "attached (fuzz)", got  # the shm plane, nothing mapped or read directly
+
+
+@pytest.mark.timeout(120)
+def test_the_preauth_cap_refuses_a_claimed_length_before_reading_or_allocating_it(lab):
+    for length in (lab.config.max_preauth_bytes + 1, 2**20, 2**31, 2**32 - 1):
+        # Only the prefix is sent: a learner that waited for the body would see EOF instead.
+        got = fz.bounded(lab.preauth, _wire.LENGTH.pack(length) + b"\x00" * 16, peak=256 << 10, seconds=5)
+        assert got == "ProtocolError", (length, got)
+    padded = _wire.Login(_wire.PROTOCOL_VERSION, bytes(32), b"m" * lab.config.max_preauth_bytes)
+    assert fz.bounded(lab.preauth, fz.framed(msgspec.msgpack.encode(padded)), peak=256 << 10, seconds=5) == "ProtocolError"
+
+
+@pytest.mark.timeout(120)
+def test_the_session_cap_refuses_a_claimed_length_before_reading_or_allocating_it(lab):
+    for length in (lab.config.max_control_bytes + 1, 2**31, 2**32 - 1):
+        got = fz.bounded(lab.session, _wire.LENGTH.pack(length) + b"\x00" * 16, peak=256 << 10, seconds=5)
+        assert got == "ProtocolError", (length, got)
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(rng=st.randoms(use_true_random=False))
+def test_shm_data_connection_records_parse_or_are_refused_bounded(rng):
+    assert fz.bounded(fz.Lab.records, fz.hostile_records(rng), peak=256 << 10, seconds=2) in ("EOFError", "ProtocolError")
+
+
+@pytest.mark.parametrize("field", [["x", [], [4]], ["x", {"a": 1}, []], [["x"], "float32", []], ["x", "float32", [[4]]],
+                                   ["x", "float32", {"a": 1}], ["x", None, None]])  # fmt: skip
+def test_a_schema_field_of_the_wrong_types_is_a_protocol_error(lab, field):
+    body = msgspec.msgpack.encode(_wire.Propose([field]))
+    assert fz.bounded(lab.session, fz.framed(body), peak=1 << 20, seconds=5) == "ProtocolError"

@@ -9,7 +9,7 @@ import torch
 
 from rlink_ucx import ProtocolError
 from rlink_ucx.weights.snapshot import BufferPool, Snapshot, snapshot, state_dict_of
-from rlink_ucx.wire.manifest import ALIGN, Entry, Manifest
+from rlink_ucx.wire.manifest import ALIGN, KEYED, Entry, Manifest
 from rlink_ucx.wire.messages import Publish, decode, encode
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,7 +65,7 @@ def test_a_corrupted_bucket_is_detected():
 
 
 def manifest(**changes) -> Manifest:
-    base = Manifest(1, [Entry("w", "float32", [4], 0), Entry("b", "int64", [2], 64)], 80, 64, [0, 0], "xxh3")
+    base = Manifest(1, [Entry("w", "float32", [4], 0), Entry("b", "int64", [2], 64)], 80, 64, [], KEYED)
     return msgspec.structs.replace(base, **changes)
 
 
@@ -79,7 +79,9 @@ def manifest(**changes) -> Manifest:
         ({"entries": [Entry("w", "float32", [-1], 0)]}, "shape"),
         ({"entries": [Entry("w", "float32", [1], 3)]}, "outside"),
         ({"checksums": [0]}, "checksums"),
+        ({"checksums": [0, 0], "checksum": "xxh3"}, "checksums"),  # unkeyed checksums are refused
         ({"checksum": "pickle"}, "checksums"),
+        ({"bucket_bytes": 100}, "bucket"),
         ({"bucket_bytes": 0}, "bucket"),
         ({"total_bytes": 2**30, "bucket_bytes": 64}, "buckets; limit"),  # found by the fuzz test: an OOM
         ({"version": 0}, "version"),
@@ -94,7 +96,7 @@ def test_manifest_validation_rejects_before_allocating(changes, match):
 def test_too_many_tensors_are_refused():
     entries = [Entry(f"t{i}", "uint8", [1], 64 * i) for i in range(11)]
     with pytest.raises(ProtocolError, match="limit"):
-        manifest(entries=entries, total_bytes=64 * 11, checksums=[0] * 11).validate(max_bytes=2**40, max_entries=10)
+        manifest(entries=entries, total_bytes=64 * 11).validate(max_bytes=2**40, max_entries=10)
 
 
 def test_manifest_survives_the_wire_and_a_valid_one_passes():
@@ -133,7 +135,7 @@ def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
     state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.full((7,), 3.0)}
     entries, total = layout(state)
     flat = torch.zeros(total, dtype=torch.uint8)
-    snap = Snapshot(Manifest(1, entries, total, 256, [], "sum64"), flat, "cuda:0", sealed=False)
+    snap = Snapshot(Manifest(1, entries, total, 256, [], KEYED), flat, "cuda:0", sealed=False)
     publisher = Publisher(types.SimpleNamespace(config=Config(weights_timeout=20.0), loop=None))
     copies: list[Snapshot] = []
     copier = threading.Thread(target=lambda: copies.append(publisher._host_copy(snap)))
@@ -144,7 +146,8 @@ def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
     copier.join(10)
     assert len(copies) == 1
     host = copies[0]
-    assert host.device == "cpu" and host.manifest.checksum == "xxh3"
+    assert host.device == "cpu" and host.manifest is snap.manifest
+    assert host.key is snap.key and host.tags == snap.tags  # tagged on the device, same bytes
     host.verify()
     got = host.tensors()
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])

@@ -1,0 +1,60 @@
+"""Starting UCX for the ``ucx`` plane: ucxx's import, our settings, the session's tags."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ..config import Config
+
+HEADER_KIND = 0
+PAYLOAD_KIND = 1
+
+
+def ucx_options(config: Config, loopback: bool = False, devices: list[str] | None = None) -> dict[str, str]:
+    """UCX settings we ship (unless the user set the variable): see docs/transports.md.
+
+    UCX's TCP transport listens on every interface it may use, so it is confined to those of
+    the control channel: ``loopback`` (the control channel is on loopback) or ``devices``
+    (``ucx_probe.net_devices``)."""
+    seg = f"{max(64, config.ucx_segment_bytes // 1024)}k"
+    ours = {
+        "TCP_TX_SEG_SIZE": seg,
+        "TCP_RX_SEG_SIZE": seg,  # must be >= TX or the worker refuses to start
+        "RNDV_FRAG_SIZE": "host:4M",
+    }
+    if loopback:
+        ours["NET_DEVICES"] = "lo"
+    elif devices:
+        ours["NET_DEVICES"] = ",".join(devices)
+    return {k: v for k, v in ours.items() if f"UCX_{k}" not in os.environ}
+
+
+def load_ucxx() -> tuple[Any, Any]:
+    """Import ucxx's low-level module and its Array (slow the first time: it loads UCX)."""
+    try:
+        os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+        import ucxx._lib.libucxx as libucxx
+        from ucxx._lib.arr import Array
+    except ImportError as exc:  # pragma: no cover - checked by transport.choose first
+        raise ImportError('the ucx data plane needs ucxx: pip install "rlink-ucx[cu12]"') from exc
+    return libucxx, Array
+
+
+def session_tags(ticket: bytes) -> tuple[int, int]:
+    """The session's two UCX tags (its headers', its payloads'), 64 secret bits each.
+
+    UCX matches a message to a receive by tag alone, per worker: whoever knows a session's tag
+    can feed its receives. Both are derived from the session's 32-byte secret ticket, so they
+    are as hard to guess as 64 random bits, and one tag tells nothing about the other."""
+    digest = hashlib.blake2b(ticket, digest_size=16, person=b"rlink-ucx-tags").digest()
+    return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little")
+
+
+def make_worker(config: Config, loopback: bool = False, devices: list[str] | None = None) -> tuple[Any, Any, Any]:
+    """A UCX context and worker with our settings: ``(libucxx, context, worker)``."""
+    u, _ = load_ucxx()
+    context = u.UCXContext(ucx_options(config, loopback, devices), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
+    return u, context, u.UCXWorker(context)

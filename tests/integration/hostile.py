@@ -1,0 +1,258 @@
+"""Hand-made peers for attack tests: they speak the wire protocol themselves (blocking sockets),
+so they can say what a real actor never would. Functions named ``*_proc`` run in spawned
+processes and report through a queue."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import time
+from typing import Any
+
+import numpy as np
+
+from rlink_ucx import __version__
+from rlink_ucx.transport import hostname
+from rlink_ucx.wire import auth as _auth
+from rlink_ucx.wire import messages as _wire
+from rlink_ucx.wire.frame import FrameHeader
+
+
+class RawActor:
+    """One session, opened by hand: control connection, mutual proof, Hello as given."""
+
+    def __init__(self, address: str, token: bytes | None, timeout: float = 20.0):
+        host, port = address.rsplit(":", 1)
+        self.host, self.port, self.token, self.timeout = host.strip("[]"), int(port), token, timeout
+        self.control = socket.create_connection((self.host, self.port), timeout=timeout)
+        self.welcome: _wire.Welcome | None = None
+        self.data: socket.socket | None = None
+
+    def hello(self, *, pid: int, transport: str, shm: bool = False, ucx: bool = False,
+              actor_id: int | None = None) -> _wire.Welcome:  # fmt: skip
+        challenge = self.recv(self.control)
+        assert isinstance(challenge, _wire.Challenge), challenge
+        nonce = _auth.new_nonce()
+        mac = _auth.actor_proof(self.token, challenge.nonce, nonce) if self.token else b""
+        self.send(self.control, _wire.Login(_wire.PROTOCOL_VERSION, nonce, mac))
+        if self.token:
+            assert isinstance(self.recv(self.control), _wire.Proof)
+        self.send(self.control, _wire.Hello(actor_id, 0, __version__, transport, ucx, False, hostname(), pid, shm))
+        welcome = self.expect(_wire.Welcome)
+        self.welcome = welcome
+        return welcome
+
+    def attach(self, *, shm: bool = False, arena: Any = None, cma: Any = None) -> socket.socket:
+        """Open the data connection and prove it belongs to the session."""
+        assert self.welcome is not None
+        data = socket.create_connection((self.host, self.port), timeout=self.timeout)
+        challenge = self.recv(data)
+        proof = _auth.data_proof(self.welcome.ticket, challenge.nonce, self.welcome.session)
+        self.send(data, _wire.Attach(_wire.PROTOCOL_VERSION, self.welcome.session, proof, shm, arena, cma))
+        self.data = data
+        return data
+
+    def propose(self, fields: list) -> _wire.Accept:
+        self.send(self.control, _wire.Propose(fields))
+        return self.expect(_wire.Accept)
+
+    def expect(self, kind: type) -> Any:
+        """The next message of ``kind`` on the control connection (heartbeats and the like skipped)."""
+        while True:
+            msg = self.recv(self.control)
+            if isinstance(msg, kind):
+                return msg
+            if isinstance(msg, _wire.Error):
+                raise ConnectionError(f"learner refused: {msg.kind}: {msg.text}")
+
+    @staticmethod
+    def send(sock: socket.socket, msg: Any) -> None:
+        sock.sendall(_wire.encode(msg))
+
+    @staticmethod
+    def recv(sock: socket.socket) -> Any:
+        return _wire.read_message(sock, 1 << 20)
+
+    def close(self) -> None:
+        for sock in (self.data, self.control):
+            if sock is not None:
+                sock.close()
+
+
+def secret_memory(nbytes: int, seed: int) -> np.ndarray:
+    """``nbytes`` of recognisable bytes (a victim's secret)."""
+    return np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+
+
+def victim_proc(nbytes: int, seed: int, out: Any, stop: Any) -> None:
+    """A bystander process holding a secret at a known address, until ``stop`` is set."""
+    secret = secret_memory(nbytes, seed)
+    out.put((os.getpid(), secret.ctypes.data))
+    stop.wait(120)
+    del secret
+
+
+def cma_impostor_proc(address: str, token: bytes, pid: int, where: int, nbytes: int, nonce: bytes, out: Any) -> None:
+    """An authenticated actor on the shm plane that names process ``pid`` as its own and the
+    ``nbytes`` at ``where`` in it (whose first 16 bytes are ``nonce``) as its probe, then sends
+    one frame "by address" pointing there. Reports whether the learner offered direct reads."""
+    actor = RawActor(address, token)
+    try:
+        welcome = actor.hello(pid=pid, transport="shm", shm=True)
+        assert welcome.transport == "shm", welcome
+        data = actor.attach(shm=True, cma=[where, nonce])
+        ready = actor.expect(_wire.Ready)
+        accept = actor.propose([["x", "uint8", [nbytes]]])
+        actor.expect(_wire.Credit)
+        from rlink_ucx.transport import shm
+
+        header = FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, nbytes).pack()
+        data.sendall(shm.DIRECT_FRAME + header + shm.COUNTER.pack(1) + shm.EXTENT.pack(where, nbytes))
+        out.put(("ready", bool(ready.cma)))
+        time.sleep(3)  # keep the session open while the learner does (or does not) read
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        out.put(("error", repr(exc)))
+    finally:
+        actor.close()
+
+
+def honest_direct_proc(address: str, token: bytes, nbytes: int, seed: int, out: Any) -> None:
+    """The same hand-made actor naming its own pid and its own memory: the learner must still
+    read it directly (the check refuses impostors, not actors)."""
+    secret = secret_memory(nbytes, seed)
+    probe = ctypes.string_at(secret.ctypes.data, 16)
+    cma_impostor_proc(address, token, os.getpid(), secret.ctypes.data, nbytes, probe, out)
+    del secret
+
+
+def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
+    """The listening TCP sockets of process ``pid``: ``(address, port)`` (from /proc)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            target = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    out = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with open(table) as f:
+            for line in f.readlines()[1:]:
+                parts = line.split()
+                if parts[3] != "0A" or parts[9] not in inodes:  # 0A: LISTEN
+                    continue
+                addr_hex, port_hex = parts[1].split(":")
+                raw = bytes.fromhex(addr_hex)
+                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host order words
+                family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
+                out.add((socket.inet_ntop(family, raw), int(port_hex, 16)))
+    return out
+
+
+def paced_int_proc(address: str, token: bytes, transport: str, stop: Any, out: Any) -> None:
+    """An honest actor: int64 steps 0, 1, ... in chunks of 100 until ``stop``; reports how many
+    it put and its own listening sockets."""
+    from rlink_ucx import Actor
+
+    n = 0
+    with Actor(address, token=token, transport=transport, actor_id=1) as actor:
+        while not stop.is_set() and n < 2_000_000:
+            actor.put_many({"x": np.arange(n, n + 100, dtype=np.int64)})
+            n += 100
+            time.sleep(0.002)
+        actor.flush(60)
+        out.put((n, sorted(listening_sockets()), actor.transport))
+
+
+def ucx_stranger_proc(worker_address: bytes, total: int, size: int, out: Any) -> None:
+    """A process that never authenticated, with a UCX endpoint to the learner's worker (its
+    address learnt in an earlier session): ``total`` bytes of ``size``-byte messages, each with
+    a random 64-bit tag. Reports how many messages it sent."""
+    import secrets
+
+    from rlink_ucx import Config
+    from rlink_ucx.transport.ucx import load_ucxx, make_worker
+
+    u, context, worker = make_worker(Config(), loopback=True)
+    _, array = load_ucxx()
+    endpoint = u.UCXEndpoint.create_from_worker_address(worker, u.UCXAddress.create_from_buffer(worker_address),
+                                                        False)  # fmt: skip
+    junk = array(bytearray(os.urandom(size)))
+    pending: list = []
+    sent = 0
+    deadline = time.monotonic() + 90
+    while sent * size < total and time.monotonic() < deadline:
+        pending.append(endpoint.tag_send(junk, u.UCXXTag(secrets.randbits(64))))
+        sent += 1
+        worker.progress()
+        if len(pending) >= 256:  # eager sends complete locally; keep at most 256 in flight
+            while len(pending) >= 128 and time.monotonic() < deadline:
+                worker.progress()
+                pending = [r for r in pending if not r.completed]
+    settle = time.monotonic() + 2
+    while time.monotonic() < settle:
+        worker.progress()
+    out.put(sent)
+
+
+def ucx_unannounced_payload_proc(address: str, token: bytes, out: Any) -> None:
+    """An authenticated ucx actor that sends a payload message (its session's own payload tag)
+    with no frame header before it. Reports what the learner said."""
+    from rlink_ucx import Config
+    from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
+
+    actor = RawActor(address, token)
+    try:
+        welcome = actor.hello(pid=os.getpid(), transport="ucx", ucx=True)
+        actor.expect(_wire.Ready)
+        u, context, worker = make_worker(Config(), loopback=True)
+        _, array = load_ucxx()
+        endpoint = u.UCXEndpoint.create_from_worker_address(
+            worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
+        _, payload_tag = session_tags(welcome.ticket)
+        request = endpoint.tag_send(array(bytearray(4096)), u.UCXXTag(payload_tag))
+        deadline = time.monotonic() + 5
+        while not request.completed and time.monotonic() < deadline:
+            worker.progress()
+        actor.control.settimeout(10)
+        try:
+            actor.expect(_wire.Bye)  # never comes: the learner reports an error or closes
+            out.put("bye")
+        except ConnectionError as exc:
+            out.put(str(exc))
+        except (OSError, EOFError) as exc:
+            out.put(f"closed: {exc!r}")
+    finally:
+        actor.close()
+
+
+def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> None:
+    """An authenticated ucx actor that sends a valid frame header, never its payload, and the
+    next frame's header: that one waits, kept, at the head of the learner's unexpected queue."""
+    from rlink_ucx import Config
+    from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
+
+    actor = RawActor(address, token)
+    try:
+        welcome = actor.hello(pid=os.getpid(), transport="ucx", ucx=True)
+        actor.expect(_wire.Ready)
+        accept = actor.propose([["x", "int64", []]])
+        actor.expect(_wire.Credit)
+        u, context, worker = make_worker(Config(), loopback=True)
+        _, array = load_ucxx()
+        endpoint = u.UCXEndpoint.create_from_worker_address(
+            worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
+        header_tag, _ = session_tags(welcome.ticket)
+        keep = [array(bytearray(FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, seq, 0, 8).pack()))
+                for seq in (0, 1)]  # fmt: skip
+        requests = [endpoint.tag_send(k, u.UCXXTag(header_tag)) for k in keep]
+        deadline = time.monotonic() + 10
+        while not all(r.completed for r in requests) and time.monotonic() < deadline:
+            worker.progress()
+        out.put("stalled")
+        while not stop.wait(0.01):
+            worker.progress()
+    finally:
+        actor.close()

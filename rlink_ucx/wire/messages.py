@@ -11,7 +11,8 @@ import msgspec
 from ..errors import ProtocolError
 from .manifest import Manifest
 
-PROTOCOL_VERSION = 3  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma)
+PROTOCOL_VERSION = 4  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma);
+# 4: keyed weights (KeyedPull, Seal, AttachProof, the rendezvous relayed over the control channel)
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):

@@ -78,17 +78,15 @@ class Actor:
         host, port, transport = parse_endpoint(address, transport)
         self._lock = threading.Lock()  # guards the subscriber's creation
         self._subscriber: Subscriber | None = None
+        resolved_token = resolve_token(token)  # may raise: before the shared I/O thread is taken
         self._io = shared_io()  # one I/O thread for every Actor of this process
         self._io_released = False
-        # Increases with every restart of an actor id: the learner lets a newer incarnation
-        # replace an older one, never the reverse (the old process would otherwise reconnect
-        # and push the new one out, back and forth).
-        incarnation = time.time_ns()
-        self._conn = ActorConnection(host, port, token=resolve_token(token), transport=transport,
-                                     actor_id=actor_id, incarnation=incarnation & (2**63 - 1),
-                                     config=self.config, loop=self._io.loop, insecure=insecure)  # fmt: skip
-        self._writer = StepWriter(self._conn, self._io, self.config)
-        # put and put_many go through this class (one call more, ~0.1 us) for their priority=.
+        try:
+            self._build(host, port, resolved_token, transport, actor_id, insecure)
+        except BaseException:
+            self._io_released = True  # nothing else holds it for this actor
+            release_io(self._io, self.config.close_timeout)
+            raise
         budget = self.config.connect_timeout + 2 * self.config.handshake_timeout + 1
         try:
             self._io.call(self._conn.open_session(), budget, "connect")
@@ -102,6 +100,18 @@ class Actor:
         if subscribe:
             self._subscribe()
         log.info("actor %s connected to %s via %s (%s)", self.actor_id, address, self.transport, self.transport_reason)
+
+    def _build(self, host: str, port: int, token: bytes | None, transport: str, actor_id: int | None,
+               insecure: bool) -> None:  # fmt: skip
+        # Increases with every restart of an actor id: the learner lets a newer incarnation
+        # replace an older one, never the reverse (the old process would otherwise reconnect
+        # and push the new one out, back and forth).
+        incarnation = time.time_ns()
+        self._conn = ActorConnection(host, port, token=token, transport=transport,
+                                     actor_id=actor_id, incarnation=incarnation & (2**63 - 1),
+                                     config=self.config, loop=self._io.loop, insecure=insecure)  # fmt: skip
+        self._writer = StepWriter(self._conn, self._io, self.config)
+        # put and put_many go through this class (one call more, ~0.1 us) for their priority=.
 
     @property
     def actor_id(self) -> int:

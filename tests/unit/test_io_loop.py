@@ -56,7 +56,12 @@ def io_threads() -> int:
     return sum(t.name == "rlink-actor-io" and t.is_alive() for t in threading.enumerate())
 
 
-def test_actors_of_a_process_share_one_io_thread_which_stops_with_the_last():
+def test_actors_of_a_process_share_one_io_thread_which_stops_with_the_last(monkeypatch):
+    # Start from no shared thread: an earlier test in this process may still hold one.
+    from rlink_ucx.transport import loop
+
+    monkeypatch.setattr(loop, "_shared", None)
+    monkeypatch.setattr(loop, "_shared_users", 0)
     before = io_threads()
     first, second = shared_io(), shared_io()
     assert first is second and io_threads() == before + 1
@@ -67,3 +72,30 @@ def test_actors_of_a_process_share_one_io_thread_which_stops_with_the_last():
     third = shared_io()
     assert third is not first and third.loop.is_running()
     release_io(third, 5)
+
+
+def test_an_actor_that_fails_to_start_leaves_no_io_thread_behind(monkeypatch):
+    """A refused token, or a connection that cannot even be built, must not keep the shared
+    I/O thread alive for the rest of the process (it leaked into later tests once)."""
+    from rlink_ucx import Actor, ConfigError
+    from rlink_ucx.session import actor_link
+    from rlink_ucx.transport import loop
+
+    monkeypatch.setattr(loop, "_shared", None)
+    monkeypatch.setattr(loop, "_shared_users", 0)
+    before = io_threads()
+    with pytest.raises(ConfigError):
+        Actor("127.0.0.1:1", token="short")
+
+    def broken(*args, **kwargs):
+        raise ConfigError("cannot build the connection")
+
+    monkeypatch.setattr("rlink_ucx.actor.ActorConnection", broken)
+    with pytest.raises(ConfigError, match="cannot build"):
+        Actor("127.0.0.1:1", token="x" * 32)
+    assert loop._shared is None and loop._shared_users == 0
+    deadline = time.monotonic() + 5
+    while io_threads() > before and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert io_threads() == before
+    assert actor_link.ActorConnection is not broken

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, ConfigError, Learner, RLinkDataset
+from tests.integration.test_reliability import _listening_sockets
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
@@ -62,23 +63,8 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 
 def listening_ports() -> set[int]:
-    """TCP ports this process listens on (its sockets in /proc/net/tcp* in state LISTEN)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if m := re.fullmatch(r"socket:\[(\d+)\]", target):
-            inodes.add(m.group(1))
-    ports = set()
-    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                cols = line.split()
-                if cols[3] == "0A" and cols[9] in inodes:
-                    ports.add(int(cols[1].rsplit(":", 1)[1], 16))
-    return ports
+    """TCP ports this process listens on."""
+    return set(_listening_sockets())
 
 
 def ipv6_loopback() -> bool:

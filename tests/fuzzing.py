@@ -343,7 +343,7 @@ class Lab:
         session = LearnerSession(self.server, next(self._ids), _Silent(), hello, 7, "shm", "fuzz", os.urandom(32))
         session.shm_ring = ring
         nonce = _auth.new_nonce()
-        msg = msgspec.structs.replace(msg, session=session.id, mac=_auth.data_proof(session.ticket, nonce, session.id))
+        msg = msgspec.structs.replace(msg, session=session.id, mac=_auth.data_proof(session.key, nonce, session.id))
         ours, conn = self._pair()
         try:
             attach_data_connection({session.id: session}, conn, msg, nonce, "auto")

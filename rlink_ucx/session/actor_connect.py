@@ -102,7 +102,7 @@ class Handshake:
         else:
             from ..transport.ucx import UcxActorPlane
 
-            self.sender = await UcxActorPlane.connect(self.loop, welcome, self.incarnation, self.config,
+            self.sender = await UcxActorPlane.connect(self.loop, welcome, self.weights_key(), self.incarnation, self.config,
                                                       loopback=is_loopback(self.host), control=conn.sock)  # fmt: skip
         await self._ready
         if self.schema is not None:  # a reconnect: the new session needs the schema again
@@ -163,7 +163,7 @@ class Handshake:
         probe = self._probe.describe() if ring is not None and self._probe is not None else None
         data, challenge = await self._open_data_connection()
         data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
-                               _auth.data_proof(welcome.ticket, challenge.nonce, welcome.session),
+                               _auth.data_proof(self.weights_key(), challenge.nonce, welcome.session),
                                ring is not None, arena, probe))  # fmt: skip
         # A send that makes no progress for a heartbeat timeout means a frozen or vanished
         # learner; the blocking send holds the I/O thread, so the heartbeat could not tell.

@@ -21,12 +21,12 @@ log = logging.getLogger(__name__)
 
 def attach_data_connection(sessions: dict[int, LearnerSession], conn: ControlConnection, msg: _wire.Attach,
                            nonce: bytes, congestion: str) -> LearnerSession:
-    """Hand ``conn`` to the session its Attach names (proven with the session's ticket) as
+    """Hand ``conn`` to the session its Attach names (proven with the session's key) as
     the receiver of its frames; returns that session."""
     session = sessions.get(msg.session)
     if session is None or session.state != "open":
         raise AuthError("data connection for an unknown session")
-    _auth.verify(_auth.data_proof(session.ticket, nonce, msg.session), msg.mac, "data connection")
+    _auth.verify(_auth.data_proof(session.key, nonce, msg.session), msg.mac, "data connection")
     if session.transport not in ("tcp", "shm") or session.receiver is not None:
         raise ProtocolError("session already has its data plane")
     conn.handed_off = True

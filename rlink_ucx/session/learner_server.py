@@ -311,7 +311,7 @@ class LearnerServer:
         ))  # fmt: skip
         log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
         if ucx_worker is not None:
-            session.receiver = self.ucx.attach(session, actor_id, session.ticket, ucx_worker)
+            session.receiver = self.ucx.attach(session, actor_id, session.key, ucx_worker)
             conn.send(_wire.Ready("ucx"))
         return session
 

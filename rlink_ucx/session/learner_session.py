@@ -15,6 +15,7 @@ from ..store.ring import Segment, StepRing
 from ..transport.base import DataPlaneRetired
 from ..transport.control import ControlConnection
 from ..weights.publisher import Publisher
+from ..wire import keys as _keys
 from ..wire import messages as _wire
 from ..wire.codec import Schema
 from ..wire.frame import FrameHeader
@@ -34,6 +35,7 @@ class Owner(Protocol):
     config: Config
     loop: asyncio.AbstractEventLoop
     publisher: Publisher
+    token: bytes | None  # None when running insecure
 
     def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]: ...
 
@@ -70,6 +72,9 @@ class LearnerSession:
         self.transport = transport
         self.transport_reason = reason
         self.ticket = ticket
+        # The session's key, from the token and the ticket: it proves the data connection and
+        # keys the weights path. The ticket alone goes in clear in the Welcome.
+        self.key = _keys.session_key(server.token, ticket, session_id)
         self.receiver: FrameReceiver | None = None
         self.shm_ring: ShmRing | None = None  # an shm session's ring until its data connection attaches
         self.schema_id: int | None = None

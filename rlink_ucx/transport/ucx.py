@@ -14,7 +14,7 @@ costs ~10 us and beats a raw socket. So:
   the authenticated control channel) and sends ``header, field_0, field_1, ...`` with one tag.
 
 Each session has two tags (headers, payloads) of 64 secret bits each, derived from its
-secret ticket (``ucx_setup.session_tags``), so a process that did not authenticate cannot
+key (``ucx_setup.session_tags``), so a process that did not authenticate cannot
 address a session's buffers; what it sends anyway is thrown away (``ucx_unexpected.py``)
 rather than kept by UCX for a receive that never comes. UCX's TCP transport listens only on
 the interfaces of the control channel (``ucx_probe.net_devices``). Endpoint error handling
@@ -158,11 +158,11 @@ class UcxLearnerPlane:
             raise PeerLost(f"the learner's UCX worker did not start: {self._start_error}")
 
     # --- called from the loop thread ----------------------------------------------------------
-    def attach(self, sink: FrameSink, actor_id: int, ticket: bytes, generation: _Generation) -> UcxReceiver:
+    def attach(self, sink: FrameSink, actor_id: int, session_key: bytes, generation: _Generation) -> UcxReceiver:
         """Receive one actor's frames into ``sink`` on ``generation``, the worker whose address
         the actor was sent (read from ``current`` when its session was opened); the tags come
-        from the session's secret ``ticket``. Returns the started receiver."""
-        state = _Receive(sink, actor_id, session_tags(ticket), generation)
+        from the session's key. Returns the started receiver."""
+        state = _Receive(sink, actor_id, session_tags(session_key), generation)
         for kind, tag in enumerate(state.tags):  # before its first message can arrive
             self._by_tag[tag] = (state, kind)
         receiver = UcxReceiver(self, state)
@@ -418,7 +418,7 @@ class UcxActorPlane:
             self._control_poll.register(control, select.POLLRDHUP)
 
     @classmethod
-    async def connect(cls, loop: asyncio.AbstractEventLoop, welcome: Welcome, incarnation: int,
+    async def connect(cls, loop: asyncio.AbstractEventLoop, welcome: Welcome, session_key: bytes, incarnation: int,
                       config: Config, loopback: bool = False, control: socket.socket | None = None) -> UcxActorPlane:  # fmt: skip
         if not welcome.ucx_address:
             raise ProtocolError("learner chose ucx but sent no worker address")
@@ -428,7 +428,7 @@ class UcxActorPlane:
         u, context, worker = make_worker(config, loopback, devices)
         address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
         endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
-        return cls(u, context, worker, endpoint, session_tags(welcome.ticket), loop, config, control)
+        return cls(u, context, worker, endpoint, session_tags(session_key), loop, config, control)
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         tag_header, tag_payload = self.tags[HEADER_KIND], self.tags[PAYLOAD_KIND]

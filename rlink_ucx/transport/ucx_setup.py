@@ -43,13 +43,14 @@ def load_ucxx() -> tuple[Any, Any]:
     return libucxx, Array
 
 
-def session_tags(ticket: bytes) -> tuple[int, int]:
+def session_tags(session_key: bytes) -> tuple[int, int]:
     """The session's two UCX tags (its headers', its payloads'), 64 secret bits each.
 
     UCX matches a message to a receive by tag alone, per worker: whoever knows a session's tag
-    can feed its receives. Both are derived from the session's 32-byte secret ticket, so they
-    are as hard to guess as 64 random bits, and one tag tells nothing about the other."""
-    digest = hashlib.blake2b(ticket, digest_size=16, person=b"rlink-ucx-tags").digest()
+    can feed its receives. Both are derived from the session's key (from the token and the
+    ticket; the ticket alone goes in clear in the Welcome), so they are as hard to guess as 64
+    random bits, and one tag tells nothing about the other."""
+    digest = hashlib.blake2b(session_key, digest_size=16, person=b"rlink-ucx-tags").digest()
     return int.from_bytes(digest[:8], "little"), int.from_bytes(digest[8:], "little")
 
 

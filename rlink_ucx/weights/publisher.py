@@ -41,7 +41,8 @@ class Member(Protocol):
     id: int
     state: str  # "open" while the actor is connected
     hello: _wire.Hello
-    ticket: bytes  # the session's secret: its weights key derives from it and the token
+    ticket: bytes  # the session's ticket (sent in clear in the Welcome)
+    key: bytes  # the session's key, from the token and the ticket (``wire.keys.session_key``)
     control: ControlConnection
     subscribed: bool  # wants every published version
     cuda_device: int | None  # where it receives weights (NCCL needs distinct GPUs)
@@ -87,7 +88,6 @@ class Publisher:
         self._group_key: tuple[Any, ...] = ()
         self._generation = 0
         self.rendezvous = KeyValue()
-        self._session_keys: dict[int, bytes] = {}  # session id -> its weights key
         self._subscription_keys: dict[int, bytes] = {}  # session id -> its subscription's key
         self._pulls: dict[int, _Pull] = {}  # session id -> the pull just verified, until served
         self.stats: dict[str, Any] = {
@@ -137,17 +137,9 @@ class Publisher:
         return [s for s in list(self.server.sessions.values()) if s.state == "open" and s.subscribed]
 
     # --- keys -----------------------------------------------------------------------------------
-    def _session_key(self, session: Member) -> bytes:
-        key = self._session_keys.get(session.id)
-        if key is None:
-            if len(self._session_keys) > 2 * len(self.server.sessions) + 64:  # forget ended sessions
-                self._session_keys = {i: k for i, k in self._session_keys.items() if i in self.server.sessions}
-            key = self._session_keys[session.id] = _keys.session_key(self.server.token, session.ticket, session.id)
-        return key
-
     def attach_proof(self, session: Member, transport: str) -> bytes:
         """The learner's proof, for the actor, that it attached ``session``'s data plane."""
-        return _keys.attach_proof(self._session_key(session), session.id, transport)
+        return _keys.attach_proof(session.key, session.id, transport)
 
     def _seal(self, key: bytes, snap: Snapshot) -> tuple[_wire.WeightsKey, _wire.Seal]:
         """The version's secret wrapped for the holder of ``key``, and the Seal binding it."""
@@ -165,7 +157,7 @@ class Publisher:
         nonce = getattr(msg, "nonce", b"")
         if not isinstance(msg, _wire.KeyedSubscribe) or len(nonce) != _auth.NONCE_BYTES:
             raise ProtocolError("weights subscription without a key nonce (an actor of an older rlink?)")
-        self._subscription_keys[session.id] = _keys.subscription_key(self._session_key(session), nonce)
+        self._subscription_keys[session.id] = _keys.subscription_key(session.key, nonce)
         session.subscribed = True
         session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
         # The actor pulls the current version right away; until it acknowledges it, it stays
@@ -186,7 +178,7 @@ class Publisher:
         actor_nonce = getattr(msg, "nonce", b"")
         if not isinstance(msg, _wire.KeyedPull) or len(actor_nonce) != _auth.NONCE_BYTES:
             raise AuthError("weights pull without a fresh nonce (an actor of an older rlink?)")
-        key = self._session_key(session)
+        key = session.key
         _auth.verify(_keys.pull_proof(key, "actor", nonce, actor_nonce, session.id), msg.mac, "weights pull")
         self._pulls[session.id] = _Pull(_keys.pull_key(key, nonce, actor_nonce),
                                         _keys.pull_proof(key, "learner", nonce, actor_nonce, session.id))  # fmt: skip

@@ -17,7 +17,6 @@ NONCE_BYTES = 32
 _ACTOR_LABEL = b"rlink-v1 actor"
 _LEARNER_LABEL = b"rlink-v1 learner"
 _DATA_LABEL = b"rlink-v1 data"
-_PULL_LABEL = b"rlink-v1 pull"
 
 
 def new_nonce() -> bytes:
@@ -36,14 +35,11 @@ def learner_proof(token: bytes, learner_nonce: bytes, actor_nonce: bytes) -> byt
     return _mac(token, _LEARNER_LABEL, actor_nonce, learner_nonce)
 
 
-def data_proof(ticket: bytes, learner_nonce: bytes, session: int) -> bytes:
-    return _mac(ticket, _DATA_LABEL, learner_nonce, str(session).encode())
-
-
-def pull_proof(ticket: bytes, learner_nonce: bytes, session: int) -> bytes:
-    """Proves a weights pull connection belongs to ``session`` (its own label: a data-connection
-    proof cannot be replayed as a pull, nor the other way round)."""
-    return _mac(ticket, _PULL_LABEL, learner_nonce, str(session).encode())
+def data_proof(session_key: bytes, learner_nonce: bytes, session: int) -> bytes:
+    """Proves a data connection belongs to ``session``: keyed with the session's key (from the
+    token and the ticket, ``wire.keys.session_key``), never with the ticket alone, which the
+    Welcome carries in clear."""
+    return _mac(session_key, _DATA_LABEL, learner_nonce, str(session).encode())
 
 
 def verify(expected: bytes, got: bytes, what: str) -> None:

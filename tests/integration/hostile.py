@@ -15,6 +15,7 @@ import numpy as np
 from rlink_ucx import __version__
 from rlink_ucx.transport import hostname
 from rlink_ucx.wire import auth as _auth
+from rlink_ucx.wire import keys as _keys
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.frame import FrameHeader
 
@@ -43,12 +44,20 @@ class RawActor:
         self.welcome = welcome
         return welcome
 
-    def attach(self, *, shm: bool = False, arena: Any = None, cma: Any = None) -> socket.socket:
-        """Open the data connection and prove it belongs to the session."""
+    @property
+    def session_key(self) -> bytes:
+        """The session's key, as the token's holder derives it (``wire.keys.session_key``)."""
+        assert self.welcome is not None
+        return _keys.session_key(self.token, self.welcome.ticket, self.welcome.session)
+
+    def attach(self, *, shm: bool = False, arena: Any = None, cma: Any = None,
+               key: bytes | None = None) -> socket.socket:  # fmt: skip
+        """Open the data connection and prove, with ``key`` (the session's key unless given),
+        that it belongs to the session."""
         assert self.welcome is not None
         data = socket.create_connection((self.host, self.port), timeout=self.timeout)
         challenge = self.recv(data)
-        proof = _auth.data_proof(self.welcome.ticket, challenge.nonce, self.welcome.session)
+        proof = _auth.data_proof(self.session_key if key is None else key, challenge.nonce, self.welcome.session)
         self.send(data, _wire.Attach(_wire.PROTOCOL_VERSION, self.welcome.session, proof, shm, arena, cma))
         self.data = data
         return data
@@ -211,7 +220,7 @@ def ucx_unannounced_payload_proc(address: str, token: bytes, out: Any) -> None:
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
             worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
-        _, payload_tag = session_tags(welcome.ticket)
+        _, payload_tag = session_tags(actor.session_key)
         request = endpoint.tag_send(array(bytearray(4096)), u.UCXXTag(payload_tag))
         deadline = time.monotonic() + 5
         while not request.completed and time.monotonic() < deadline:
@@ -244,7 +253,7 @@ def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> N
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
             worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
-        header_tag, _ = session_tags(welcome.ticket)
+        header_tag, _ = session_tags(actor.session_key)
         keep = [array(bytearray(FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, seq, 0, 8).pack()))
                 for seq in (0, 1)]  # fmt: skip
         requests = [endpoint.tag_send(k, u.UCXXTag(header_tag)) for k in keep]

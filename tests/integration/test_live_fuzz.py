@@ -45,6 +45,7 @@ def rss_bytes() -> int:
 
 def _one_connection(host: str, port: int, stage: str, rng: random.Random) -> str:
     from rlink_ucx.wire import auth as _auth
+    from rlink_ucx.wire import keys as _keys
     from rlink_ucx.wire import messages as _wire
     from tests import fuzzing as fz
 
@@ -72,7 +73,7 @@ def _one_connection(host: str, port: int, stage: str, rng: random.Random) -> str
                     data = socket.create_connection((host, port), timeout=2)
                     socks.append(data)
                     ch = _wire.read_message(data, 512)
-                    proof = _auth.data_proof(welcome.ticket, ch.nonce, welcome.session)
+                    proof = _auth.data_proof(_keys.session_key(TOKEN, welcome.ticket, welcome.session), ch.nonce, welcome.session)
                     data.sendall(_wire.encode(_wire.Attach(fz.PV, welcome.session, proof)))
                     data.sendall(b"".join(fz.hostile_header(rng) + fz._bytes(rng, rng.randrange(0, 256))
                                           for _ in range(rng.randrange(1, 4))))  # fmt: skip

@@ -252,3 +252,45 @@ def test_rlink_token_prints_strong_distinct_tokens_and_writes_private_files(tmp_
     assert cli.main(["token", "--file", str(path)]) == 2  # never overwritten
     assert path.read_text().strip() == written and "exists" in capsys.readouterr().err
 
+
+
+@pytest.mark.timeout(60)
+def test_an_eavesdropper_who_saw_the_welcome_cannot_attach_a_data_connection():
+    """The Welcome carries the session's ticket in clear. A data connection proven with the
+    ticket alone (what someone on the path can compute) is refused; one proven with the
+    session's key (token + ticket) attaches. The learner runs here, the raw actor too."""
+    import hashlib
+    import hmac
+
+    from rlink_ucx.wire import auth as _auth
+    from tests.integration.hostile import RawActor
+
+    token = STRONG.encode()
+    with Learner("127.0.0.1:0", token=token, transport="tcp") as learner:
+        owner = RawActor(learner.address, token, timeout=10)
+        welcome = owner.hello(pid=os.getpid(), transport="tcp")
+        spy = RawActor(learner.address, None, timeout=10)  # only its data connection is used
+        spy.welcome = welcome
+        data = spy.attach(key=welcome.ticket)  # the proof the ticket alone gives
+        try:
+            reply = _wire.read_message(data, 1 << 16)
+        except (EOFError, ConnectionError) as exc:
+            reply = exc
+        assert (isinstance(reply, _wire.Error) and reply.kind == "auth") or isinstance(reply, (EOFError, ConnectionError)), reply
+        data.close()
+        with pytest.raises((socket.timeout, TimeoutError)):  # the owner hears nothing of it
+            owner.control.settimeout(0.5)
+            _wire.read_message(owner.control, 1 << 16)
+        owner.control.settimeout(10)
+        owner.attach()  # with the session's key
+        proof = owner.expect(_wire.AttachProof)
+        assert len(proof.mac) == 32
+        assert owner.expect(_wire.Ready).transport == "tcp"
+        # The old proof (HMAC keyed with the ticket) and the new one differ for the same nonce.
+        nonce = os.urandom(32)
+        old = hmac.new(welcome.ticket, b"rlink-v1 data|" + nonce + b"|" + str(welcome.session).encode(),
+                       hashlib.sha256).digest()  # fmt: skip
+        assert old != _auth.data_proof(owner.session_key, nonce, welcome.session)
+        owner.close()
+        spy.control.close()
+        assert learner.stats()["auth_failures"] >= 1

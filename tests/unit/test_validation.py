@@ -29,7 +29,8 @@ class _Control:
 
 def make_session(credit=100):
     ring = StepRing(SCHEMA, 1 << 16, 64)
-    server = types.SimpleNamespace(config=Config(), grant_credits=lambda: None, session_ended=lambda *a: None)
+    server = types.SimpleNamespace(config=Config(), grant_credits=lambda: None, session_ended=lambda *a: None,
+                                   token=None)
     hello = _wire.Hello(7, 11, "0", "tcp", False, False, "h", 1)
     session = LearnerSession(server, 1, _Control(), hello, 7, "tcp", "test", b"t" * 32)
     session.schema_id, session.ring, session.credit = 1, ring, credit

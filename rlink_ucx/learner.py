@@ -214,7 +214,7 @@ class Learner:
     def _record_fetch(self, pieces: list[Any], started: float) -> None:
         """A batch of ring ``pieces`` was handed out by a fetch begun at ``started`` (monotonic)."""
         if self._timings is not None:
-            self._timings.record_fetch(pieces, started, time.monotonic())
+            self._timings.record_fetch(pieces, started, time.monotonic(), time.time())
 
     def _request_pinned(self) -> None:
         self._server.pin_memory = True

@@ -398,7 +398,7 @@ def hostile_records(rng: random.Random) -> bytes:
         if kind == shm.WRITTEN:
             out += shm.COUNTER.pack(rng.choice([0, 1, 2**63, 2**64 - 1]))
         elif kind != b"Z":
-            out += FRAME_HEADER.pack(b"RLNK", PV, 0, 1, 1, 7, 0, 0, 0, 16) if rng.random() < 0.5 else _bytes(
+            out += FRAME_HEADER.pack(b"RLNK", PV, 0, 1, 1, 7, 0, 0, 0, 16, 0) if rng.random() < 0.5 else _bytes(
                 rng, FRAME_HEADER_BYTES)  # fmt: skip
             if kind != shm.RING_FRAME:
                 n = rng.choice([0, 1, 2, shm.MAX_EXTENTS, shm.MAX_EXTENTS + 1, 2**32, 2**64 - 1])
@@ -411,7 +411,7 @@ def hostile_header(rng: random.Random) -> bytes:
     if rng.random() < 0.2:
         return _bytes(rng, rng.choice([0, 1, FRAME_HEADER_BYTES - 1, FRAME_HEADER_BYTES, FRAME_HEADER_BYTES + 1]))
     n = rng.choice([0, 1, 2, 50, 51, 2**31, 2**32 - 1])
-    fields = [b"RLNK", PV, 0, 1, n, 7, 11, 0, 0, n * 17]
+    fields = [b"RLNK", PV, 0, 1, n, 7, 11, 0, 0, n * 17, 0]
     for i in rng.sample(range(1, len(fields)), rng.randrange(0, 3)):
         fields[i] = rng.choice([0, 1, 2**16 - 1]) if i <= 2 else rng.choice([0, 2**32 - 1] if i <= 4 else EDGE_INTS[:17])
     try:

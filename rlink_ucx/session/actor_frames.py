@@ -34,6 +34,7 @@ class FrameBuffer:
         self.version = 0
         self.sent = 0
         self.started = 0.0
+        self.put_time_us = 0  # wall clock of the first put, for the learner's put->fetch latency
         self.pooled = True  # goes back to the connection's pool once sent (and acknowledged)
 
     def compact(self, schema: Schema) -> FrameBuffer:
@@ -44,12 +45,14 @@ class FrameBuffer:
         for dst, src in zip(small.flat, self.flat):
             dst[:] = src[: len(dst)]
         small.n, small.seq, small.version, small.started = self.n, self.seq, self.version, self.started
+        small.put_time_us = self.put_time_us
         small.pooled = False
         return small
 
     def reset(self, seq: int, version: int) -> None:
         self.n, self.seq, self.version, self.sent = 0, seq, version, 0
         self.started = time.monotonic()
+        self.put_time_us = time.time_ns() // 1000
 
     def payload(self, start: int, stop: int) -> list[memoryview]:
         return [memoryview(flat)[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
@@ -66,6 +69,7 @@ class BorrowedFrame:
         self.flat = [memoryview(a).cast("B") for a in arrays]
         self._sizes = [len(f) // n for f in self.flat]
         self.n, self.seq, self.version, self.sent = n, seq, version, 0
+        self.put_time_us = time.time_ns() // 1000
         self.done: threading.Event | None = None  # made when handed to the I/O thread
         self.cancelled = False
 

@@ -48,7 +48,7 @@ class Outbox:
         assert self.schema is not None
         step_bytes = self.schema.step_bytes
         header = FrameHeader(self.schema_id, k, self.actor_id or 0, self.incarnation, frame.seq + frame.sent,
-                             frame.version, k * step_bytes).pack()  # fmt: skip
+                             frame.version, k * step_bytes, 0, frame.put_time_us).pack()  # fmt: skip
         sender.send(header, frame.payload(frame.sent, frame.sent + k))
         frame.sent += k
         self.next_send_seq = frame.seq + frame.sent

@@ -91,19 +91,27 @@ class FetchTimings:
 
     def __init__(self) -> None:
         self.latency = Buckets(LATENCY_BOUNDS)  # per step: landed in the ring -> handed out
+        self.put_latency = Buckets(LATENCY_BOUNDS)  # per step: put on the actor -> handed out
         self.fetch = Buckets(LATENCY_BOUNDS)  # per batch: how long fetch() took, waiting included
         self.publish = Buckets(PUBLISH_BOUNDS)  # per publish() call
 
-    def record_fetch(self, pieces: Sequence[Any], started: float, now: float) -> None:
-        """A batch of ``pieces`` (ring pieces with ``count`` and ``ready_at``) was handed out
-        at ``now`` by a fetch that began at ``started`` (``time.monotonic()`` both)."""
+    def record_fetch(self, pieces: Sequence[Any], started: float, now: float, wall_now: float) -> None:
+        """A batch of ``pieces`` (ring pieces with ``count``, ``ready_at`` and ``put_at``) was
+        handed out at ``now`` by a fetch that began at ``started`` (``time.monotonic()`` both);
+        ``wall_now`` is ``time.time()`` then. Put times come from the actors' clocks: across
+        hosts the put->fetch figure is only as good as their clock sync (a put time ahead of
+        ours counts as 0)."""
         n = len(pieces)
         if n > _VECTOR_FROM:  # a batch of many small frames: one numpy pass
             ready = np.fromiter((p.ready_at for p in pieces), dtype=np.float64, count=n)
+            put = np.fromiter((p.put_at for p in pieces), dtype=np.float64, count=n)
             counts = np.fromiter((p.count for p in pieces), dtype=np.float64, count=n)
             self.latency.observe_many(np.maximum(now - ready, 0.0), counts)
+            known = put > 0
+            self.put_latency.observe_many(np.maximum(wall_now - put[known], 0.0), counts[known])
         else:  # a few pieces (the frames of a batch): a fraction of a microsecond each
             self.latency.observe_pairs((max(now - p.ready_at, 0.0), p.count) for p in pieces)
+            self.put_latency.observe_pairs((max(wall_now - p.put_at, 0.0), p.count) for p in pieces if p.put_at > 0)
         self.fetch.observe(now - started)
 
 

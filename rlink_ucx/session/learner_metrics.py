@@ -60,6 +60,7 @@ def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
     }  # fmt: skip
     if timings is not None:
         out["latency"] = timings.latency.read()
+        out["put_latency"] = timings.put_latency.read()
         out["fetch"] = timings.fetch.read()
         out["publish"] = timings.publish.read()
     return out
@@ -104,8 +105,11 @@ _GAUGES = (
     ("rlink_policy_version", "The newest published policy version.", "version"),
     ("rlink_weights_last_fanout_seconds", "How long the last weight fan-out took.", "weights.last_fanout_seconds"),
 )
-_BOUNDS = {"latency": LATENCY_BOUNDS, "fetch": LATENCY_BOUNDS, "publish": PUBLISH_BOUNDS, "staleness": STALENESS_BOUNDS}
+_BOUNDS = {"latency": LATENCY_BOUNDS, "put_latency": LATENCY_BOUNDS, "fetch": LATENCY_BOUNDS, "publish": PUBLISH_BOUNDS,
+           "staleness": STALENESS_BOUNDS}  # fmt: skip
 _HISTOGRAMS = (  # (name, help, key in sample() and _BOUNDS)
+    ("rlink_put_to_fetch_seconds", ("Per step: time from the actor's put (its frame's first step; the actor's "
+                                    "wall clock) to being handed out by RLinkDataset.fetch."), "put_latency"),
     ("rlink_receive_to_fetch_seconds", ("Per step: time from landing in the learner's ring to being handed out "
                                         "by RLinkDataset.fetch."), "latency"),
     ("rlink_fetch_seconds", "Per batch: how long RLinkDataset.fetch took, waiting for steps included.", "fetch"),

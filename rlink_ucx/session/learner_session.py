@@ -223,7 +223,7 @@ class LearnerSession:
             return self._scratch(h.payload_bytes, h.n_steps, ring)
         if h.seq != self.next_seq:
             raise ProtocolError(f"frame seq {h.seq}, expected {self.next_seq}")
-        seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version)
+        seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version, h.put_time_us * 1e-6)
         self.credit -= h.n_steps
         self.stats.credit_exhausted += not self.credit
         self._frame = (h, seg)

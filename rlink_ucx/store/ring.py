@@ -56,6 +56,7 @@ class Segment:
     taken_by: int = 0  # the take() that consumed its last step
     released: bool = False  # that take's copy is finished: the space may be reused
     ready_at: float = 0.0  # time.monotonic() when it became READY (for the latency metric)
+    put_at: float = 0.0  # the actor's wall clock when its first step was put (seconds; 0: unknown)
 
 
 @dataclass(slots=True)
@@ -68,6 +69,7 @@ class Piece:
     seq: int
     version: int
     ready_at: float = 0.0  # when its frame landed (time.monotonic())
+    put_at: float = 0.0  # when its frame's first step was put (the actor's time.time())
 
 
 @dataclass
@@ -165,7 +167,7 @@ class StepRing:
         return self._used * self.step_bytes
 
     # --- producer side (I/O thread) --------------------------------------------------------
-    def reserve(self, n: int, actor_id: int, seq: int, version: int) -> Segment:
+    def reserve(self, n: int, actor_id: int, seq: int, version: int, put_at: float = 0.0) -> Segment:
         """Claim room for a frame of ``n`` steps; the caller must hold ``n`` credit."""
         if not 0 < n <= self.max_frame_steps:
             raise ProtocolError(f"frame of {n} steps; the limit is {self.max_frame_steps}")
@@ -176,7 +178,7 @@ class StepRing:
                 raise ProtocolError("frame exceeds the credit granted to this actor")
             if not self._segments:
                 self._head = 0  # an empty ring starts over at a chunk boundary
-            seg = Segment(self._head, n, actor_id, seq, version)
+            seg = Segment(self._head, n, actor_id, seq, version, put_at=put_at)
             self._segments.append(seg)
             self._head = (self._head + n) % self.capacity
             self._used += n
@@ -345,7 +347,7 @@ class StepRing:
                     seq = seg.seq + seg.consumed
                     for chunk, offset, n in self._split(seg.start + seg.consumed, k):
                         pieces.append(Piece(chunk * self.chunk_steps + offset, n, seg.actor_id, seq, seg.version,
-                                            seg.ready_at))
+                                            seg.ready_at, seg.put_at))
                         seq += n
                     seg.consumed += k
                     need -= k

@@ -1,4 +1,4 @@
-"""The data frame header: a fixed 56-byte binary header in front of every frame's payload.
+"""The data frame header: a fixed 64-byte binary header in front of every frame's payload.
 
 The payload that follows is each schema field's bytes for ``n_steps`` steps, one field after
 another. The header is validated (magic, protocol version, size) before anything is allocated.
@@ -13,8 +13,8 @@ from ..errors import ProtocolError
 from .messages import PROTOCOL_VERSION
 
 FRAME_MAGIC = b"RLNK"
-FRAME_HEADER = struct.Struct("<4sHHIIQQQqQ")
-FRAME_HEADER_BYTES = FRAME_HEADER.size  # 56
+FRAME_HEADER = struct.Struct("<4sHHIIQQQqQQ")
+FRAME_HEADER_BYTES = FRAME_HEADER.size  # 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,20 +27,21 @@ class FrameHeader:
     version: int  # behaviour-policy version of every step in the frame
     payload_bytes: int
     flags: int = 0
+    put_time_us: int = 0  # when the frame's first step was put: wall clock, microseconds since the epoch
 
     def pack(self) -> bytes:
         return FRAME_HEADER.pack(
             FRAME_MAGIC, PROTOCOL_VERSION, self.flags, self.schema_id, self.n_steps,
-            self.actor_id, self.incarnation, self.seq, self.version, self.payload_bytes,
+            self.actor_id, self.incarnation, self.seq, self.version, self.payload_bytes, self.put_time_us,
         )  # fmt: skip
 
     @classmethod
     def unpack(cls, raw: bytes | bytearray | memoryview) -> FrameHeader:
         if len(raw) != FRAME_HEADER_BYTES:
             raise ProtocolError(f"frame header is {len(raw)} bytes, expected {FRAME_HEADER_BYTES}")
-        magic, proto, flags, schema_id, n_steps, actor_id, incarnation, seq, version, payload = FRAME_HEADER.unpack(raw)
+        magic, proto, flags, schema_id, n_steps, actor_id, incarnation, seq, version, payload, put = FRAME_HEADER.unpack(raw)
         if magic != FRAME_MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r}")
         if proto != PROTOCOL_VERSION:
             raise ProtocolError(f"frame protocol version {proto} is not {PROTOCOL_VERSION}")
-        return cls(schema_id, n_steps, actor_id, incarnation, seq, version, payload, flags)
+        return cls(schema_id, n_steps, actor_id, incarnation, seq, version, payload, flags, put)

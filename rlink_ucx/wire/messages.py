@@ -11,8 +11,9 @@ import msgspec
 from ..errors import ProtocolError
 from .manifest import Manifest
 
-PROTOCOL_VERSION = 4  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma);
-# 4: keyed weights (KeyedPull, Seal, AttachProof, the rendezvous relayed over the control channel)
+PROTOCOL_VERSION = 5  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma);
+# 4: keyed weights (KeyedPull, Seal, AttachProof, the rendezvous relayed over the control channel);
+# 5: data connections proven with the session key; the frame header carries the put time (64 bytes)
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):

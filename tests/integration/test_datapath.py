@@ -13,6 +13,8 @@ import pytest
 
 import rlink_ucx
 from rlink_ucx import Actor, AuthError, Learner, RLinkDataset, SchemaMismatch
+from rlink_ucx.wire.frame import FRAME_HEADER
+from rlink_ucx.wire.messages import PROTOCOL_VERSION
 from tests.conftest import TRANSPORTS, shm_possible
 from tests.integration.procs import (
     encoded_steps,
@@ -333,9 +335,9 @@ def test_a_kept_batch_is_never_overwritten_by_later_fetches():
 @pytest.mark.parametrize(
     "garbage",
     [
-        b"\x00" * 56,  # bad magic
-        struct.pack("<4sHHIIQQQqQ", b"RLNK", 1, 0, 99, 1, 1, 0, 0, 0, 8),  # unknown schema id
-        struct.pack("<4sHHIIQQQqQ", b"RLNK", 1, 0, 1, 1, 1, 0, 10, 0, 2**40),  # oversized claim
+        b"\x00" * 64,  # bad magic
+        FRAME_HEADER.pack(b"RLNK", PROTOCOL_VERSION, 0, 99, 1, 1, 0, 0, 0, 8, 0),  # unknown schema id
+        FRAME_HEADER.pack(b"RLNK", PROTOCOL_VERSION, 0, 1, 1, 1, 0, 10, 0, 2**40, 0),  # oversized claim
     ],
     ids=["bad-magic", "unknown-schema", "oversized"],
 )

@@ -123,6 +123,10 @@ def test_scraped_values_match_what_the_actors_put_and_the_dataset_fetched():
             assert value(m, "rlink_receive_to_fetch_seconds_count") == fetched
             assert value(m, "rlink_receive_to_fetch_seconds_bucket", le="+Inf") == fetched
             assert 0 < value(m, "rlink_receive_to_fetch_seconds_sum") < 60 * fetched
+            # put -> fetch holds receive -> fetch and the wire before it (one host: one clock)
+            assert value(m, "rlink_put_to_fetch_seconds_count") == fetched
+            received = value(m, "rlink_receive_to_fetch_seconds_sum")
+            assert received <= value(m, "rlink_put_to_fetch_seconds_sum") + 1e-3 * fetched < 60 * fetched
             assert value(m, "rlink_fetch_seconds_count") == n_actors * n_steps // batch_size
             assert value(m, "rlink_fetched_staleness_bucket", le="0.0") == fetched  # all fetched before the publish
             assert value(m, "rlink_lost_steps_total") == value(m, "rlink_torn_frames_total") == 0

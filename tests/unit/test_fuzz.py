@@ -62,7 +62,7 @@ def test_random_bytes_as_a_frame_header(raw):
 )
 def test_structured_frame_headers_near_every_limit(magic, proto, schema_id, n_steps, actor, incarnation, seq,
                                                    version, payload):  # fmt: skip
-    check_begin(FRAME_HEADER.pack(magic, proto, 0, schema_id, n_steps, actor, incarnation, seq, version, payload))
+    check_begin(FRAME_HEADER.pack(magic, proto, 0, schema_id, n_steps, actor, incarnation, seq, version, payload, 0))
 
 
 @pytest.mark.timeout(120)

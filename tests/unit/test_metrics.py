@@ -49,25 +49,34 @@ def test_buckets_match_a_per_value_reference():
 
 def test_fetch_timings_count_every_step_of_a_batch():
     t = FetchTimings()
-    pieces = [SimpleNamespace(count=30, ready_at=10.0), SimpleNamespace(count=70, ready_at=10.5)]
-    t.record_fetch(pieces, started=10.9, now=11.0)
+    pieces = [SimpleNamespace(count=30, ready_at=10.0, put_at=99.0), SimpleNamespace(count=70, ready_at=10.5, put_at=0.0),
+              SimpleNamespace(count=5, ready_at=10.9, put_at=100.5)]  # fmt: skip
+    t.record_fetch(pieces, started=10.9, now=11.0, wall_now=100.0)
     cum, total = t.latency.read()
-    assert cum[-1] == 100 and total == pytest.approx(30 * 1.0 + 70 * 0.5)
-    assert cum[LATENCY_BOUNDS.index(0.5)] == 70  # the 70 steps waited exactly 0.5 s
+    assert cum[-1] == 105 and total == pytest.approx(30 * 1.0 + 70 * 0.5 + 5 * 0.1)
+    assert cum[LATENCY_BOUNDS.index(0.5)] == 75  # the 70 steps waited exactly 0.5 s
+    put_cum, put_total = t.put_latency.read()
+    # No put time (0) is left out; a put time ahead of the learner's clock counts as 0.
+    assert put_cum[-1] == 35 and put_total == pytest.approx(30 * 1.0)
+    assert put_cum[0] == 5 and put_cum[LATENCY_BOUNDS.index(1.0)] == 35
     assert t.fetch.read()[0][-1] == 1 and t.fetch.read()[1] == pytest.approx(0.1)
 
 
 def test_fetch_timings_of_many_pieces_match_those_of_a_few():
     rng = np.random.default_rng(2)
-    pieces = [SimpleNamespace(count=int(c), ready_at=float(r))
-              for c, r in zip(rng.integers(1, 9, 200), 5.0 - rng.exponential(0.02, 200))]  # fmt: skip
+    pieces = [SimpleNamespace(count=int(c), ready_at=float(r), put_at=float(p))
+              for c, r, p in zip(rng.integers(1, 9, 200), 5.0 - rng.exponential(0.02, 200),
+                                 rng.choice([0.0, 49.9, 50.2], 200))]  # fmt: skip
     many, few = FetchTimings(), FetchTimings()
-    many.record_fetch(pieces, 4.0, 5.0)  # one numpy pass
+    many.record_fetch(pieces, 4.0, 5.0, 50.0)  # one numpy pass
     for i in range(0, 200, 10):
-        few.record_fetch(pieces[i : i + 10], 4.0, 5.0)  # a loop per piece
+        few.record_fetch(pieces[i : i + 10], 4.0, 5.0, 50.0)  # a loop per piece
     assert many.latency.read()[0] == few.latency.read()[0]
     assert many.latency.read()[0][-1] == sum(p.count for p in pieces)
     assert many.latency.read()[1] == pytest.approx(few.latency.read()[1])
+    assert many.put_latency.read()[0] == few.put_latency.read()[0]
+    assert many.put_latency.read()[0][-1] == sum(p.count for p in pieces if p.put_at > 0)
+    assert many.put_latency.read()[1] == pytest.approx(few.put_latency.read()[1])
 
 
 def test_staleness_counts_become_cumulative_buckets():
@@ -98,7 +107,7 @@ def fake_sample(actors: int) -> dict:
     totals = ActorTotals(max_series=4)
     per, total = totals.read((a, stats(frames=1, steps=10, bytes=80)) for a in range(actors))
     timings = FetchTimings()
-    timings.record_fetch([SimpleNamespace(count=10 * actors, ready_at=1.0)], 1.0, 1.002)
+    timings.record_fetch([SimpleNamespace(count=10 * actors, ready_at=1.0, put_at=99.98)], 1.0, 1.002, 100.0)
     return {
         "connected_actors": actors, "handshakes_in_flight": 0, "shed_handshakes": 3, "shed_handshakes_per_peer": 2,
         "preauth_timeouts": 1, "auth_failures": 2,
@@ -108,7 +117,7 @@ def fake_sample(actors: int) -> dict:
         "weights": {"published": 7, "fanouts": 7, "fanout_failures": 0, "pulls_served": 1, "pull_bytes": 10,
                     "last_fanout_seconds": 0.01},
         "staleness": cumulative((0, 1, 2, 3, 4, 8, 16, 32, 64, 128), {0: 10 * actors}),
-        "latency": timings.latency.read(), "fetch": timings.fetch.read(), "publish": timings.publish.read(),
+        "latency": timings.latency.read(), "put_latency": timings.put_latency.read(), "fetch": timings.fetch.read(), "publish": timings.publish.read(),
     }  # fmt: skip
 
 
@@ -139,6 +148,9 @@ def test_families_expose_bounded_actor_series_and_the_values_given():
     assert samples[("rlink_receive_to_fetch_seconds_count", ())] == 200
     assert samples[("rlink_receive_to_fetch_seconds_bucket", (("le", "0.001"),))] == 0
     assert samples[("rlink_receive_to_fetch_seconds_bucket", (("le", "0.0025"),))] == 200
+    assert samples[("rlink_put_to_fetch_seconds_count", ())] == 200
+    assert samples[("rlink_put_to_fetch_seconds_bucket", (("le", "0.01"),))] == 0  # 20 ms from put
+    assert samples[("rlink_put_to_fetch_seconds_bucket", (("le", "0.025"),))] == 200
     assert samples[("rlink_fetched_staleness_bucket", (("le", "0.0"),))] == 200
     assert samples[("rlink_publish_seconds_count", ())] == 0
     assert all(name.startswith("rlink_") for name, _ in samples)

@@ -54,9 +54,9 @@ def test_valid_header_reserves_exactly_the_payload():
 @pytest.mark.parametrize(
     "raw, match",
     [
-        (b"\x00" * 10, "expected 56"),
-        (FRAME_HEADER.pack(b"XXXX", 1, 0, 1, 2, 7, 11, 0, 0, 34), "magic"),
-        (FRAME_HEADER.pack(b"RLNK", 99, 0, 1, 2, 7, 11, 0, 0, 34), "protocol version"),
+        (b"\x00" * 10, "expected 64"),
+        (FRAME_HEADER.pack(b"XXXX", 1, 0, 1, 2, 7, 11, 0, 0, 34, 0), "magic"),
+        (FRAME_HEADER.pack(b"RLNK", 99, 0, 1, 2, 7, 11, 0, 0, 34, 0), "protocol version"),
         (header(schema_id=5), "schema id"),
         (header(actor_id=8), "claims actor"),
         (header(incarnation=12), "claims actor"),

@@ -1,6 +1,7 @@
 """Actor: steps CartPole with the learner's newest policy and streams trajectories to it.
 
     python examples/actor.py --address 127.0.0.1:8443        # start as many as you like
+    python examples/actor.py --address learner-host:8443 --token-file ~/.rlink.token   # across hosts
 
 It may start before the learner (it waits for it) and exits on its own, with one line saying
 why, once the learner finishes.
@@ -14,12 +15,13 @@ import numpy as np
 import torch
 
 from rlink_ucx import Actor, Closed, RLinkError
+from rlink_ucx.config import read_token_file
 from rlink_ucx.demo.actor import make_envs
 from rlink_ucx.demo.policy import ActorCritic
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--address", default="127.0.0.1:8443", help="the learner's host:port")
-parser.add_argument("--token", default=None, help="shared secret (or set RLINK_TOKEN)")
+parser.add_argument("--token-file", default=None, help="file holding the shared secret, mode 0600 (or set RLINK_TOKEN_FILE)")
 parser.add_argument("--envs", type=int, default=4, help="environments stepped together")
 parser.add_argument("--seed", type=int, default=0)
 args = parser.parse_args()
@@ -38,7 +40,8 @@ def run() -> None:
             "logp": np.zeros((n, T), np.float32), "reward": np.zeros((n, T), np.float32),
             "done": np.zeros((n, T), bool), "ep_return": np.zeros((n, T), np.float32)}  # fmt: skip
     running = np.zeros(n)
-    with Actor(args.address, token=args.token, subscribe=True) as actor:
+    token = read_token_file(args.token_file) if args.token_file else None  # never on argv: `ps` shows it
+    with Actor(args.address, token=token, subscribe=True) as actor:
         print(f"actor {actor.actor_id} connected over {actor.transport} ({actor.transport_reason})")
         actor.load_remote_model(model, timeout=120)  # waits for the learner's first publish
         while True:

@@ -1,7 +1,8 @@
 """Learner: trains PPO on trajectories streamed by actor.py processes, publishes the policy.
 
-    python examples/learner.py --address 127.0.0.1:8443            # then start actors
-    RLINK_TOKEN=secret python examples/learner.py --address 0.0.0.0:8443   # across hosts
+    python examples/learner.py --address 127.0.0.1:8443   # then start actors (same user: no token to type)
+    rlink token --file ~/.rlink.token                      # across hosts: copy the file to each host
+    python examples/learner.py --address 0.0.0.0:8443 --token-file ~/.rlink.token
 """
 
 import argparse
@@ -10,12 +11,13 @@ import collections
 import numpy as np
 
 from rlink_ucx import Config, Learner, RLinkDataset
+from rlink_ucx.config import read_token_file
 from rlink_ucx.demo.policy import ActorCritic
 from rlink_ucx.demo.ppo import PPO, PPOConfig
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--address", default="127.0.0.1:8443")
-parser.add_argument("--token", default=None, help="shared secret (or set RLINK_TOKEN)")
+parser.add_argument("--token-file", default=None, help="file holding the shared secret, mode 0600 (or set RLINK_TOKEN_FILE)")
 parser.add_argument("--device", default="cpu")
 parser.add_argument("--batch", type=int, default=16, help="trajectories per update")
 parser.add_argument("--target-return", type=float, default=475.0)
@@ -25,7 +27,8 @@ args = parser.parse_args()
 model = ActorCritic(4, ("discrete", 2)).to(args.device)
 ppo = PPO(model, PPOConfig())
 config = Config(buffer_bytes=64 << 10, actor_window_bytes=16 << 10, frame_bytes=8 << 10)
-with Learner(args.address, token=args.token, config=config) as learner:
+token = read_token_file(args.token_file) if args.token_file else None  # never on argv: `ps` shows it
+with Learner(args.address, token=token, config=config) as learner:
     learner.publish(model)  # version 1: actors wait for it before they start
     print(f"learner on {learner.address}; start actors with: python examples/actor.py --address {learner.address}")
     dataset = RLinkDataset(learner, batch_size=args.batch, device=args.device)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import socket
+import stat
 import subprocess
 import sys
 import time
@@ -101,10 +102,22 @@ def test_iterating_a_dataset_ends_once_every_actor_has_closed(drop_last):
 
 
 @pytest.mark.timeout(240)
-def test_the_quickstart_scripts_run_to_the_end_and_exit_cleanly(tmp_path):
+@pytest.mark.parametrize("token", ["generated", "token-file"])
+def test_the_quickstart_scripts_run_to_the_end_and_exit_cleanly(tmp_path, token):
+    """As the quickstart shows them: on one host with no token typed (the learner writes one
+    the actors find), and with a token file made by `rlink token`, as across hosts."""
     address = f"127.0.0.1:{free_port()}"
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.pop("RLINK_TOKEN", None)
+    env.pop("RLINK_TOKEN_FILE", None)
+    secret: list[str] = []
+    if token == "token-file":
+        path = tmp_path / "rlink.token"
+        subprocess.run([sys.executable, "-m", "rlink_ucx", "token", "--file", str(path)], check=True, cwd=ROOT,
+                       env=env, capture_output=True, timeout=60)  # fmt: skip
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        secret = ["--token-file", str(path)]
+        env["RLINK_TOKEN_DIR"] = str(tmp_path / "no-generated-tokens")  # the file is the only way in
 
     def start(*args: str, log: str) -> tuple[subprocess.Popen, Path]:
         path = tmp_path / log
@@ -112,9 +125,10 @@ def test_the_quickstart_scripts_run_to_the_end_and_exit_cleanly(tmp_path):
         return subprocess.Popen([sys.executable, *args], cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT), path
 
     # Actors first, as pods may start in any order; the learner stops early at a low target.
-    actors = [start("examples/actor.py", "--address", address, "--seed", str(i), log=f"actor{i}.log") for i in (1, 2)]
+    actors = [start("examples/actor.py", "--address", address, "--seed", str(i), *secret, log=f"actor{i}.log")
+              for i in (1, 2)]  # fmt: skip
     time.sleep(1.0)
-    learner = start("examples/learner.py", "--address", address, "--target-return", "40", log="learner.log")
+    learner = start("examples/learner.py", "--address", address, "--target-return", "40", *secret, log="learner.log")
     procs = [learner, *actors]
     try:
         codes = [p.wait(timeout=200) for p, _ in procs]

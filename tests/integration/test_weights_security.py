@@ -308,6 +308,15 @@ def follower(address: str, results: Any, leave: Any) -> None:
         results.put(actor.stats()["weights"])
 
 
+def stalling_follower(address: str, results: Any, leave: Any) -> None:
+    """A follower whose rendezvous writes never leave: killed while the group forms, it has
+    certainly not set its key (a plain follower's could be in flight when it dies)."""
+    from rlink_ucx.weights import rendezvous
+
+    rendezvous.RemoteStore.set = lambda self, key, value: time.sleep(60)  # type: ignore[method-assign]
+    follower(address, results, leave)
+
+
 @pytest.mark.timeout(120)
 def test_a_member_dying_in_the_rendezvous_does_not_hold_up_the_fan_out(monkeypatch):
     """The store is the learner's: once a member's session ends before it set its rendezvous
@@ -318,9 +327,10 @@ def test_a_member_dying_in_the_rendezvous_does_not_hold_up_the_fan_out(monkeypat
 
     with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=Config(weights_timeout=20)) as learner:
         results, leave = SPAWN.Queue(), SPAWN.Event()
-        procs = [start(follower, learner.address, results, leave) for _ in range(3)]
+        procs = [start(follower, learner.address, results, leave) for _ in range(2)]
+        victim = start(stalling_follower, learner.address, results, leave)
+        procs.append(victim)
         wait_subscribed(learner, 3)
-        ranks = {r: s.hello.pid for r, s in enumerate(learner._server.sessions.values(), 1)}  # the group's order
         killed: list[float] = []
         original = rendezvous.KeyValue.set
 
@@ -328,9 +338,8 @@ def test_a_member_dying_in_the_rendezvous_does_not_hold_up_the_fan_out(monkeypat
             original(self, key, value)
             if killed or "//0/" not in key or key.endswith("/0/0"):
                 return
-            # The first actor's address is in: kill a member whose address is not, yet.
-            victim = next(r for r in ranks if self.get(key.rsplit("/", 1)[0] + f"/{r}") is None)
-            os.kill(ranks[victim], signal.SIGKILL)
+            # The first actor's address is in: kill the member that will never set its own.
+            os.kill(victim.pid, signal.SIGKILL)
             killed.append(time.monotonic())
 
         monkeypatch.setattr(rendezvous.KeyValue, "set", set_then_kill)

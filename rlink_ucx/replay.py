@@ -19,6 +19,7 @@ from .store.replay_core import ReplayCore, stored_schema
 __all__ = ["CheckpointError", "ReplayDataset"]
 
 _SAMPLERS = ("uniform", "prioritized", "fifo")
+_STORAGES = ("host", "device")
 
 
 class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
@@ -50,8 +51,13 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         spi_tolerance: e, in samples (default ``batch_size + samples_per_insert``, the least
             that can never block both sides at once).
         min_size: no sample before this many steps are held.
-        device: ``"cpu"`` or ``"cuda:N"`` (batches are copied there asynchronously from pinned
-            host staging).
+        device: ``"cpu"`` or ``"cuda:N"``: where batches are returned (copied there
+            asynchronously from pinned host staging, unless ``storage="device"``).
+        storage: ``"host"`` (default): the table's fields live in host memory (pinned where CUDA
+            exists) and a sample is gathered there. ``"device"``: they live on ``device`` as
+            torch tensors and a sample is a gather on the device, with no host round trip of
+            the step bytes (the table must fit in the device's memory; the ids, weights and
+            metadata stay in host memory). With ``device="cpu"`` it works too, as CPU tensors.
         timeout: default seconds :meth:`sample` waits (``Config.fetch_timeout`` if None).
         seed: seeds the sampler's random generator (for reproducible tests).
 
@@ -71,9 +77,13 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                  sequence_length: int | None = None, priority_exponent: float = 0.6,
                  importance_exponent: float = 0.4, samples_per_insert: float | None = None,
                  spi_tolerance: float | None = None, min_size: int = 1, device: str | torch.device = "cpu",
-                 timeout: float | None = None, seed: int | None = None, _checkpoint: str | None = None):  # fmt: skip
+                 timeout: float | None = None, seed: int | None = None, storage: str = "host",
+                 _checkpoint: str | None = None):  # fmt: skip
         _check(capacity, batch_size, sampler, sequence_length, priority_exponent, importance_exponent, min_size)
+        if storage not in _STORAGES:
+            raise ConfigError(f"storage must be one of {_STORAGES}, got {storage!r}")
         self.device = torch.device(device)
+        self.storage = storage
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device} requested but CUDA is not available")
         limiter = RateLimiter.create(min_size, samples_per_insert, spi_tolerance, batch_size)
@@ -87,7 +97,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         self._core = ReplayCore(capacity=capacity, batch_size=batch_size, sampler=sampler,
                                 sequence_length=sequence_length, alpha=priority_exponent, beta=importance_exponent,
                                 limiter=limiter, device=self.device, version=lambda: learner.version,
-                                seed=seed)  # fmt: skip
+                                seed=seed, storage=storage)  # fmt: skip
         if _checkpoint is not None:
             restore(self._core, _checkpoint, read_manifest(_checkpoint))
             ring = learner._wait_ring(0.0)  # the learner already knows its actors' schema: check it now
@@ -163,9 +173,10 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], learner: Learner, *, device: str | torch.device = "cpu",
-             timeout: float | None = None, seed: int | None = None) -> ReplayDataset:  # fmt: skip
+             timeout: float | None = None, seed: int | None = None, storage: str = "host") -> ReplayDataset:  # fmt: skip
         """A replay restored from ``path`` (settings, steps, priorities, counters, rate limiter)
-        that goes on receiving from ``learner``'s actors.
+        that goes on receiving from ``learner``'s actors. ``device`` and ``storage`` are chosen
+        here, whatever they were when it was saved.
 
         Raises:
             CheckpointError: missing, truncated or corrupted files, or another format.
@@ -173,7 +184,8 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         """
         settings = read_manifest(path)["settings"]
         try:
-            return cls(learner, **settings, device=device, timeout=timeout, seed=seed, _checkpoint=os.fspath(path))
+            return cls(learner, **settings, device=device, timeout=timeout, seed=seed, storage=storage,
+                       _checkpoint=os.fspath(path))  # fmt: skip
         except TypeError as exc:
             raise CheckpointError(f"{path}: bad settings in the manifest: {exc}") from exc
 
@@ -191,7 +203,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
     def __repr__(self) -> str:
         s = self._settings
         return (f"ReplayDataset(capacity={s['capacity']}, batch_size={s['batch_size']}, sampler={s['sampler']!r}, "
-                f"held={len(self)}, inserted={self.inserted})")  # fmt: skip
+                f"storage={self.storage!r}, device={str(self.device)!r}, held={len(self)}, inserted={self.inserted})")  # fmt: skip
 
 
 def _check(capacity: int, batch_size: int, sampler: str, sequence_length: int | None, alpha: float, beta: float,

@@ -24,6 +24,7 @@ min/max. A system whose package is missing gets a row with ``"skipped"``. See do
 
 Usage: rlink bench [--quick] [--systems ...] [--workloads ...] [--rounds N] [--json out.json] [--plot out.png]
        rlink bench --suite scale [...]   (many actors into one learner: rlink_ucx/bench/scale.py)
+       rlink bench --suite replay [...]  (replay sampling, inserts, checkpoints: rlink_ucx/bench/replay.py)
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from .report import loadavg, machine, plot, print_table, print_targets, targets
 from .systems import FANOUT, SETTINGS, SYSTEMS, plan, run_fanout, run_one
 from .workloads import WORKLOADS
 
-SUITES = ["default", "scale"]  # --suite scale: rlink_ucx/bench/scale.py
+SUITES = ["default", "scale", "replay"]  # --suite scale: rlink_ucx/bench/scale.py; replay: replay.py
 
 
 def _names(value: str, known: list[str], what: str) -> list[str]:
@@ -61,10 +62,15 @@ def main(argv: list[str] | None = None) -> int:
         from .scale import main as scale_main
 
         return scale_main(rest)
+    if chosen.suite == "replay":
+        from .replay import main as replay_main
+
+        return replay_main(rest)
     parser = argparse.ArgumentParser(prog="rlink bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--suite", choices=SUITES, default="default",
-                        help="default: this suite; scale: many actors into one learner (rlink bench --suite scale --help)")  # fmt: skip
+                        help="default: this suite; scale: many actors into one learner (rlink bench --suite scale --help); "
+                        "replay: the replay table (rlink bench --suite replay --help)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a few rows per system, 1 short rep (< 60 s)")
     parser.add_argument("--systems", default=",".join([*SYSTEMS, FANOUT]), help="comma list (default: all)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list (default: all)")

@@ -2,9 +2,15 @@
 
 ``save`` pauses inserts (the actors wait on credit meanwhile; sampling goes on), copies the
 small state (counters, metadata, priorities) under the lock, then streams each field's rows
-straight from the table to its file in chunks, oldest step first, hashing each chunk with
-XXH3-128 (~13 GB/s on one core, so hashing costs a few percent of a disk's time). Files go to a temporary directory that is
-renamed to ``path`` at the end, so a crash leaves either the old checkpoint or the new one.
+straight from the table to its file in 8 MiB chunks, oldest step first, hashing each chunk
+with XXH3-128 just before writing it (the chunk is then still in the CPU's cache when
+``write`` copies it). Right after each write it asks the kernel to start writing that range
+back (``posix_fadvise(DONTNEED)`` does this for dirty pages), so the disk works while the next
+chunks are copied instead of all at the final ``fsync``, and a few chunks later the same call
+drops the range's then clean pages: a save does not fill the page cache with the table.
+Files go to a temporary directory that is renamed to ``path`` at the end (then the parent
+directory is fsynced), so a crash leaves either the old checkpoint or the new one; the old one
+is removed by a background thread, which the next save and the interpreter's exit wait for.
 ``load`` refuses a manifest of another format, a file whose size, header or checksum differs
 (a truncated or corrupted checkpoint) with :class:`CheckpointError`, and a table of another
 schema than the learner's with ``SchemaMismatch``.
@@ -12,11 +18,14 @@ schema than the learner's with ``SchemaMismatch``.
 
 from __future__ import annotations
 
+import collections
 import io
 import json
 import os
 import shutil
+import threading
 import uuid
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,12 +36,15 @@ from ..errors import ConfigError
 from ..wire.codec import DTYPES, Schema
 from .replay_core import ReplayCore
 
-__all__ = ["CheckpointError", "read_manifest", "restore", "save"]
+__all__ = ["CheckpointError", "read_manifest", "restore", "save", "wait_removals"]
 
 FORMAT = "rlink-replay"
 FORMAT_VERSION = 1
-_CHUNK = 64 << 20  # bytes per write / read / hash call
+_CHUNK = 8 << 20  # bytes per hash + write: a chunk stays in the CPU's cache between the two
+_READ_CHUNK = 8 << 20  # bytes per read + hash
+_BEHIND = 4  # written chunks kept in the page cache before their (by then clean) pages are dropped
 CHECKSUM = "xxh3_128"  # of each whole file, as `xxh128sum` prints it
+_removals: list[threading.Thread] = []  # replaced checkpoints being removed
 
 
 class CheckpointError(ConfigError):
@@ -43,6 +55,7 @@ def save(core: ReplayCore, path: str | os.PathLike[str], settings: dict[str, Any
     """Write a consistent snapshot of ``core`` to the directory ``path``; returns the manifest."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
+    wait_removals()  # at most the old checkpoint and the new one on disk at a time
     core.pause()
     try:
         with core.cond:
@@ -62,14 +75,17 @@ def save(core: ReplayCore, path: str | os.PathLike[str], settings: dict[str, Any
             }  # fmt: skip
         tmp.mkdir(parents=True)
         files = manifest["files"]
-        for i, (spec, rows) in enumerate(zip(table.schema.fields, table.rows)):
+        for i, spec in enumerate(table.schema.fields):
             dtype, shape = DTYPES[spec.dtype], (held, *spec.shape)
-            views = [rows[s : s + k].reshape(-1) for s, k in runs]  # never a copy of the table
-            files[f"field_{i}.npy"] = _write(tmp / f"field_{i}.npy", dtype, shape, views)
-        files["meta.npy"] = _write(tmp / "meta.npy", meta.dtype, meta.shape, [meta.view(np.uint8).reshape(-1)])
+            # views of the table (host storage) or two reused host buffers (a CUDA table): never a copy of it
+            files[f"field_{i}.npy"] = _write(tmp / f"field_{i}.npy", dtype, shape, table.chunks(i, runs, _CHUNK))
+        files["meta.npy"] = _write(tmp / "meta.npy", meta.dtype, meta.shape, _pieces(meta))
         if leaves is not None:
-            files["priority.npy"] = _write(tmp / "priority.npy", leaves.dtype, leaves.shape, [leaves.view(np.uint8)])
-        (tmp / "manifest.json").write_text(json.dumps(manifest, indent=1))
+            files["priority.npy"] = _write(tmp / "priority.npy", leaves.dtype, leaves.shape, _pieces(leaves))
+        with open(tmp / "manifest.json", "w") as f:
+            f.write(json.dumps(manifest, indent=1))
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
         _fsync_dir(tmp)
         _replace(tmp, path)
         return manifest
@@ -80,22 +96,51 @@ def save(core: ReplayCore, path: str | os.PathLike[str], settings: dict[str, Any
         core.resume()
 
 
-def _write(file: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: list[np.ndarray]) -> dict[str, Any]:
+def _write(file: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> dict[str, Any]:
     digest = xxhash.xxh3_128()
     with open(file, "wb", buffering=0) as f:
+        fd = f.fileno()
         head = io.BytesIO()
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}
         np.lib.format.write_array_header_2_0(head, header)
         digest.update(head.getvalue())
-        f.write(head.getvalue())
-        for data in chunks:
-            for lo in range(0, data.size, _CHUNK):
-                part = memoryview(data[lo : lo + _CHUNK])
-                digest.update(part)
-                f.write(part)
-        os.fsync(f.fileno())
+        _write_all(f, memoryview(head.getvalue()))
+        at = f.tell()
+        written: collections.deque[tuple[int, int]] = collections.deque()
+        for chunk in chunks:
+            part = memoryview(chunk).cast("B")
+            digest.update(part)
+            _write_all(f, part)
+            _advise(fd, at, part.nbytes)  # dirty pages: starts their writeback now
+            written.append((at, part.nbytes))
+            at += part.nbytes
+            if len(written) > _BEHIND:
+                _advise(fd, *written.popleft())  # written back by now: drops the clean pages
+        os.fsync(fd)
+        _advise(fd, 0, 0)
         size = f.tell()
     return {"bytes": size, CHECKSUM: digest.hexdigest()}
+
+
+def _write_all(f: Any, view: memoryview) -> None:
+    while view.nbytes:
+        view = view[f.write(view) :]
+
+
+def _advise(fd: int, offset: int, length: int, advice: str = "POSIX_FADV_DONTNEED") -> None:
+    """posix_fadvise; DONTNEED starts the writeback of dirty pages and drops clean ones (Linux)."""
+    if hasattr(os, "posix_fadvise"):
+        try:
+            os.posix_fadvise(fd, offset, length, getattr(os, advice))
+        except OSError:  # a file system that takes no advice: the final fsync does the writing back
+            pass
+
+
+def _pieces(array: np.ndarray) -> Iterator[np.ndarray]:
+    """A contiguous host array's bytes in chunks of at most ``_CHUNK``."""
+    flat = array.reshape(-1).view(np.uint8)
+    for lo in range(0, flat.size, _CHUNK):
+        yield flat[lo : lo + _CHUNK]
 
 
 def _data_bytes(dtype: Any, shape: tuple[int, ...]) -> int:
@@ -117,8 +162,20 @@ def _replace(tmp: Path, path: Path) -> None:
         old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
         path.rename(old)
     tmp.rename(path)
+    _fsync_dir(path.parent)  # the rename itself is durable when save returns
     if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+        # Unlinking gigabytes takes the file system ~0.1 s per GB: not the caller's wait. Not a
+        # daemon thread, so the interpreter finishes it before it exits.
+        thread = threading.Thread(target=shutil.rmtree, args=(old,), kwargs={"ignore_errors": True},
+                                  name="rlink-replay-remove")  # fmt: skip
+        thread.start()
+        _removals.append(thread)
+
+
+def wait_removals() -> None:
+    """Wait until the checkpoints replaced by earlier saves are removed."""
+    while _removals:
+        _removals.pop().join()
 
 
 # --- loading ---------------------------------------------------------------------------------------
@@ -157,15 +214,15 @@ def restore(core: ReplayCore, path: str | os.PathLike[str], manifest: dict[str, 
         if not 0 <= table.held <= table.capacity or table.held > table.inserted:
             raise CheckpointError(f"{path}: counters do not fit a table of capacity {table.capacity}")
         runs = table.id_order_runs()
-        for i, (spec, rows) in enumerate(zip(schema.fields, table.rows)):
-            views = [rows[s : s + k].reshape(-1) for s, k in runs]
-            _read(path, f"field_{i}.npy", manifest, DTYPES[spec.dtype], (table.held, *spec.shape), views)
+        for i, spec in enumerate(schema.fields):
+            sinks = table.sinks(i, runs, _READ_CHUNK)  # the table itself (host) or reused host buffers (CUDA)
+            _read(path, f"field_{i}.npy", manifest, DTYPES[spec.dtype], (table.held, *spec.shape), sinks)
         meta = np.empty((5, table.held), dtype=np.int64)
-        _read(path, "meta.npy", manifest, meta.dtype, meta.shape, [meta.view(np.uint8).reshape(-1)])
+        _read(path, "meta.npy", manifest, meta.dtype, meta.shape, _pieces(meta))
         leaves = None
         if "priority.npy" in manifest["files"]:
             leaves = np.empty(table.held, dtype=np.float64)
-            _read(path, "priority.npy", manifest, leaves.dtype, leaves.shape, [leaves.view(np.uint8)])
+            _read(path, "priority.npy", manifest, leaves.dtype, leaves.shape, _pieces(leaves))
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise
@@ -178,7 +235,7 @@ def restore(core: ReplayCore, path: str | os.PathLike[str], manifest: dict[str, 
 
 
 def _read(path: Path, name: str, manifest: dict[str, Any], dtype: Any, shape: tuple[int, ...],
-          views: list[np.ndarray]) -> None:  # fmt: skip
+          sinks: Iterable[np.ndarray]) -> None:  # fmt: skip
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{path}: the manifest lists no {name}")
@@ -206,11 +263,21 @@ def _read(path: Path, name: str, manifest: dict[str, Any], dtype: Any, shape: tu
             raise CheckpointError(f"{path}: {name} is {size} bytes, not header + data (truncated?)")
         f.seek(0)
         digest.update(f.read(header_bytes))
-        for view in views:
-            for lo in range(0, view.size, _CHUNK):
-                part = memoryview(view[lo : lo + _CHUNK])
-                if f.readinto(part) != len(part):
-                    raise CheckpointError(f"{path}: {name} ended early (truncated)")
-                digest.update(part)
+        _advise(f.fileno(), 0, 0, "POSIX_FADV_SEQUENTIAL")  # a larger read-ahead
+        for sink in sinks:
+            part = memoryview(sink).cast("B")
+            if not _read_all(f, part):
+                raise CheckpointError(f"{path}: {name} ended early (truncated)")
+            digest.update(part)
     if digest.hexdigest() != entry[CHECKSUM]:
         raise CheckpointError(f"{path}: {name} does not match its checksum (corrupted)")
+
+
+def _read_all(f: Any, view: memoryview) -> bool:
+    """Fill ``view`` from ``f``; False if the file ends first."""
+    while view.nbytes:
+        n = f.readinto(view)
+        if not n:
+            return False
+        view = view[n:]
+    return True

@@ -5,6 +5,8 @@ the oldest steps are evicted to make room (so no sampler can pick them), the ste
 copied into the freed slots without the lock, and under the lock again the new ids become
 visible. A sample picks ids and gathers their rows under the lock (an eviction must not
 overwrite rows being read), into staging buffers reused only once no batch refers to them.
+With ``storage="device"`` the rows live on the device (``DeviceTable``) and a sample gathers
+them there; only the ids, weights and metadata go through host staging.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ..batch import Batch
 from ..errors import Closed, ConfigError, SchemaMismatch
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema, torch_dtype
+from .device_table import DeviceTable
 from .limiter import RateLimiter
 from .ring import Piece, StepRing
 from .samplers import UniformSampler, _checked, make_sampler
@@ -39,7 +42,7 @@ def stored_schema(stream: Schema) -> Schema:
 class ReplayCore:
     def __init__(self, *, capacity: int, batch_size: int, sampler: str, sequence_length: int | None,
                  alpha: float, beta: float, limiter: RateLimiter, device: Any,
-                 version: Callable[[], int], seed: int | None = None):  # fmt: skip
+                 version: Callable[[], int], seed: int | None = None, storage: str = "host"):  # fmt: skip
         import torch
 
         self.torch = torch
@@ -52,6 +55,7 @@ class ReplayCore:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.pin = self.cuda or torch.cuda.is_available()
+        self.storage = storage  # "host": numpy rows (pinned where CUDA exists); "device": tensors on device
         self.version = version
         self.rng = np.random.default_rng(seed)
         self.cond = threading.Condition()
@@ -69,7 +73,10 @@ class ReplayCore:
     # --- setup ------------------------------------------------------------------------------------
     def build(self, schema: Schema, touch: bool = True) -> None:
         """Allocate the table for ``schema`` (the stored fields); lock held or not yet shared."""
-        self.table = ReplayTable(schema, self.capacity, self.sequence_length, pin=self.pin, touch=touch)
+        if self.storage == "device":
+            self.table = DeviceTable(schema, self.capacity, self.sequence_length, device=self.device, touch=touch)
+        else:
+            self.table = ReplayTable(schema, self.capacity, self.sequence_length, pin=self.pin, touch=touch)
         self.sampler = make_sampler(self.kind, self.table, self.rng, self.alpha, self.beta)
         self._dtypes = [torch_dtype(f.dtype) for f in schema.fields]
 
@@ -147,6 +154,7 @@ class ReplayCore:
                     priorities.append(ring.piece_bytes(prio, p).view(np.float32))
                 at += p.count
         finally:
+            table.finish_writes()
             with self.cond:
                 self.inserting = False
                 table.publish(n)
@@ -196,7 +204,8 @@ class ReplayCore:
             if staging.rows == rows and not staging.in_use():
                 return staging
         assert self.table is not None
-        staging = _Staging(self.table, rows, self.batch_size, self.pin)
+        fields = not (self.table.on_device and self.cuda)  # a CUDA gather makes its own tensors
+        staging = _Staging(self.table, rows, self.batch_size, self.pin, fields)
         if len(self._pool) < _POOL:
             self._pool.append(staging)
         return staging
@@ -207,7 +216,11 @@ class ReplayCore:
         b, t = len(ids), table.window
         every = table.window_ids(ids) if self.sequence_length else ids
         staging = self._staging(every.size)
-        table.gather(every, staging.fields)
+        if isinstance(table, DeviceTable):
+            rows = table.gather_device(every, staging.fields, staging.slots)
+        else:
+            table.gather(every, staging.fields)
+            rows = [torch.from_numpy(host) for host in staging.fields]
         version, actor_id, seq = table.meta(every.ravel())
         meta = staging.meta
         meta[0], meta[1], meta[2] = version, actor_id, seq
@@ -216,13 +229,14 @@ class ReplayCore:
         staging.weight[:] = weights
         lead = (b, t) if self.sequence_length else (b,)
         fields = {
-            spec.name: torch.from_numpy(host).view(dtype).view(*lead, *spec.shape)
-            for spec, host, dtype in zip(table.schema.fields, staging.fields, self._dtypes)
+            spec.name: raw.view(dtype).view(*lead, *spec.shape)
+            for spec, raw, dtype in zip(table.schema.fields, rows, self._dtypes)
         }
         m = torch.from_numpy(meta).view(4, *lead)
         index, weight = torch.from_numpy(staging.index), torch.from_numpy(staging.weight)
         if self.cuda:
-            fields = {k: v.to(self.device, non_blocking=True) for k, v in fields.items()}
+            if not table.on_device:
+                fields = {k: v.to(self.device, non_blocking=True) for k, v in fields.items()}
             m, index, weight = (x.to(self.device, non_blocking=True) for x in (m, index, weight))
             staging.copied = torch.cuda.Event()
             staging.copied.record(torch.cuda.current_stream(self.device))
@@ -252,9 +266,10 @@ class ReplayCore:
 class _Staging:
     """Host buffers for one batch; torch tensors made from them keep them referenced."""
 
-    def __init__(self, table: ReplayTable, rows: int, batch_size: int, pin: bool):
+    def __init__(self, table: ReplayTable, rows: int, batch_size: int, pin: bool, fields: bool = True):
         self.rows = rows
-        self.fields = [_empty((rows, spec.step_bytes), np.uint8, pin) for spec in table.schema.fields]
+        self.fields = [_empty((rows, spec.step_bytes), np.uint8, pin) for spec in table.schema.fields] if fields else []
+        self.slots = _empty((rows,), np.int64, pin)  # slot numbers, for a device gather's index
         self.meta = _empty((4, rows), np.int64, pin)
         self.index = _empty((batch_size,), np.int64, pin)
         self.weight = _empty((batch_size,), np.float32, pin)
@@ -264,7 +279,7 @@ class _Staging:
         if self.copied is not None and not self.copied.query():
             return True
         # 4 = this object's slot, the tuple, the loop variable and getrefcount's argument.
-        return any(sys.getrefcount(a) > 4 for a in (*self.fields, self.meta, self.index, self.weight))
+        return any(sys.getrefcount(a) > 4 for a in (*self.fields, self.slots, self.meta, self.index, self.weight))
 
 
 def _empty(shape: tuple[int, ...], dtype: Any, pin: bool) -> np.ndarray:

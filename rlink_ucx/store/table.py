@@ -14,6 +14,8 @@ links, or -1): a window ending at id ``e`` is whole iff ``back[e]`` is still hel
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -26,14 +28,14 @@ PRIORITY_FIELD = "_priority"  # the reserved field an actor adds for put(..., pr
 
 
 class ReplayTable:
+    on_device = False  # the rows are numpy arrays in host memory (DeviceTable: torch tensors)
+
     def __init__(self, schema: Schema, capacity: int, sequence_length: int | None = None, *, pin: bool = False,
                  touch: bool = True):  # fmt: skip
         self.schema = schema  # the stored fields (without the priority field)
         self.capacity = capacity
         self.window = sequence_length or 1
-        self.rows: list[np.ndarray] = []  # per field: [capacity, step_bytes] uint8
-        for spec in schema.fields:
-            self.rows.append(_alloc(capacity * spec.step_bytes, pin, touch).reshape(capacity, spec.step_bytes))
+        self.rows: list[Any] = self._make_rows(pin, touch)  # per field: [capacity, step_bytes] uint8
         meta = np.zeros((5, capacity), dtype=np.int64)  # pages touched now, not at the first insert
         self.actor_id, self.seq, self.version, self.prev, self.back = meta
         self.prev[:] = -1
@@ -41,6 +43,10 @@ class ReplayTable:
         self.inserted = 0  # the next id
         self.held = 0
         self._chains: dict[int, tuple[int, np.ndarray]] = {}  # actor -> (last seq, last T ids)
+
+    def _make_rows(self, pin: bool, touch: bool) -> list[Any]:
+        return [_alloc(self.capacity * f.step_bytes, pin, touch).reshape(self.capacity, f.step_bytes)
+                for f in self.schema.fields]  # fmt: skip
 
     @property
     def first(self) -> int:
@@ -67,6 +73,9 @@ class ReplayTable:
         for rows, data in zip(self.rows, fields):
             for slot, lo, k in self._runs(start_id, count):
                 rows[slot : slot + k].reshape(-1)[:] = data[lo * rows.shape[1] : (lo + k) * rows.shape[1]]
+
+    def finish_writes(self) -> None:
+        """Wait for the copies ``write`` started (the source bytes may be reused afterwards)."""
 
     def _runs(self, start_id: int, count: int) -> list[tuple[int, int, int]]:
         slot = start_id % self.capacity
@@ -110,7 +119,11 @@ class ReplayTable:
         """Copy the rows of ``ids`` (any shape) into ``outs`` (per field ``[ids.size, step_bytes]``)."""
         slots = (np.asarray(ids, dtype=np.int64) % self.capacity).ravel()
         for rows, out in zip(self.rows, outs):
-            np.take(rows, slots, axis=0, out=out)
+            # mode="clip" (the slots are in range): with the default "raise", np.take writes to a
+            # temporary and copies that to ``out``, twice the memory traffic (1.6x slower for
+            # Atari rows). One thread, unlike torch.index_select, whose two threads stall when
+            # other processes hold the cores (measured in docs/replay.md).
+            np.take(rows, slots, axis=0, out=out, mode="clip")
 
     def meta(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         slots = np.asarray(ids, dtype=np.int64) % self.capacity
@@ -128,6 +141,44 @@ class ReplayTable:
     def id_order_runs(self) -> list[tuple[int, int]]:
         """The held slots as at most two ``(slot, count)`` runs, oldest first."""
         return [(s, k) for s, _, k in self._runs(self.first, self.held)] if self.held else []
+
+    def chunks(self, field: int, runs: list[tuple[int, int]], size: int) -> Iterator[np.ndarray]:
+        """The bytes of ``field`` in the slot ``runs``, in order, as host arrays of at most
+        ``size`` bytes; each is valid until the next is asked for."""
+        for s, k in runs:
+            flat = self.rows[field][s : s + k].reshape(-1)  # a view: never a copy of the table
+            for lo in range(0, flat.size, size):
+                yield flat[lo : lo + size]
+
+    def sinks(self, field: int, runs: list[tuple[int, int]], size: int) -> Iterator[np.ndarray]:
+        """Host arrays of at most ``size`` bytes to fill, in order, with the bytes of ``field``
+        in the slot ``runs``; each is stored once the next is asked for (or the loop ends)."""
+        yield from prefaulted(list(self.chunks(field, runs, size)))  # host rows: the chunks are the storage itself
+
+
+def prefaulted(views: list[np.ndarray], threads: int = 2) -> Iterator[np.ndarray]:
+    """``views`` in order, each once a helper thread has touched its pages: a table restored
+    from a checkpoint is fresh memory, and its page faults then overlap the file reads (which
+    release the GIL) instead of adding to them. Two threads: in a VM, the first touch of memory
+    the host has not backed yet runs at ~0.5 GB/s per thread (measured in docs/replay.md)."""
+    touched = [threading.Event() for _ in views]
+
+    def touch(first: int) -> None:
+        for i in range(first, len(views), threads):
+            views[i][::4096] = 0
+            touched[i].set()
+
+    helpers = [threading.Thread(target=touch, args=(t,), name="rlink-replay-prefault", daemon=True)
+               for t in range(min(threads, len(views)))]  # fmt: skip
+    for helper in helpers:
+        helper.start()
+    try:
+        for view, done in zip(views, touched):
+            done.wait()
+            yield view
+    finally:
+        for helper in helpers:
+            helper.join()
 
 
 def _alloc(nbytes: int, pin: bool, touch: bool) -> np.ndarray:

@@ -29,7 +29,7 @@ def all_rows(r: ReplayDataset) -> dict[str, np.ndarray]:
     ids = np.arange(t.first, t.inserted)
     out = {}
     for spec, rows in zip(t.schema.fields, t.rows):
-        out[spec.name] = rows[ids % t.capacity].copy()
+        out[spec.name] = np.asarray(rows)[ids % t.capacity].copy()  # numpy rows, or CPU tensors (storage="device")
     out["meta"] = np.stack(t.meta(ids))
     return out
 
@@ -167,3 +167,43 @@ def test_a_checkpoint_of_another_schema_is_refused_now_or_when_the_actors_schema
         assert wait_for(lambda: q._core.error is not None)  # the inserter meets the actors' schema
         with pytest.raises(SchemaMismatch, match="does not match"):
             q.sample(5)
+
+
+@pytest.mark.timeout(60)
+def test_a_replaced_checkpoint_is_removed_in_the_background_and_the_new_one_is_whole(tmp_path):
+    from rlink_ucx.store.checkpoint import wait_removals
+
+    with make("uniform", capacity=100) as r:
+        fill(r, 1, 0, 40)
+        r.save(tmp_path / "c")
+        fill(r, 1, 40, 30)
+        r.save(tmp_path / "c")  # replaces the first: renamed aside, then removed by a thread
+        wait_removals()
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["c"], "the old checkpoint or a temporary was left"
+    with ReplayDataset.load(tmp_path / "c", FakeLearner(new_ring())) as q:
+        assert len(q) == 70 and q.inserted == 70
+        np.testing.assert_array_equal(all_rows(q)["meta"][2], np.arange(70))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("storage", ["host", "device"])
+def test_many_small_chunks_that_split_rows_round_trip(tmp_path, monkeypatch, storage):
+    from rlink_ucx.store import checkpoint
+
+    # Chunks far smaller than a field and not a multiple of a row: every boundary case of the
+    # chunked hash + write (and the page-cache advice behind it) and of the chunked read.
+    monkeypatch.setattr(checkpoint, "_CHUNK", 100)
+    monkeypatch.setattr(checkpoint, "_READ_CHUNK", 77)
+    with make(capacity=300, storage=storage) as r:
+        fill(r, 1, 0, 250)
+        fill(r, 2, 0, 120)  # wraps: two runs of slots
+        r.update_priorities(np.arange(70, 370), np.linspace(0.5, 4, 300))
+        r.save(tmp_path / "s")
+        before, leaves = all_rows(r), r._core.sampler.leaves().copy()
+    files = json.loads((tmp_path / "s" / "manifest.json").read_text())["files"]
+    assert files["field_0.npy"]["bytes"] > 30 * 100  # obs: 300 rows of 12 bytes, over 30 chunks
+    with ReplayDataset.load(tmp_path / "s", FakeLearner(new_ring()), storage=storage) as q:
+        after = all_rows(q)
+        for k in before:
+            np.testing.assert_array_equal(before[k], after[k])
+        np.testing.assert_array_equal(q._core.sampler.leaves(), leaves)

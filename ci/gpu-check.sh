@@ -15,11 +15,13 @@
 #   gpu-latency.json      bench/gpu_latency.py: put -> fetch latency of CUDA steps per plane, and
 #                         how long fetch takes for a batch already held
 #   fanout.json           bench/fanout.py: learner.publish vs a plain broadcast of the same bytes
+#   replay-device.json    bench/replay.py --storage device: uniform sampling from a replay table
+#                         kept on the GPU (a device gather)
 #
 # Time budget (each step has its own `timeout`, plus 5 s to kill what ignores SIGTERM; a step
 # never gets more than what is left of TOTAL, so the whole run ends within 8 minutes):
 #   wheels 40 + env 25 + gpu-tests 170 + gpu-throughput 140 + ucx-d2d 40 + gpu-latency 45
-#   + host-latency 30 + fanout 45 = 535 s of limits, more than TOTAL = 470 s: on the H200 the
+#   + host-latency 30 + fanout 45 + replay-device 40 = 575 s of limits, more than TOTAL = 470 s: on the H200 the
 #   steps took 3, 8, (the tests), 111, 7, 22, -, 11 s, so the caps only matter when one hangs,
 #   and then TOTAL still ends the run within 8 minutes; the summary takes ~2 s.
 #
@@ -31,7 +33,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.." || exit 1
 OUT=${OUT:-bench-results/gpu}
 mkdir -p "$OUT"
-rm -f "$OUT"/{summary.txt,summary.json,env.txt,logs.txt,gpu-throughput.json,ucx-d2d.json,gpu-latency.json,fanout.json}
+rm -f "$OUT"/{summary.txt,summary.json,env.txt,logs.txt,gpu-throughput.json,ucx-d2d.json,gpu-latency.json,fanout.json,replay-device.json}
 WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
 TOTAL=470
 START=$SECONDS
@@ -138,6 +140,12 @@ if [ "${CUDA:-0}" = 1 ]; then
   run_step fanout plain 45 fanout.json python3 bench/fanout.py --reps 3 --device cuda:0 --json "$OUT/fanout.json"
 else  # CPU parameters over gloo: measured by the suite on CPU machines already
   not_run fanout fanout.json "run on the GPU machine only (on a CPU machine the suite measures it)"
+fi
+if [ "${CUDA:-0}" = 1 ]; then  # the replay table kept on the GPU: sampling is a device gather
+  run_step replay-device plain 40 replay-device.json python3 bench/replay.py --only uniform --storage device \
+    --device cuda:0 --seconds 5 --json "$OUT/replay-device.json"
+else
+  not_run replay-device replay-device.json "needs CUDA (the host table is measured by rlink bench --suite replay)"
 fi
 
 # --- summary ------------------------------------------------------------------------------------

@@ -15,7 +15,8 @@ import sys
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-STEPS = ["wheels", "env", "gpu-tests", "gpu-throughput", "ucx-d2d", "gpu-latency", "host-latency", "fanout"]
+STEPS = ["wheels", "env", "gpu-tests", "gpu-throughput", "ucx-d2d", "gpu-latency", "host-latency", "fanout",
+         "replay-device"]
 STATUSES = {"ok", "failed", "timed out", "skipped-no-cuda", "skipped"}
 torch = pytest.importorskip("torch")
 no_cuda = pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has CUDA: ci/gpu-check.sh measures it")

@@ -2,11 +2,14 @@
 
 - ``memcpy``: numpy ``copyto`` of each chunk into preallocated arrays, one core, in this process;
 - ``raw-socket``: ``sendmsg`` of the chunk's buffers / ``recv_into`` a preallocated buffer,
-  between two processes over loopback TCP.
+  between processes over loopback TCP; with several senders the receiver takes whole
+  messages from whichever connection ``select`` finds readable (one thread, like rlink's
+  learner receiving from several actors).
 """
 
 from __future__ import annotations
 
+import selectors
 import socket
 import time
 from typing import Any
@@ -87,31 +90,51 @@ class RawSocketReceiver(Receiver):
         self.view = memoryview(self.buf)
         self.t_ns = np.frombuffer(self.buf, np.int64, count=1)
         self.chunk = workload.chunk
-        self.conn: socket.socket | None = None
+        self.conns: list[socket.socket] = []
+        self.selector: selectors.BaseSelector | None = None
+        self.timeout = 60.0
 
     def info(self) -> Any:
         return self.server.getsockname()[1]
 
     def accept(self, actors: int, timeout: float) -> None:
         self.server.settimeout(timeout)
-        self.conn, _ = self.server.accept()
-        self.conn.settimeout(timeout)
+        self.timeout = timeout
+        for _ in range(actors):
+            conn, _ = self.server.accept()
+            conn.settimeout(timeout)
+            self.conns.append(conn)
+        if actors > 1:
+            self.selector = selectors.DefaultSelector()
+            for conn in self.conns:
+                self.selector.register(conn, selectors.EVENT_READ)
 
     def recv(self, rec: Recorder) -> int:
-        conn, view, size = self.conn, self.view, self.size
-        assert conn is not None
+        view, size = self.view, self.size
+        if self.selector is None:  # one sender: no select call per message
+            conn = self.conns[0]
+        else:
+            ready = self.selector.select(self.timeout)
+            if not ready:
+                raise TimeoutError("no sender sent anything")
+            conn = ready[0][0].fileobj  # type: ignore[assignment]
         recv_exact(conn, view[:size])
-        return rec.stamp(time.monotonic_ns(), self.chunk, int(self.t_ns[0]))
+        marker = rec.stamp(time.monotonic_ns(), self.chunk, int(self.t_ns[0]))
+        if marker and self.selector is not None:
+            self.selector.unregister(conn)  # that sender is done
+        return marker
 
     def close(self) -> None:
-        if self.conn is not None:
+        for conn in self.conns:
             try:
-                self.conn.send(b"x")
+                conn.send(b"x")
             except OSError:
                 pass
-            self.conn.close()
+            conn.close()
+        if self.selector is not None:
+            self.selector.close()
         self.server.close()
 
 
-def run_raw_socket(workload: Workload, timing: Timing) -> dict[str, Any]:
-    return run_session(RawSocketReceiver(workload), f"{__name__}:RawSocketSender", workload, timing)
+def run_raw_socket(workload: Workload, timing: Timing, senders: int = 1) -> dict[str, Any]:
+    return run_session(RawSocketReceiver(workload), f"{__name__}:RawSocketSender", workload, timing, senders)

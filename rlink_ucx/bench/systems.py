@@ -63,7 +63,7 @@ def _ray(w: Workload, t: Timing, actors: int) -> dict[str, Any]:
 
 SYSTEMS: dict[str, System] = {
     "memcpy": System("memcpy", "memcpy", "memory", "limits", (), _one(run_memcpy)),
-    "raw-socket": System("raw-socket", "raw-socket", "tcp", "limits", (), _one(run_raw_socket)),
+    "raw-socket": System("raw-socket", "raw-socket", "tcp", "limits", (), run_raw_socket, (1, 4)),
     "rlink-tcp": System("rlink-tcp", "rlink", "tcp", "rlink", (), _rlink("tcp"), (1, 4)),
     "rlink-ucx": System("rlink-ucx", "rlink", "ucx", "rlink", ("ucxx",), _rlink("ucx"), (1, 4)),
     "rlink-shm": System("rlink-shm", "rlink", "shm", "rlink", (), _rlink("shm"), (1, 4)),

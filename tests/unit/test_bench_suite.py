@@ -64,3 +64,28 @@ def test_targets_ratios_from_records():
     assert got["rlink >= 1.5x pyzmq-copy, atari steps"]["met"] is False
     assert got["rlink-tcp 4 actors >= 0.8x 1 actor, atari"]["ratio"] == pytest.approx(0.9)
     assert got["rlink best plane >= 0.85x raw socket, 16MiB"]["met"] is None  # not measured
+
+
+@pytest.mark.timeout(120)
+def test_the_raw_socket_limit_takes_several_senders():
+    """With 3 senders the raw socket's receiver reads every sender to its end marker (the
+    session ends only once all three arrived) and measures their combined stream."""
+    from rlink_ucx.bench.limits import RawSocketReceiver, run_raw_socket
+    from rlink_ucx.bench.measure import Timing
+    from rlink_ucx.bench.workloads import WORKLOADS
+
+    timing = Timing(warmup=0.05, window=0.15, reps=2, timeout=20)
+    seen: list[int] = []
+    original = RawSocketReceiver.accept
+
+    def accept(self, actors, timeout):
+        original(self, actors, timeout)
+        seen.append(len(self.conns))
+
+    RawSocketReceiver.accept = accept  # type: ignore[method-assign]
+    try:
+        out = run_raw_socket(WORKLOADS["64KiB"], timing, 3)
+    finally:
+        RawSocketReceiver.accept = original  # type: ignore[method-assign]
+    assert seen == [3]
+    assert out["per_s"] > 0 and out["gbps"] > 0 and out["reps"] >= 1

@@ -53,9 +53,11 @@ class Actor:
     ``Config.connect_timeout`` (120 s). When the learner finishes, the next call raises
     :class:`Closed`.
 
-    ``put`` copies the step into a frame buffer and returns; frames go out in the background
-    when full (``Config.frame_bytes``) or ``Config.frame_linger`` seconds after their first
-    step. Call ``flush()`` to wait until the learner holds everything put so far.
+    ``put`` copies the step into a frame buffer and returns. A step put while nothing is being
+    sent leaves at once, from the calling thread (an actor putting a few steps a second wakes
+    no other thread); steps that come faster wait for company and go out in frames, when full
+    (``Config.frame_bytes``) or about ``Config.frame_linger`` seconds after their first step.
+    Call ``flush()`` to wait until the learner holds everything put so far.
 
     Example::
 

@@ -53,8 +53,10 @@ class Config:
 
     # --- actor-side coalescing ------------------------------------------------------------
     frame_bytes: int = 1 * MiB  # target payload per frame; small steps are coalesced to this
-    # A partly filled frame is sent about this long after its first step (0.5x to 1.5x: one
-    # timer serves every actor of a process, armed only while a partial frame waits).
+    # A step put while the actor's I/O side is idle leaves at once. One that comes less than this
+    # long after the last frame left waits for company: its partly filled frame is sent about
+    # this long after its first step (0.5x to 1.5x: one timer serves every actor of a process,
+    # armed only while such a frame waits).
     frame_linger: float = 0.005
     frame_buffers: int = 4  # frames an actor can fill while earlier ones are in flight
     # Frames sent but not yet acknowledged are kept (up to this many bytes) and resent after a

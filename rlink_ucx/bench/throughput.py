@@ -8,7 +8,7 @@ baseline and of the rlink planes alternate; each row is the median of its repeti
 - ``rlink-tcp`` / ``rlink-ucx`` / ``rlink-shm``: ``Actor.put`` of one ``uint8[size]`` step per message ->
   ``RLinkDataset.fetch`` (batches of about 4 MiB);
 - ``cartpole-put`` / ``cartpole-put_many``: CartPole-sized steps (obs float32[4], action int64,
-  reward float32, done bool), one ``put`` per step, or ``put_many`` chunks of 64 steps.
+  reward float32, done bool), one ``put`` per step, or ``put_many`` chunks of 64 steps (``--chunk``).
 
 Usage: python bench/throughput.py [--sizes 1K,64K,1M,16M] [--reps 3] [--json out.json]
        [--device cuda:0]  (CUDA steps from the actor, batches on the GPU; the raw socket stays on the host)
@@ -86,7 +86,8 @@ def print_medians(runs: dict[str, list[float]], baseline: str) -> None:
 
 
 # --- rlink ----------------------------------------------------------------------------------------
-def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int, device: str = "cpu") -> None:
+def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int, device: str = "cpu",
+                 chunk: int = 64) -> None:  # fmt: skip
     from rlink_ucx import Actor
 
     with Actor(address, transport=transport) as actor:
@@ -102,8 +103,7 @@ def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int,
             obs = np.zeros(4, np.float32)
             for i in range(count):
                 actor.put({"obs": obs, "action": i, "reward": 1.0, "done": False})
-        else:  # cartpole-put_many: a vectorized env's 64 sub-envs at once
-            chunk = 64
+        else:  # cartpole-put_many: a vectorized env's `chunk` sub-envs at once
             steps = {
                 "obs": np.zeros((chunk, 4), np.float32),
                 "action": np.zeros(chunk, np.int64),
@@ -117,7 +117,8 @@ def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int,
         actor.flush(120)
 
 
-def rlink(transport: str, kind: str, size: int, count: int, step_bytes: int, device: str = "cpu") -> float:
+def rlink(transport: str, kind: str, size: int, count: int, step_bytes: int, device: str = "cpu",
+          chunk: int = 64) -> float:  # fmt: skip
     """Returns bytes/s (kind == "bytes") or steps/s, measured at the learner. ``device``: where
     the actor's steps and the learner's batches live ("cuda:0": both on the GPU)."""
     from rlink_ucx import Learner, RLinkDataset
@@ -126,7 +127,7 @@ def rlink(transport: str, kind: str, size: int, count: int, step_bytes: int, dev
         batch = max(1, BATCH_BYTES // step_bytes) if kind == "bytes" else 16384
         batch = min(batch, count // 4)
         dataset = RLinkDataset(learner, batch_size=batch, device=device)
-        args = (learner.address, transport, kind, size, count, device)
+        args = (learner.address, transport, kind, size, count, device, chunk)
         proc = mp.get_context("spawn").Process(target=_rlink_actor, args=args)
         proc.start()
         batches = count // batch
@@ -155,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--transports", default="tcp,ucx,shm")
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400_000, help="CartPole steps per repetition")
+    parser.add_argument("--chunk", type=int, default=64, help="CartPole steps per put_many")
+    parser.add_argument("--kinds", default="cartpole-put,cartpole-put_many",
+                        help='CartPole rows to run ("" for none)')
     parser.add_argument("--device", default="cpu",
                         help='where the bytes rows\' steps and batches live: "cpu", or "cuda:0" (CUDA steps, batches on the GPU)')
     parser.add_argument("--json", help="write the rows as JSON here")
@@ -164,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     transports = [t for t in args.transports.split(",") if (t != "ucx" or installed("ucxx")) and (t != "shm" or shm.available())]
     rows = []
     print(f"{'workload':<22}{'system':<16}{'median':>12}{'min':>10}{'max':>10}{'vs raw':>9}")
-    for label in args.sizes.split(","):
+    for label in filter(None, args.sizes.split(",")):  # --sizes "": no bytes rows
         size = SIZES[label]
         count = TOTAL_BYTES[size] // size
         # Repetitions of the baseline and of each plane alternate, so a slow spell of this
@@ -181,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
                          "median": med / 1e9, "min": min(values) / 1e9, "max": max(values) / 1e9, "ratio": ratio})
             print(f"{'bytes-' + label:<22}{system:<16}{med / 1e9:>10.2f}GB{min(values) / 1e9:>10.2f}{max(values) / 1e9:>10.2f}{ratio:>9.2f}")
         sys.stdout.flush()
-    for kind in ("cartpole-put", "cartpole-put_many"):
+    for kind in filter(None, args.kinds.split(",")):
         for transport in transports:
-            res = median_of(lambda: rlink(transport, kind, 0, args.steps, 29), args.reps)
-            rows.append({"workload": kind, "system": f"rlink-{transport}", "unit": "steps/s",
+            res = median_of(lambda: rlink(transport, kind, 0, args.steps, 29, chunk=args.chunk), args.reps)
+            rows.append({"workload": kind, "chunk": args.chunk if kind == "cartpole-put_many" else 1,
+                         "system": f"rlink-{transport}", "unit": "steps/s",
                          "median": res[0], "min": res[1], "max": res[2], "ratio": None})
             print(f"{kind:<22}{'rlink-' + transport:<16}{res[0]:>12,.0f}{res[1]:>10,.0f}{res[2]:>10,.0f}   steps/s")
             sys.stdout.flush()

@@ -11,7 +11,6 @@ from typing import Any
 
 from ..errors import AuthError, Closed, PeerLost, ProtocolError, RLinkError, SchemaMismatch
 from ..transport import shm
-from ..transport.loop import ticks
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 from .actor_frames import BorrowedFrame
@@ -19,6 +18,13 @@ from .actor_frames import BorrowedFrame
 log = logging.getLogger(__name__)
 # Weights messages go to the subscriber (StoreReply too: its rendezvous waits for it).
 _WEIGHTS = (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed, _wire.WeightsKey, _wire.Seal, _wire.StoreReply)
+# Without a learner's heartbeat to answer, the actor says it is alive after this many heartbeat
+# intervals of silence: the learner's heartbeats (one interval apart) come first, and answering
+# them keeps an idle actor's wake-ups at one per learner heartbeat, not two.
+OWN_HEARTBEAT_AFTER = 1.5
+# A heartbeat timer this much later than due (in heartbeat intervals) means our own pause.
+PAUSED_AFTER = 0.25
+SLACK = 0.001  # timers are armed this long after their moment, so the check at it holds
 
 
 class ControlReader:
@@ -26,6 +32,9 @@ class ControlReader:
     keeps the learner's liveness, and turns a failure into a reconnect or a final ``error``."""
 
     _attach_proof: bytes | None = None  # the learner's AttachProof, checked when Ready comes
+    _heartbeat_wake: asyncio.Future[None] | None = None  # what the heartbeat task waits on
+    _heartbeat_timer: asyncio.TimerHandle | None = None  # resolves it when something is due
+    _heartbeat_at = 0.0  # when that timer is due
     _weights_key: tuple[bytes, bytes] | None = None  # (the session's ticket, its weights key)
 
     async def _read_control(self) -> None:
@@ -49,7 +58,7 @@ class ControlReader:
                         self.credit -= give
                     self.control.send(_wire.Returned(give))
                 elif isinstance(msg, _wire.Heartbeat):
-                    pass
+                    self._answer_heartbeat()
                 elif isinstance(msg, _WEIGHTS):
                     self._on_weights(msg)
                 elif isinstance(msg, _wire.AttachProof):
@@ -132,21 +141,69 @@ class ControlReader:
         elif not isinstance(msg, _wire.Version):
             raise ProtocolError(f"{type(msg).__name__} for an actor that did not subscribe to weights")
 
-    async def _heartbeat(self) -> None:
-        """Check the learner's liveness every interval; say we are alive only after a silence
-        (frames and control messages say it already)."""
+    def _said_alive(self) -> float:
+        """When we last said something to the learner: a control message or a frame."""
         assert self.control is not None
-        interval = self.config.heartbeat_interval
-        frames = self.sent_frames
-        async for late in ticks(interval):
-            now = time.monotonic()
-            self.last_heard = min(now, self.last_heard + late)  # our own pause is not the learner's
-            if now - self.last_heard > self.config.heartbeat_timeout:
-                self.fail(PeerLost(f"no message from the learner for {self.config.heartbeat_timeout:.3g}s"))
-                return
-            if self.sent_frames == frames and now - self.control.last_send >= interval:
-                self.control.send(_wire.Heartbeat())
-            frames = self.sent_frames
+        return max(self.control.last_send, self.frame_sent_at)
+
+    def _answer_heartbeat(self) -> None:
+        """The learner's heartbeat (it was silent for an interval): answer it unless we spoke
+        lately, and push our own heartbeat timer back, so it does not wake us as well."""
+        if self.control is None:
+            return
+        if time.monotonic() - self._said_alive() >= self.config.heartbeat_interval / 2:
+            self.control.send(_wire.Heartbeat())
+        self._arm_heartbeat()
+
+    def _heartbeat_due(self) -> float:
+        """The next moment the heartbeat has work: our silence is long enough to speak, or the
+        learner's long enough to give up on it (monotonic time, as the loop's)."""
+        c = self.config
+        speak = self._said_alive() + OWN_HEARTBEAT_AFTER * c.heartbeat_interval
+        return min(speak, self.last_heard + c.heartbeat_timeout)
+
+    def _arm_heartbeat(self) -> None:
+        """(Re)schedule the heartbeat's one timer (loop thread): nothing else wakes an idle actor."""
+        wake = self._heartbeat_wake
+        if wake is None or wake.done():
+            return
+        if self._heartbeat_timer is not None:
+            self._heartbeat_timer.cancel()
+        self._heartbeat_at = max(self._heartbeat_due(), time.monotonic()) + SLACK
+        self._heartbeat_timer = self.loop.call_at(self._heartbeat_at, _wake_up, wake)
+
+    async def _heartbeat(self) -> None:
+        """Keep the liveness both ways, from one timer armed for the next moment something is
+        due (not a periodic tick): say we are alive after a silence (frames and control
+        messages say it already; the learner's heartbeats are answered as they come), and give
+        the learner up after ``heartbeat_timeout`` without a message from it."""
+        assert self.control is not None
+        c = self.config
+        wake = None
+        try:
+            while True:
+                self._heartbeat_wake = wake = self.loop.create_future()
+                self._arm_heartbeat()
+                await wake
+                now = time.monotonic()
+                # A timer that fires late means this process was paused (SIGSTOP, a VM stall) or
+                # its loop blocked: what the learner sent meanwhile is still unread, so our own
+                # pause is not the learner's silence. (Only a real pause: the timer is armed for
+                # the very moment the learner would be given up, and crediting every small
+                # lateness would push that moment on, again and again.)
+                late = now - self._heartbeat_at
+                if late > PAUSED_AFTER * c.heartbeat_interval:
+                    self.last_heard = min(now, self.last_heard + late)
+                if now - self.last_heard >= c.heartbeat_timeout:
+                    self.fail(PeerLost(f"no message from the learner for {c.heartbeat_timeout:.3g}s"))
+                    return
+                if now - self._said_alive() >= OWN_HEARTBEAT_AFTER * c.heartbeat_interval:
+                    self.control.send(_wire.Heartbeat())
+        finally:
+            if wake is not None and self._heartbeat_wake is wake:  # not a newer connection's
+                if self._heartbeat_timer is not None:
+                    self._heartbeat_timer.cancel()
+                self._heartbeat_timer = self._heartbeat_wake = None
 
     def fail(self, exc: RLinkError) -> None:
         """The connection broke (any task on the loop): reconnect if it was up and the error
@@ -184,3 +241,7 @@ class ControlReader:
         self._wake.set()
         self._credit_event.set()
 
+
+def _wake_up(wake: asyncio.Future[None]) -> None:
+    if not wake.done():
+        wake.set_result(None)

@@ -41,10 +41,14 @@ class FrameBuffer:
         """A right-sized copy of this frame's steps, outside the pool: a partial frame that
         lingered leaves in it, and this buffer takes the next steps at once (a slow actor would
         otherwise hold one full-size buffer per step until the learner acknowledges it)."""
-        small = FrameBuffer(schema, self.n)
-        for dst, src in zip(small.flat, self.flat):
-            dst[:] = src[: len(dst)]
-        small.n, small.seq, small.version, small.started = self.n, self.seq, self.version, self.started
+        # Plain bytes, no numpy arrays: a slow actor makes one of these per step, and on a
+        # machine whose caches went cold while it slept each object touched is costly.
+        n = self.n
+        small = FrameBuffer.__new__(FrameBuffer)
+        small.flat = [bytes(memoryview(flat)[: n * sb]) for flat, sb in zip(self.flat, self._sizes)]
+        small.typed = []  # it only leaves: never written
+        small._sizes, small.capacity = self._sizes, n
+        small.n, small.seq, small.version, small.sent, small.started = n, self.seq, self.version, 0, self.started
         small.put_time_us = self.put_time_us
         small.pooled = False
         return small

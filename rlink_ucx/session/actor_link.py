@@ -61,6 +61,7 @@ class ActorConnection(Handshake, ControlReader, Reconnect, Outbox):
         self.sent_bytes = 0
         self.credit_waits = 0
         self.last_heard = time.monotonic()
+        self.frame_sent_at = 0.0  # when the last frame went out (liveness, like a control message)
         self.queue: collections.deque[FrameBuffer | BorrowedFrame] = collections.deque()
         self.free: list[FrameBuffer] = []
         # Sent but not yet acknowledged, in seq order: kept for resending after a reconnect.

@@ -9,8 +9,18 @@ from collections.abc import Callable
 
 from ..errors import Backpressure, Closed, PeerLost, ProtocolError, RLinkError
 from ..errors import TimeoutError as RLinkTimeout
-from ..wire.frame import FrameHeader
+from ..wire.frame import FRAME_HEADER, FRAME_MAGIC
+from ..wire.messages import PROTOCOL_VERSION
 from .actor_frames import BorrowedFrame, FrameBuffer
+
+
+def pack_header(schema_id: int, n_steps: int, actor_id: int, incarnation: int, seq: int, version: int,
+                payload_bytes: int, put_time_us: int) -> bytes:  # fmt: skip
+    """``wire.frame.FrameHeader(...).pack()`` (flags 0) without building the frozen dataclass
+    first: a slow actor sends a frame per step, and on a machine whose caches went cold while
+    it slept every object costs. ``tests/unit/test_actor_io.py`` checks they agree."""
+    return FRAME_HEADER.pack(FRAME_MAGIC, PROTOCOL_VERSION, 0, schema_id, n_steps, actor_id, incarnation, seq,
+                             version, payload_bytes, put_time_us)  # fmt: skip
 
 
 class Outbox:
@@ -47,13 +57,14 @@ class Outbox:
             raise PeerLost("the data connection is closed")
         assert self.schema is not None
         step_bytes = self.schema.step_bytes
-        header = FrameHeader(self.schema_id, k, self.actor_id or 0, self.incarnation, frame.seq + frame.sent,
-                             frame.version, k * step_bytes, 0, frame.put_time_us).pack()  # fmt: skip
+        header = pack_header(self.schema_id, k, self.actor_id or 0, self.incarnation, frame.seq + frame.sent,
+                             frame.version, k * step_bytes, frame.put_time_us)  # fmt: skip
         sender.send(header, frame.payload(frame.sent, frame.sent + k))
         frame.sent += k
         self.next_send_seq = frame.seq + frame.sent
         self.sent_steps += k
         self.sent_frames += 1
+        self.frame_sent_at = time.monotonic()  # a frame says we are alive: no heartbeat needed
         self.sent_bytes += k * step_bytes
 
     def take_all_credit(self, n: int) -> bool:

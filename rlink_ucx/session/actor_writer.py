@@ -1,6 +1,7 @@
 """The actor's step writer: ``put`` and ``put_many`` copy steps into frame buffers, and full
-frames (or partial ones after ``Config.frame_linger``) go to the connection's outbox. A put of a
-whole frame or more is sent straight from the caller's arrays."""
+frames go to the connection's outbox. A partial frame leaves at once, from the caller's thread,
+when the I/O side is idle; otherwise it waits for company, at most about ``Config.frame_linger``.
+A put of a whole frame or more is sent straight from the caller's arrays."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ..config import Config
-from ..errors import Backpressure, Closed, PeerLost, ProtocolError, SchemaMismatch
+from ..errors import Backpressure, Closed, PeerLost, ProtocolError, RLinkError, SchemaMismatch
 from ..transport.loop import IOThread
 from ..wire import messages as _wire
 from ..wire.codec import Schema, infer_schema
@@ -23,10 +24,13 @@ from .actor_link import ActorConnection
 __all__ = ["StepWriter"]
 
 
-
-# A partial frame up to this size leaves the writer as a copy when it lingered, and its buffer
-# stays the current frame (see FrameBuffer.compact); a larger one leaves in its own buffer.
+# A partial frame up to this size leaves the writer as a copy (see FrameBuffer.compact), and its
+# buffer stays the current frame; a larger one leaves in its own buffer.
 _COMPACT_BYTES = 64 << 10
+# Copies kept for resending are freed by the learner's acknowledgements, which come unasked
+# only with credit (a slow actor may wait hours for that): ask for one every so many copies.
+_ACK_EVERY = 256
+
 
 class StepWriter:
     """Coalesces one actor's steps into frames (any caller thread; one lock)."""
@@ -39,9 +43,14 @@ class StepWriter:
         self.policy_version = 0  # stamped on steps put without an explicit version
         self._lock = threading.Lock()
         self._current: FrameBuffer | None = None
-        # The linger timer runs only while a partial frame may be waiting: armed by the step that
-        # starts a frame, disarmed by a tick that finds nothing to send (an idle actor never wakes).
+        # The linger timer runs only while a partial frame may be waiting: armed by a step that
+        # starts a frame and could not leave at once, disarmed by a tick that finds nothing to
+        # send (an idle actor never wakes).
         self._armed = False
+        # When a frame last left this writer. Like Nagle's unacknowledged segment, a frame sent
+        # less than frame_linger ago counts as in flight (the learner is still taking it): a
+        # step that comes meanwhile waits for company, so a busy actor fills its frames.
+        self._last_sent = 0.0
         self._stop_ticks: Any = None
         self._idle_ticks = 0  # ticks in a row that found no step waiting (loop thread only)
         self._next_seq = 0
@@ -172,6 +181,7 @@ class StepWriter:
             self._submit_locked()  # an earlier partial frame goes first
             frame = BorrowedFrame(arrays, count, self._next_seq, v)
             self._next_seq += count
+            self._last_sent = time.monotonic()
             with conn.changed:
                 direct = conn.outstanding == 0 and self._direct()
         try:
@@ -216,13 +226,16 @@ class StepWriter:
                 if fb is not None:
                     k = min(count - done, fb.capacity - fb.n)
                     write(fb, fb.n, done, k)
-                    if fb.n == 0:
-                        self._first_step_locked(fb)
+                    first = fb.n == 0
+                    if first:  # an emptied buffer keeps the version of the steps that left it
+                        fb.version = v
                     fb.n += k
                     self._next_seq += k
                     done += k
                     if fb.n == fb.capacity:
                         full, self._current = fb, None
+                    elif first:
+                        self._first_step_locked(fb)
             if full is not None:
                 self._dispatch(full, v)
                 continue
@@ -241,6 +254,7 @@ class StepWriter:
         (and reuse the cache-warm buffer unless it must be kept for resending); otherwise hand
         it to the I/O thread."""
         conn = self._conn
+        self._last_sent = time.monotonic()
         with conn.changed:
             idle = conn.outstanding == 0 and self._direct()
         if idle and conn.take_all_credit(fb.n):
@@ -292,7 +306,12 @@ class StepWriter:
         return bool(getattr(self._conn.sender, "any_thread", False))
 
     def _submit_locked(self) -> None:
-        fb, self._current = self._current, None
+        """The current frame leaves now, partial or not: sent at once if the I/O side is idle,
+        else handed to the I/O thread."""
+        fb = self._current
+        if fb is not None and fb.n and self._send_idle_locked(fb, time.monotonic()):
+            fb = self._current  # its buffer, emptied, when it left as a copy
+        self._current = None
         if fb is None:
             return
         if fb.n:
@@ -301,16 +320,73 @@ class StepWriter:
             self._conn.give_back(fb)
 
     def _hand_off(self, frame: FrameBuffer | BorrowedFrame) -> None:
+        self._last_sent = time.monotonic()
         with self._conn.changed:
             self._conn.outstanding += 1
         self._io.soon(self._conn.submit, frame)
 
     def _first_step_locked(self, fb: FrameBuffer) -> None:
-        """A frame got its first step: it may leave ``frame_linger`` from now; arm the timer."""
-        fb.started = time.monotonic()
+        """A frame got its first steps (``fb.n`` counts them): send it now if the I/O side is
+        idle, else let it wait for company and arm the linger timer."""
+        now = time.monotonic()
+        fb.started = now
+        fb.put_time_us = time.time_ns() // 1000  # the buffer may have waited empty since its reset
+        if now - self._last_sent >= self.config.frame_linger and self._send_idle_locked(fb, now):
+            return
         if not self._armed and not self.closed:
             self._armed = True
             self._io.soon(self._start_ticks)
+
+    def _send_idle_locked(self, fb: FrameBuffer, now: float) -> bool:
+        """Send the partial frame ``fb`` on this thread if the I/O side is idle: no send under
+        way, nothing queued before it, and credit for all of it. Returns whether it was sent.
+
+        No thread hand-off and no timer: a slow actor's step is on the wire when ``put``
+        returns.
+        """
+        conn = self._conn
+        if self.closed or not self._direct():
+            return False
+        if not conn.send_lock.acquire(blocking=False):  # a send is under way: this frame follows
+            return False
+        try:
+            # Plain reads: next_send_seq moves under the send lock, which we hold, and a frame
+            # handed off meanwhile is an earlier one (next_send_seq stays below ours until it
+            # is sent).
+            if conn.next_send_seq != fb.seq or conn.outstanding:  # earlier frames go first
+                return False
+            if not conn.take_all_credit(fb.n):
+                return False
+            keep = conn.resend
+            frame = self._detach_locked(fb) if keep else fb
+            if keep:  # kept until acknowledged; if the send fails, resent after reconnecting
+                with conn.changed:
+                    conn.inflight.append(frame)
+            self._last_sent = now
+            try:
+                conn.send_part_or_fail(frame, frame.n)
+            except RLinkError:
+                # Not kept for resending: the reconnect (or the final error, raised by the next
+                # call) is under way, and the learner counts the steps lost when it resumes.
+                pass
+            if not keep:  # sent from the buffer itself: it takes the next steps
+                fb.reset(self._next_seq, fb.version)
+            return True
+        finally:
+            conn.send_lock.release()
+
+    def _detach_locked(self, fb: FrameBuffer) -> FrameBuffer:
+        """The partial (current) frame ``fb`` leaves: as a right-sized copy while small, and
+        ``fb`` stays the current frame, empty; else whole, and the next step takes a fresh one."""
+        conn = self._conn
+        if fb.n * conn.schema.step_bytes <= _COMPACT_BYTES:
+            frame = fb.compact(conn.schema)
+            fb.reset(self._next_seq, fb.version)  # stays the current frame, empty
+            if conn.resend and len(conn.inflight) % _ACK_EVERY == _ACK_EVERY - 1:
+                self._io.soon(conn.sync, self._next_seq)
+            return frame
+        self._current = None
+        return fb
 
     def _start_ticks(self) -> None:
         with self._lock:  # against stop_ticks on the closing thread
@@ -332,19 +408,22 @@ class StepWriter:
         fb = self._current  # unlocked peek: most ticks find nothing to do
         # Half a linger old is enough: the timer is shared, so its phase is not this frame's, and
         # a frame that just missed a tick would otherwise wait almost two lingers.
-        if fb is not None and fb.n and time.monotonic() - fb.started >= self.config.frame_linger / 2:
-            with self._lock:
+        now = time.monotonic()
+        if fb is not None and fb.n and now - fb.started >= self.config.frame_linger / 2:
+            # Not waiting for the lock: a put holding it may be sending, and this loop serves
+            # every actor of the process. The next tick tries again.
+            if not self._lock.acquire(blocking=False):
+                return
+            try:
                 if self._current is fb and fb.n:
-                    if fb.n * self._conn.schema.step_bytes <= _COMPACT_BYTES:
-                        frame = fb.compact(self._conn.schema)
-                        fb.reset(self._next_seq, fb.version)  # stays the current frame, empty
-                    else:
-                        frame, self._current = fb, None
-                    # Through the loop's ready queue, like every other hand-off: an earlier full
-                    # frame handed off by the caller's thread may still be waiting there, and
-                    # frames must reach the wire in seq order.
-                    self._hand_off(frame)
+                    # Through the loop's ready queue, like every other hand-off: an earlier
+                    # full frame handed off by the caller's thread may still be waiting there,
+                    # and frames must reach the wire in seq order. (Sent from there, not under
+                    # this lock: a busy actor's puts do not wait for it.)
+                    self._hand_off(self._detach_locked(fb))
                     self._idle_ticks = 1  # a frame that lingered: a slow actor, stop at once
+            finally:
+                self._lock.release()
         self._disarm_if_idle()
 
     def _disarm_if_idle(self) -> None:
@@ -356,15 +435,17 @@ class StepWriter:
             self._idle_ticks = 0
             return
         self._idle_ticks += 1
-        if self._idle_ticks < 2:
+        if self._idle_ticks < 2 or not self._lock.acquire(blocking=False):  # busy: a put is under way
             return
-        with self._lock:
+        try:
             fb = self._current
             if fb is not None and fb.n:  # a step came meanwhile: it saw _armed and relies on us
                 self._idle_ticks = 0
                 return
             self._armed = False
             stop, self._stop_ticks = self._stop_ticks, None
+        finally:
+            self._lock.release()
         self._idle_ticks = 0
         if stop is not None:
             stop()

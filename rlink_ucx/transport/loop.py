@@ -108,8 +108,12 @@ class IOThread:
             raise Closed(f"{what} was cancelled because the connection closed") from exc
 
     def soon(self, fn: Any, *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop soon (any thread; in FIFO order with other calls)."""
         try:
-            self.loop.call_soon_threadsafe(fn, *args)
+            if self.in_loop_thread():  # no need to wake the loop through its self-pipe
+                self.loop.call_soon(fn, *args)
+            else:
+                self.loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # loop already closed: nothing left to notify
             pass
 

@@ -55,6 +55,7 @@ WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME = b"W", b"R", b"A", b"C"
 FREED, READ = b"F", b"D"
 REPLY = struct.Struct("<cQ")
 MAX_EXTENTS = 4096
+SMALL_FRAME = 64 * 1024  # an actor's frame up to this size is joined and copied into the ring at once
 
 __all__ = ["ARENA_NAME", "DATA_OFFSET", "NONCE_BYTES", "RING_NAME", "Arena", "ShmReceiver", "ShmRing", "ShmSender",
            "available"]
@@ -130,27 +131,32 @@ class ShmSender:
         with self._lock:
             if self._closed:
                 raise ConnectionResetError("the shm data plane is closed")
-            extents = self.arena.region.extents(payload) if self.arena is not None else None
+            size = sum(len(v) for v in payload)
+            # A copy the actor keeps for resending (plain bytes) is never in the arena: no need
+            # to look up its address.
+            in_arena = self.arena is not None and not isinstance(payload[0].obj, bytes)
+            extents = self.arena.region.extents(payload) if in_arena else None
             if extents is not None:
                 self.sock.sendall(b"".join((ARENA_FRAME, header, COUNTER.pack(len(payload)), extents)))
                 self.arena_frames += 1
-            elif self.direct and sum(len(v) for v in payload) >= cma.MIN_BYTES:
+            elif self.direct and size >= cma.MIN_BYTES:
                 self._send_direct(header, payload)
-            elif self._fits(payload):
+            elif self._fits(size):
                 # Copied first, announced after, in one send: the learner's ring hands out steps
                 # in arrival order, so a frame it has begun but whose bytes are still to come
                 # holds back every actor's steps behind it (seconds, with 256 actor threads
                 # waiting for their processes' GIL between the header and the bytes).
-                for buf in payload:
-                    if len(buf):
-                        self.ring.copy_in(self.written, buf)
-                        self.written += len(buf)
+                if size <= SMALL_FRAME:
+                    self._copy_small(b"".join(payload))
+                else:
+                    for buf in payload:
+                        if len(buf):
+                            self.ring.copy_in(self.written, buf)
+                            self.written += len(buf)
                 self.sock.sendall(b"".join((RING_FRAME, header, WRITTEN, COUNTER.pack(self.written))))
             else:
                 self.sock.sendall(RING_FRAME + header)
                 self._stream(payload)
-            self._replies.read()
-            self._check_replies()
 
     def _send_direct(self, header: bytes, payload: list[memoryview]) -> None:
         pieces = [v for v in payload if len(v)]
@@ -167,8 +173,27 @@ class ShmSender:
             _close(self.sock)
             raise
 
-    def _fits(self, payload: list[memoryview]) -> bool:
-        return sum(len(v) for v in payload) <= self.ring.size - (self.written - self._replies.freed)
+    def _copy_small(self, data: bytes) -> None:
+        """Copy a small frame's payload into the ring (wrapping) by slicing the mapping: one
+        copy, without the address look-ups of ``ShmRing.copy_in`` (costly for a slow actor,
+        whose every step is a frame of its own)."""
+        n, size = len(data), self.ring.size
+        at = self.written % size
+        k = min(n, size - at)
+        self.ring.mm[DATA_OFFSET + at : DATA_OFFSET + at + k] = data[:k] if k < n else data
+        if k < n:
+            self.ring.mm[DATA_OFFSET : DATA_OFFSET + n - k] = data[k:]
+        self.written += n
+
+    def _fits(self, size: int) -> bool:
+        """Whether ``size`` bytes fit in the ring's free room. The learner's replies are read
+        only when the room we know of is short (not after every frame: a slow actor's step
+        would pay a system call, and an exception, for nothing)."""
+        if size <= self.ring.size - (self.written - self._replies.freed):
+            return True
+        if self._replies.read():
+            self._check_replies()
+        return size <= self.ring.size - (self.written - self._replies.freed)
 
     def _stream(self, payload: list[memoryview]) -> None:
         for buf in payload:

@@ -489,8 +489,9 @@ def storm_actors(address: str, first_id: int, count: int, steps: int, config_kwa
 
 def many_actors_one_process(address: str, count: int, results) -> None:
     """``count`` Actor objects in one process (half tcp, half shm): report the threads they
-    add, how often an idle one's linger timer fires, and put from every one of them, closing
-    half of them half way (the others must keep working on the shared I/O loop)."""
+    add, how often an idle one's linger timer fires (after its first step, which may find no
+    credit yet, and after a second step, which leaves at once), and put from every one of
+    them, closing half of them half way (the others must keep working on the shared I/O loop)."""
     import threading
 
     from rlink_ucx import Actor
@@ -508,11 +509,15 @@ def many_actors_one_process(address: str, count: int, results) -> None:
 
     first.linger_tick = counted_tick  # looked up when the timer is armed, at the first step
     for i, a in enumerate(actors):
-        a.put({"x": np.int64(a.actor_id * 1000)})  # one step, left to linger
-    time.sleep(0.5)  # the steps leave after frame_linger; then the timers must stop
+        a.put({"x": np.int64(a.actor_id * 1000)})  # one step (and the schema)
+    time.sleep(0.5)  # a step that found no credit yet leaves after frame_linger; then the timers stop
     ticks_after_step = ticks[0]
+    for a in actors:
+        a.put({"x": np.int64(a.actor_id * 1000 + 500)})  # the I/O side is idle: sent at once, no timer
+    time.sleep(0.5)
+    ticks_after_second = ticks[0] - ticks_after_step
     time.sleep(1.0)
-    idle_ticks = ticks[0] - ticks_after_step
+    idle_ticks = ticks[0] - ticks_after_step - ticks_after_second
     for a in actors[: count // 2]:
         a.close()
     for a in actors[count // 2 :]:
@@ -520,5 +525,5 @@ def many_actors_one_process(address: str, count: int, results) -> None:
         a.flush(30)
     for a in actors[count // 2 :]:
         a.close()
-    results.put({"threads": threads, "ticks_after_step": ticks_after_step, "idle_ticks": idle_ticks,
-                 "threads_after_close": threading.active_count() - base})  # fmt: skip
+    results.put({"threads": threads, "ticks_after_step": ticks_after_step, "ticks_after_second": ticks_after_second,
+                 "idle_ticks": idle_ticks, "threads_after_close": threading.active_count() - base})  # fmt: skip

@@ -66,3 +66,16 @@ def test_bridge_ab_measures_both_systems_across_two_namespaces():
                          "rlink-tcp RLINK_TCP_CONGESTION=reno"}  # fmt: skip
     for line in rows.values():
         assert float(re.search(r"([\d.]+) GB/s", line).group(1)) > 0
+
+
+def test_actor_cpu_measures_an_idle_and_a_putting_actor(tmp_path):
+    out = tmp_path / "cpu.json"
+    _run("bench/actor_cpu.py", "--transport", "tcp", "--rate", "0,50", "--seconds", "1", "--settle", "0.2",
+         "--reps", "1", "--json", str(out))  # fmt: skip
+    rows = {row["rate"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {0.0, 50.0}
+    for row in rows.values():
+        assert row["transport"] == "tcp" and row["lost"] == 0
+        assert 0 < row["cpu_pct"] < 100 and row["wakeups_per_s"] > 0
+    assert rows[0.0]["frames_sent"] == 0 and rows[0.0]["put_us_median"] is None
+    assert rows[50.0]["runs"][0]["puts"] == 50 and rows[50.0]["runs"][0]["received"] == 51

@@ -99,3 +99,31 @@ def test_an_actor_that_fails_to_start_leaves_no_io_thread_behind(monkeypatch):
         time.sleep(0.01)
     assert io_threads() == before
     assert actor_link.ActorConnection is not broken
+
+
+def test_soon_from_the_loop_thread_does_not_wake_the_loop_and_keeps_the_order():
+    io = IOThread("test-io")
+    try:
+        wakes = [0]
+        real = io.loop._write_to_self  # what call_soon_threadsafe uses to wake the selector
+
+        def counted() -> None:
+            wakes[0] += 1
+            real()
+
+        io.loop._write_to_self = counted  # type: ignore[method-assign]
+        order: list[str] = []
+        done = threading.Event()
+
+        def on_loop() -> None:  # already on the loop: its own hand-offs need no wake-up
+            io.soon(order.append, "b")
+            io.soon(order.append, "c")
+            io.soon(done.set)
+            order.append("a")
+
+        io.soon(on_loop)
+        assert done.wait(5)
+        assert order == ["a", "b", "c"]
+        assert wakes[0] == 1  # the hand-off from this thread only
+    finally:
+        io.stop(5)

@@ -98,9 +98,14 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                                 sequence_length=sequence_length, alpha=priority_exponent, beta=importance_exponent,
                                 limiter=limiter, device=self.device, version=lambda: learner.version,
                                 seed=seed, storage=storage)  # fmt: skip
+        # Ring chunks of a batch: large enough that a host table of large steps takes whole ones
+        # without copying them (no effect once the learner's ring exists).
+        learner._hint_batch_size(batch_size)
         if _checkpoint is not None:
-            restore(self._core, _checkpoint, read_manifest(_checkpoint))
             ring = learner._wait_ring(0.0)  # the learner already knows its actors' schema: check it now
+            if ring is not None:
+                self._core.ring_geometry = (ring.chunk_steps, ring.capacity)
+            restore(self._core, _checkpoint, read_manifest(_checkpoint))
             if (
                 ring is not None
                 and self._core.table is not None

@@ -30,6 +30,9 @@ class Source:
     def _wait_ring(self, timeout: float) -> Any:
         return self.ring
 
+    def _hint_batch_size(self, batch_size: int) -> None:
+        pass  # the ring is made before the replay here, with chunks of a batch (as a learner's)
+
 
 def fill(spec: dict, capacity: int, **kw: Any) -> Any:
     """A ReplayDataset holding ``capacity`` steps of ``spec``, fed through a real StepRing."""
@@ -39,7 +42,7 @@ def fill(spec: dict, capacity: int, **kw: Any) -> Any:
 
     schema = Schema.from_spec(spec)
     frame = max(1, (1 << 20) // schema.step_bytes)
-    ring = StepRing(schema, 64 << 20, frame)
+    ring = StepRing(schema, 64 << 20, frame, chunk_steps=B)  # as the learner makes it for a replay
     replay = ReplayDataset(Source(ring), capacity=capacity, batch_size=B, **kw)
     payload = [np.random.default_rng(0).integers(0, 255, frame * f.step_bytes, dtype=np.uint8) for f in schema.fields]
     seq = 0

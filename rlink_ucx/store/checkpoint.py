@@ -11,9 +11,12 @@ drops the range's then clean pages: a save does not fill the page cache with the
 Files go to a temporary directory that is renamed to ``path`` at the end (then the parent
 directory is fsynced), so a crash leaves either the old checkpoint or the new one; the old one
 is removed by a background thread, which the next save and the interpreter's exit wait for.
-``load`` refuses a manifest of another format, a file whose size, header or checksum differs
-(a truncated or corrupted checkpoint) with :class:`CheckpointError`, and a table of another
-schema than the learner's with ``SchemaMismatch``.
+``load`` reads each field with ``O_DIRECT`` straight into the new table (``direct_read.py``;
+through the page cache where that is refused) while helper threads populate the table's pages
+ahead of the reads (``storage.py``). It refuses a manifest of another format, a file whose
+size, header or checksum differs (a truncated or corrupted checkpoint) with
+:class:`CheckpointError`, and a table of another schema than the learner's with
+``SchemaMismatch``.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import xxhash
 
 from ..errors import ConfigError
 from ..wire.codec import DTYPES, Schema
+from .direct_read import DirectReader
 from .replay_core import ReplayCore
 
 __all__ = ["CheckpointError", "read_manifest", "restore", "save", "wait_removals"]
@@ -216,7 +220,7 @@ def restore(core: ReplayCore, path: str | os.PathLike[str], manifest: dict[str, 
         runs = table.id_order_runs()
         for i, spec in enumerate(schema.fields):
             sinks = table.sinks(i, runs, _READ_CHUNK)  # the table itself (host) or reused host buffers (CUDA)
-            _read(path, f"field_{i}.npy", manifest, DTYPES[spec.dtype], (table.held, *spec.shape), sinks)
+            _read(path, f"field_{i}.npy", manifest, DTYPES[spec.dtype], (table.held, *spec.shape), sinks, direct=True)
         meta = np.empty((5, table.held), dtype=np.int64)
         _read(path, "meta.npy", manifest, meta.dtype, meta.shape, _pieces(meta))
         leaves = None
@@ -235,7 +239,10 @@ def restore(core: ReplayCore, path: str | os.PathLike[str], manifest: dict[str, 
 
 
 def _read(path: Path, name: str, manifest: dict[str, Any], dtype: Any, shape: tuple[int, ...],
-          sinks: Iterable[np.ndarray]) -> None:  # fmt: skip
+          sinks: Iterable[np.ndarray], direct: bool = False) -> None:  # fmt: skip
+    """Check ``name``'s size and header, stream its data into ``sinks`` and check its checksum.
+    ``direct``: the sinks have guard space around them (``storage.py``), so the data is read
+    with ``O_DIRECT`` where the file system allows it."""
     entry = manifest["files"].get(name)
     if entry is None:
         raise CheckpointError(f"{path}: the manifest lists no {name}")
@@ -263,12 +270,28 @@ def _read(path: Path, name: str, manifest: dict[str, Any], dtype: Any, shape: tu
             raise CheckpointError(f"{path}: {name} is {size} bytes, not header + data (truncated?)")
         f.seek(0)
         digest.update(f.read(header_bytes))
-        _advise(f.fileno(), 0, 0, "POSIX_FADV_SEQUENTIAL")  # a larger read-ahead
-        for sink in sinks:
-            part = memoryview(sink).cast("B")
-            if not _read_all(f, part):
-                raise CheckpointError(f"{path}: {name} ended early (truncated)")
-            digest.update(part)
+        _advise(f.fileno(), 0, 0, "POSIX_FADV_SEQUENTIAL")  # a larger read-ahead (buffered reads)
+        reader = DirectReader.open(file) if direct else None
+        at = header_bytes
+        try:
+            for sink in sinks:
+                part = memoryview(sink).cast("B")
+                if reader is not None:
+                    try:
+                        complete = reader.read_into(sink, at) == part.nbytes
+                    except OSError:  # the device wants other alignment: the rest goes through the page cache
+                        reader.close()
+                        reader = None
+                        f.seek(at)
+                if reader is None:
+                    complete = _read_all(f, part)
+                if not complete:
+                    raise CheckpointError(f"{path}: {name} ended early (truncated)")
+                digest.update(part)
+                at += part.nbytes
+        finally:
+            if reader is not None:
+                reader.close()
     if digest.hexdigest() != entry[CHECKSUM]:
         raise CheckpointError(f"{path}: {name} does not match its checksum (corrupted)")
 

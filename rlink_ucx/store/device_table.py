@@ -22,7 +22,8 @@ import numpy as np
 
 from ..errors import ConfigError
 from ..wire.codec import Schema
-from .table import ReplayTable, prefaulted
+from .storage import host_storage, populate_all, populated
+from .table import ReplayTable
 
 __all__ = ["DeviceTable"]
 
@@ -46,12 +47,17 @@ class DeviceTable(ReplayTable):
         torch = self.torch
         nbytes = sum(self.capacity * f.step_bytes for f in self.schema.fields)
         try:
-            # On CPU, zeros touches every page now: the first inserts should not pay the page faults.
-            make = torch.zeros if touch and not self.cuda else torch.empty
-            return [
-                make((self.capacity, f.step_bytes), dtype=torch.uint8, device=self.device) for f in self.schema.fields
-            ]
-        except RuntimeError as exc:  # out of memory on the device
+            if self.cuda:
+                return [torch.empty((self.capacity, f.step_bytes), dtype=torch.uint8, device=self.device)
+                        for f in self.schema.fields]  # fmt: skip
+            # On CPU: tensors over host storage with guard space, which a load reads into directly;
+            # populated now unless a load is about to fill them (its reads overlap the faults).
+            rows = [host_storage(self.capacity * f.step_bytes, huge=touch) for f in self.schema.fields]
+            if touch:
+                for flat in rows:
+                    populate_all(flat)
+            return [torch.from_numpy(flat).view(self.capacity, -1) for flat in rows]
+        except (RuntimeError, MemoryError, OSError) as exc:  # out of memory on the device
             raise ConfigError(f"a replay table of {nbytes / 1e9:.2f} GB does not fit on {self.device}: {exc}") from exc
 
     # --- inserting ----------------------------------------------------------------------------------
@@ -121,11 +127,12 @@ class DeviceTable(ReplayTable):
 
     def sinks(self, field: int, runs: list[tuple[int, int]], size: int) -> Iterator[np.ndarray]:
         if not self.cuda:
-            yield from prefaulted(list(self._host_views(field, runs, size)))
+            yield from populated(list(self._host_views(field, runs, size)))
             return
         torch = self.torch
         pieces = self._pieces(field, runs, size)
-        bufs = [torch.empty(size, dtype=torch.uint8, pin_memory=True) for _ in range(min(2, len(pieces)))]
+        # With guard space around them: the load reads into them with O_DIRECT (direct_read.py).
+        bufs = [torch.from_numpy(host_storage(size, pin=True)) for _ in range(min(2, len(pieces)))]
         copied: list[Any] = [None, None]
         for i, piece in enumerate(pieces):
             buf = bufs[i % 2]

@@ -4,7 +4,9 @@ It takes steps the way ``RLinkDataset.fetch`` does (``StepRing.take`` / ``releas
 actors' side is unchanged. It sleeps on the ring's condition while no step is ready and on
 the replay's condition while the rate limiter (or FIFO) leaves no room; while it waits for
 room, nothing leaves the ring, the ring fills, the learner stops granting credit and the
-actors' ``put`` blocks: backpressure, nothing dropped.
+actors' ``put`` blocks: backpressure, nothing dropped. For a table that takes whole ring chunks
+without copying them, it waits a few milliseconds for the chunk under way to complete and ends
+its takes on chunk boundaries.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ __all__ = ["Inserter"]
 log = logging.getLogger(__name__)
 
 _WAIT = 3600.0  # a ring wait ends on a frame, on close (wake) or on the ring closing
+_GRACE = 0.005  # how long to wait for the rest of a ring chunk that could be taken without a copy
 
 
 class Inserter:
@@ -44,6 +47,24 @@ class Inserter:
         if self.thread.is_alive() and threading.current_thread() is not self.thread:
             self.thread.join(timeout)
 
+    def _how_many(self, ring: StepRing, most: int) -> int:
+        """Steps to take next (at most ``most``), once some are ready: sleeps on the ring until
+        a frame lands. A table that takes whole chunks without copying (``core.adopts``) waits
+        a moment longer for the chunk under way to complete, and ends its takes on chunks."""
+        ready, front = ring.wait_ready(1, _WAIT, finished=self._stop.is_set)
+        if not ready:
+            return 0
+        if not self.core.adopts:
+            return min(ready, most)
+        k = ring.chunk_steps
+        to_end = k - front % k  # steps to the end of the chunk the front is in
+        if ready < min(to_end, most):  # at a high rate it completes in a moment; at a low one, copying is cheap
+            ready, front = ring.wait_ready(min(to_end, most), _GRACE, finished=self._stop.is_set)
+            to_end = k - front % k
+        want = min(ready, most)
+        whole = want - (want - to_end) % k if want >= to_end else want  # end on a chunk boundary
+        return whole
+
     def _run(self) -> None:
         try:
             ring = None
@@ -52,19 +73,18 @@ class Inserter:
             if ring is None:
                 return
             self.ring = ring
-            self.core.attach(ring.schema)
-            limit = max(1, ring.capacity // 4)  # a quarter of the ring per copy frees space early
+            self.core.attach(ring.schema, (ring.chunk_steps, ring.capacity))
+            limit = max(1, ring.capacity // 4)  # a quarter of the ring per insert frees space early
             while not self._stop.is_set():
                 room = self.core.wait_room()
                 if room == 0:
                     return  # closing
-                ready = ring.ready_steps()
-                want = min(ready, limit) if room is None else min(ready, room, limit)
+                most = limit if room is None else min(room, limit)
+                want = self._how_many(ring, most)
+                if not want:
+                    continue  # stopping, or another reader took them
                 try:
-                    if want:
-                        pieces, take_id = ring.take(want, 0.0)
-                    else:  # nothing ready: sleep until a frame is (one step, the rest next round)
-                        pieces, take_id = ring.take(1, _WAIT, finished=self._stop.is_set)
+                    pieces, take_id = ring.take(want, 0.0)
                 except RLinkTimeout:
                     continue  # another reader took them first
                 try:

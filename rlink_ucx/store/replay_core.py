@@ -3,7 +3,9 @@
 Inserts happen in three moves so that a sample never waits for a whole copy: under the lock
 the oldest steps are evicted to make room (so no sampler can pick them), the step bytes are
 copied into the freed slots without the lock, and under the lock again the new ids become
-visible. A sample picks ids and gathers their rows under the lock (an eviction must not
+visible. A ``BlockTable`` (large steps, host memory) copies only what it cannot take whole:
+in the first move it maps whole ring chunks that are its own blocks to their steps and picks
+free blocks to put in the ring in their place, swapped in during the second. A sample picks ids and gathers their rows under the lock (an eviction must not
 overwrite rows being read), into staging buffers reused only once no batch refers to them.
 With ``storage="device"`` the rows live on the device (``DeviceTable``) and a sample gathers
 them there; only the ids, weights and metadata go through host staging.
@@ -23,8 +25,10 @@ from ..batch import Batch
 from ..errors import Closed, ConfigError, SchemaMismatch
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema, torch_dtype
+from .block_table import BlockTable, spare_blocks
 from .device_table import DeviceTable
 from .limiter import RateLimiter
+from .pieces import chunk_groups, contiguous, streams
 from .ring import Piece, StepRing
 from .samplers import UniformSampler, _checked, make_sampler
 from .table import PRIORITY_FIELD, ReplayTable
@@ -32,6 +36,7 @@ from .table import PRIORITY_FIELD, ReplayTable
 __all__ = ["ReplayCore", "stored_schema"]
 
 _POOL = 4  # staging buffer sets kept for reuse
+ADOPT_MIN_BYTES = 1 << 20  # ring chunks at least this large are taken without copying (host tables)
 
 
 def stored_schema(stream: Schema) -> Schema:
@@ -67,26 +72,47 @@ class ReplayCore:
         self.paused = 0  # saves in progress: no insert while > 0
         self.inserting = False  # an insert is copying outside the lock
         self._stream: tuple[list[int], int | None] | None = None  # ring field per stored field, priority field
+        self.adopt_min_bytes = ADOPT_MIN_BYTES
+        self.ring_geometry: tuple[int, int] | None = None  # the learner ring's (chunk_steps, capacity), once known
         self._pool: list[_Staging] = []
         self._dtypes: list[Any] = []
 
     # --- setup ------------------------------------------------------------------------------------
-    def build(self, schema: Schema, touch: bool = True) -> None:
-        """Allocate the table for ``schema`` (the stored fields); lock held or not yet shared."""
+    def build(self, schema: Schema, touch: bool = True, ring: tuple[int, int] | None = None) -> None:
+        """Allocate the table for ``schema`` (the stored fields); lock held or not yet shared.
+        ``ring``: the learner ring's ``(chunk_steps, capacity)`` if known, for ``adopts``."""
+        ring = ring or self.ring_geometry
         if self.storage == "device":
             self.table = DeviceTable(schema, self.capacity, self.sequence_length, device=self.device, touch=touch)
+        elif ring is not None and self._adoptable(schema, *ring):
+            chunk, steps = ring
+            self.table = BlockTable(schema, self.capacity, self.sequence_length, block=chunk,
+                                    spare=spare_blocks(steps, chunk), touch=touch)  # fmt: skip
         else:
             self.table = ReplayTable(schema, self.capacity, self.sequence_length, pin=self.pin, touch=touch)
         self.sampler = make_sampler(self.kind, self.table, self.rng, self.alpha, self.beta)
         self._dtypes = [torch_dtype(f.dtype) for f in schema.fields]
 
-    def attach(self, stream: Schema) -> None:
-        """The learner's stream schema is known: allocate, or check it against a loaded table."""
+    def _adoptable(self, schema: Schema, chunk: int, ring_steps: int) -> bool:
+        """Whether a host table takes whole ring chunks without copying (``BlockTable``): large
+        steps (copying them is what costs), unpinned storage (the ring keeps some of its blocks
+        after the replay is gone), and a ring small next to the table (its blocks are extra)."""
+        return (not self.pin and chunk * schema.step_bytes >= self.adopt_min_bytes
+                and 4 * ring_steps <= self.capacity)  # fmt: skip
+
+    @property
+    def adopts(self) -> bool:
+        """Inserts take whole ring chunks into the table without copying them."""
+        return isinstance(self.table, BlockTable)
+
+    def attach(self, stream: Schema, ring: tuple[int, int] | None = None) -> None:
+        """The learner's stream schema is known: allocate, or check it against a loaded table.
+        ``ring``: its ring's ``(chunk_steps, capacity)``."""
         stored = stored_schema(stream)
         names = [f.name for f in stream.fields]
         with self.cond:
             if self.table is None:
-                self.build(stored)
+                self.build(stored, ring=ring)
             elif self.table.schema != stored:
                 raise SchemaMismatch(f"the actors' schema {stored.describe()} does not match the replay's "
                                      f"{self.table.schema.describe()}: {self.table.schema.compare(stored)}")  # fmt: skip
@@ -131,37 +157,71 @@ class ReplayCore:
         return min(rooms) if rooms else None
 
     def insert(self, ring: StepRing, pieces: list[Piece]) -> None:
-        """Copy the taken ``pieces`` into the table (the caller releases the ring space)."""
+        """Put the taken ``pieces`` into the table (the caller releases the ring space)."""
         n = sum(p.count for p in pieces)
         if not n:
             return
         table, sampler = self.table, self.sampler
         assert table is not None and sampler is not None and self._stream is not None
         fields, prio = self._stream
+        groups = chunk_groups(ring, pieces, fields, table) if isinstance(table, BlockTable) else None
         with self.cond:
             while self.paused:  # a save began after wait_room said yes: its snapshot comes first
                 self.cond.wait()
             sampler.on_evict(table.evict_for(n))
             start = table.inserted
+            if groups is not None:
+                assert isinstance(table, BlockTable)
+                # A whole chunk gets a free block of the table in its place in the ring; one that
+                # is a block of ours becomes its steps' rows only then (never left in the ring).
+                lends = [table.lend_block() if g.whole else None for g in groups]
+                plan = table.place(start, [(g.count, g.adopt if lend is not None else None)
+                                           for g, lend in zip(groups, lends)])  # fmt: skip
             self.inserting = True
-        priorities = []
+        priorities = None
         try:
+            # Read the priorities first: a chunk handed back to the ring below is no longer readable.
+            if prio is not None:
+                priorities = np.concatenate([ring.piece_bytes(prio, p).view(np.float32) for p in pieces])
+            if groups is None:
+                at = start
+                for span in contiguous(pieces, ring.chunk_steps):  # one copy per run of consecutive ring positions
+                    table.write(at, [ring.piece_bytes(i, span) for i in fields], span.count)
+                    at += span.count
+            else:
+                assert isinstance(table, BlockTable)
+                for group, runs, lend in zip(groups, plan, lends):
+                    if runs:
+                        spans = list(contiguous(group.pieces, ring.chunk_steps))
+                        table.copy_in(runs, [[ring.piece_bytes(i, s) for s in spans] for i in fields])
+                    if lend is not None and ring.lend_chunk(group.pieces, self._ring_chunk(table, lend, ring)) is None:
+                        raise RuntimeError("a whole ring chunk could not be swapped")  # chunk_groups checked it
             at = start
-            for p in pieces:
-                table.write(at, [ring.piece_bytes(i, p) for i in fields], p.count)
-                table.describe(at, p.count, p.actor_id, p.seq, p.version)
-                if prio is not None:
-                    priorities.append(ring.piece_bytes(prio, p).view(np.float32))
-                at += p.count
+            for run in streams(pieces):  # one description per run of one actor's consecutive steps
+                table.describe(at, run.count, run.actor_id, run.seq, run.version)
+                at += run.count
         finally:
             table.finish_writes()
             with self.cond:
                 self.inserting = False
                 table.publish(n)
                 ids = np.arange(start, start + n, dtype=np.int64)
-                sampler.on_insert(ids, np.concatenate(priorities) if priorities else None)
+                sampler.on_insert(ids, priorities)
                 self.limiter.inserted += n
                 self.cond.notify_all()
+
+    def _ring_chunk(self, table: BlockTable, block: int, ring: StepRing) -> list[np.ndarray]:
+        """The free ``block`` as a ring chunk: its rows per stored field, in the stream's field
+        order, and a small buffer of its own for the priority field (not stored as a field)."""
+        assert self._stream is not None
+        fields, prio = self._stream
+        views = table.block_views(block)
+        chunk: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * len(ring.schema.fields)
+        for i, view in zip(fields, views):
+            chunk[i] = view
+        if prio is not None:
+            chunk[prio] = np.empty(ring.chunk_steps * ring.schema.fields[prio].step_bytes, dtype=np.uint8)
+        return chunk
 
     # --- sampling ---------------------------------------------------------------------------------
     def sample(self, timeout: float) -> Batch:

@@ -212,9 +212,13 @@ class StepRing:
         sb = self._sizes[field]
         return self.chunks[chunk][field][offset * sb : (offset + piece.count) * sb]
 
-    def lend_chunk(self, pieces: list[Piece]) -> list[np.ndarray] | None:
+    def lend_chunk(self, pieces: list[Piece], replacement: list[np.ndarray] | None = None) -> list[np.ndarray] | None:
         """If ``pieces`` are exactly one whole chunk, hand its buffers out and put a spare
-        chunk in its place (the caller releases the take as usual); else None."""
+        chunk in its place (the caller releases the take as usual); else None.
+
+        ``replacement``: the buffers to put in its place instead (one flat uint8 array of
+        ``chunk_steps * step_bytes`` per field); the chunk handed out is then its new owner's
+        for good, not taken back for reuse. A replay gives its own free table rows this way."""
         if not pieces or pieces[0].start % self.chunk_steps or sum(p.count for p in pieces) != self.chunk_steps:
             return None
         for a, b in zip(pieces, pieces[1:]):
@@ -222,6 +226,9 @@ class StepRing:
                 return None
         chunk = pieces[0].start // self.chunk_steps
         with self._lock:
+            if replacement is not None:
+                lent, self.chunks[chunk] = self.chunks[chunk], replacement
+                return lent
             self._reclaim()
             spare = self._pool.pop() if self._pool else self._new_chunk()
             lent, self.chunks[chunk] = self.chunks[chunk], spare
@@ -372,6 +379,27 @@ class StepRing:
     def ready_steps(self) -> int:
         with self._lock:
             return self._ready_front()
+
+    def wait_ready(self, count: int, timeout: float, finished: Callable[[], bool] | None = None) -> tuple[int, int]:
+        """Wait until ``count`` steps are ready at the front, ``timeout`` passes or ``finished()``
+        holds, claiming nothing. Returns the steps ready then and the ring position of the
+        first of them (of the next step to arrive when none is)."""
+        deadline = time.monotonic() + timeout
+        with self._ready:
+            while not self._closed and self._ready_front(count) < count and not (finished is not None and finished()):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._waiting_for = count
+                try:
+                    self._ready.wait(left if finished is None else min(left, 0.5))
+                finally:
+                    self._waiting_for = 0
+            if self._closed:
+                raise Closed("the learner is closed")
+            front = next((s.start + s.consumed for s in self._segments if s.state is not SegState.DEAD
+                          and s.consumed < s.n), 0 if not self._segments else self._head)  # fmt: skip
+            return self._ready_front(), front % self.capacity
 
     def release(self, take_id: int) -> None:
         """The copies of take ``take_id`` (and earlier) are done: their space may be reused."""

@@ -14,13 +14,13 @@ links, or -1): a window ending at id ``e`` is whole iff ``back[e]`` is still hel
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 
 from ..wire.codec import Schema
+from .storage import host_storage, populate_all, populated
 
 __all__ = ["ReplayTable"]
 
@@ -152,41 +152,14 @@ class ReplayTable:
 
     def sinks(self, field: int, runs: list[tuple[int, int]], size: int) -> Iterator[np.ndarray]:
         """Host arrays of at most ``size`` bytes to fill, in order, with the bytes of ``field``
-        in the slot ``runs``; each is stored once the next is asked for (or the loop ends)."""
-        yield from prefaulted(list(self.chunks(field, runs, size)))  # host rows: the chunks are the storage itself
-
-
-def prefaulted(views: list[np.ndarray], threads: int = 2) -> Iterator[np.ndarray]:
-    """``views`` in order, each once a helper thread has touched its pages: a table restored
-    from a checkpoint is fresh memory, and its page faults then overlap the file reads (which
-    release the GIL) instead of adding to them. Two threads: in a VM, the first touch of memory
-    the host has not backed yet runs at ~0.5 GB/s per thread (measured in docs/replay.md)."""
-    touched = [threading.Event() for _ in views]
-
-    def touch(first: int) -> None:
-        for i in range(first, len(views), threads):
-            views[i][::4096] = 0
-            touched[i].set()
-
-    helpers = [threading.Thread(target=touch, args=(t,), name="rlink-replay-prefault", daemon=True)
-               for t in range(min(threads, len(views)))]  # fmt: skip
-    for helper in helpers:
-        helper.start()
-    try:
-        for view, done in zip(views, touched):
-            done.wait()
-            yield view
-    finally:
-        for helper in helpers:
-            helper.join()
+        in the slot ``runs``; each is stored once the next is asked for (or the loop ends).
+        Each lies in memory with the guard space of ``storage.py`` around it (direct reads)."""
+        yield from populated(list(self.chunks(field, runs, size)))  # host rows: the chunks are the storage itself
 
 
 def _alloc(nbytes: int, pin: bool, touch: bool) -> np.ndarray:
-    if pin:
-        import torch
-
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True).numpy()
-    out = np.empty(nbytes, dtype=np.uint8)
-    if touch:  # every page now: the first inserts should not pay the page faults (a load fills them anyway)
-        out[::4096] = 0
+    # A table a load fills gets small pages: see host_storage.
+    out = host_storage(nbytes, pin=pin, huge=touch)
+    if touch and not pin:  # every page now: the first inserts should not pay the page faults (a load fills them anyway)
+        populate_all(out)
     return out

@@ -40,3 +40,23 @@ def replay_actor(address: str, transport: str, actor: int, n: int, results=None,
     if results is not None:
         results.put({"actor": actor, "seconds": time.monotonic() - started, "lost": stats["steps_lost"],
                      "credit_waits": stats["credit_waits"], "acked": stats["steps_acked"]})  # fmt: skip
+
+
+def frame_of(actor: int, seq) -> np.ndarray:
+    """An 84x84x4 uint8 observation whose every byte depends on (actor, seq)."""
+    seq = np.asarray(seq, dtype=np.int64).reshape(-1, 1)
+    return ((seq * 7 + actor * 3 + np.arange(84 * 84 * 4)) % 251).astype(np.uint8).reshape(-1, 84, 84, 4)
+
+
+def frames_actor(address: str, actor: int, n: int) -> None:
+    """Put ``n`` Atari-sized steps with priorities: put_many of 32, a single put now and then."""
+    from rlink_ucx import Actor
+
+    with Actor(address, transport="shm", actor_id=actor) as a:
+        seq = 0
+        while seq < n:
+            k = 1 if seq % 500 == 0 else min(32, n - seq)
+            s = np.arange(seq, seq + k)
+            a.put_many({"obs": frame_of(actor, s), "action": actor * 1_000_000 + s}, priority=priority_of(actor, s))
+            seq += k
+        a.flush(120)

@@ -12,7 +12,7 @@ import pytest
 from rlink_ucx import Config, Learner, ReplayDataset
 from tests.conftest import TRANSPORTS
 from tests.integration.procs import encoded_steps
-from tests.integration.replay_procs import priority_of, replay_actor
+from tests.integration.replay_procs import frame_of, frames_actor, priority_of, replay_actor
 from tests.integration.test_datapath import join_all
 
 SPAWN = mp.get_context("spawn")
@@ -155,4 +155,47 @@ def test_save_while_actors_put_then_load_and_continue_loses_nothing(tmp_path):
                 assert seq.tolist() == list(range(len(seq)))
                 expected = encoded_steps(a, n)["action"][: len(seq)]
                 np.testing.assert_array_equal(hm["action"][hm["actor"] == a].view(np.int64).ravel(), expected)
+        resumed.close()
+
+
+@pytest.mark.timeout(180)
+def test_large_steps_taken_whole_from_the_ring_arrive_bit_for_bit_and_survive_a_reload(tmp_path):
+    """Atari-sized steps fill whole ring chunks, which a host table takes without copying
+    (BlockTable): every held byte, the priorities, and a close/save/load on the same learner."""
+    from rlink_ucx.store.block_table import BlockTable
+
+    n = 2500
+    config = Config(buffer_bytes=16 << 20)  # a ring of 768 steps: small next to the table
+    with Learner("127.0.0.1:0", transport="shm", config=config) as learner:
+        replay = ReplayDataset(learner, capacity=4000, batch_size=64, sampler="prioritized", priority_exponent=1.0)
+        procs = start(*(SPAWN.Process(target=frames_actor, args=(learner.address, a, n)) for a in (1, 2)))
+        replay.sample(timeout=60)
+        deadline = time.monotonic() + 60
+        while replay.inserted < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        replay.close()  # mid-stream: the rest waits in the learner
+        replay.save(tmp_path / "c")
+        resumed = ReplayDataset.load(tmp_path / "c", learner)
+        assert join_all(procs, 120) == [0, 0]
+        deadline = time.monotonic() + 60
+        while resumed.inserted < 2 * n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert resumed.inserted == 2 * n and len(resumed) == 4000
+        for r in (replay, resumed):
+            t = r._core.table
+            assert isinstance(t, BlockTable)
+            ids = np.arange(t.first, t.inserted)
+            _, actor, seq = t.meta(ids)
+            obs = np.empty((ids.size, 84 * 84 * 4), dtype=np.uint8)
+            action = np.empty((ids.size, 8), dtype=np.uint8)
+            t.gather(ids, [obs, action])
+            np.testing.assert_array_equal(action.view(np.int64).ravel(), actor * 1_000_000 + seq)
+            for a in (1, 2):
+                mine = actor == a
+                np.testing.assert_array_equal(obs[mine].reshape(-1, 84, 84, 4), frame_of(a, seq[mine]))
+            leaves = r._core.sampler.tree.get(ids % t.capacity)
+            np.testing.assert_allclose(leaves, priority_of(actor, seq), rtol=1e-6)
+        assert replay._core.table.adopted + resumed._core.table.adopted > 2000  # most steps without a copy
+        b = resumed.sample(timeout=10)
+        np.testing.assert_array_equal(b["action"].numpy(), b.actor_id.numpy() * 1_000_000 + b.seq.numpy())
         resumed.close()

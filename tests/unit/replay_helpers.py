@@ -53,6 +53,18 @@ def put(ring: StepRing, actor: int, seq: int, n: int, frame: int = 64, version: 
         feed(ring, actor, seq + lo, steps(actor, seq + lo, k, p), version)
 
 
+def stream(ring: StepRing, actor: int, seq: int, n: int, frame: int = 64, timeout: float = 20.0) -> None:
+    """``put``, but each frame waits for room in the ring first, as an actor waits for credit:
+    a ring smaller than the steps streamed through it is emptied by its reader meanwhile."""
+    deadline = time.monotonic() + timeout
+    for lo in range(0, n, frame):
+        k = min(frame, n - lo)
+        while ring.grantable() < k:
+            assert time.monotonic() < deadline, "the reader did not free the ring"
+            time.sleep(0.0005)
+        feed(ring, actor, seq + lo, steps(actor, seq + lo, k))
+
+
 class FakeLearner:
     """What ReplayDataset uses of a Learner: its ring, version, config and closed flag."""
 
@@ -69,6 +81,9 @@ class FakeLearner:
 
     def _wait_ring(self, timeout: float):
         return self.ring if self.ready.wait(timeout) else None
+
+    def _hint_batch_size(self, batch_size: int) -> None:
+        self.hinted = batch_size  # the ring here is made by the test, with its own chunk size
 
 
 def wait_for(cond, timeout: float = 10.0) -> bool:

@@ -22,7 +22,7 @@ MiB = 1024 * KiB
 
 
 _MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after",
-                "shm_direct_read"}  # 0 switches the feature off
+                "shm_direct_read", "weights_shared_memory"}  # 0 switches the feature off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +86,9 @@ class Config:
 
     # --- weights ---------------------------------------------------------------------------
     weights_bucket_bytes: int = 32 * MiB  # one collective per bucket
+    # Actors on the learner's host read each version straight from the learner's shared memory
+    # (one copy, no sockets) instead of joining the broadcast; docs/weights.md.
+    weights_shared_memory: bool = True
 
     # --- transport ------------------------------------------------------------------------
     shm_ring_bytes: int = 8 * MiB  # per same-host actor on the shm plane

@@ -69,9 +69,10 @@ def valid_examples() -> list[Any]:
         _wire.Ack(10), _wire.Subscribe(-1), _wire.Version(1), _wire.Group(1, 0, 2, 1234, "p", "gloo", 10.0),
         _wire.Publish(1, manifest), _wire.Sealed(1, [1, 2]), _wire.Got(1), _wire.Pull(PV, 1, mac, 0),
         _wire.Heartbeat(), _wire.Bye("done"), _wire.Error("protocol", "x"),
-        _wire.KeyedSubscribe(-1, nonce), _wire.KeyedPull(PV, 1, mac, 0, nonce), _wire.WeightsKey(1, nonce),
+        _wire.KeyedSubscribe(-1, nonce, True), _wire.KeyedPull(PV, 1, mac, 0, nonce), _wire.WeightsKey(1, nonce),
         _wire.Seal(1, [bytes(16)], mac), _wire.StoreRequest(1, 1, "get", ["rlink/1/0/0"], [], 0, 10.0),
         _wire.StoreReply(1, True, [b"addr"], 0, ""), _wire.AttachProof(mac),
+        _wire.Mapped(manifest, [os.getpid(), 3, bytes(16), 16]),
     ]  # fmt: skip
 
 

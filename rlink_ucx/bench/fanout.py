@@ -4,7 +4,9 @@
   broadcasts one flat tensor of the same total size. Time: from the root's call until the last
   receiver's broadcast returned (CLOCK_MONOTONIC is shared by every process on a host).
 - ``rlink-publish``: a Learner and N subscribed actor processes; ``publish(state, wait=True)``
-  returns once every actor has the version, verified. Time: that call, snapshot included.
+  returns once every actor has the version, verified. Time: that call, snapshot included. The
+  actors share the learner's host, so they read each version from its shared memory; with
+  ``--no-shared-memory`` they join a gloo broadcast instead, as actors on other hosts do.
 
 With ``--device cuda:0`` the state dict lives on the GPU. The plain root then copies its flat
 tensor to the host and broadcasts that (what gloo needs; NCCL refuses two ranks on one GPU), and
@@ -14,7 +16,7 @@ The state dict is ``tensors`` float32 tensors adding up to ``size_mb`` MiB. Repe
 between the two systems, so drift on a noisy machine hits both alike; medians are reported.
 
 Usage: python bench/fanout.py [--size-mb 100] [--subscribers 3] [--reps 5] [--device cuda:0]
-       [--json out.json]
+       [--no-shared-memory] [--json out.json]
 """
 
 from __future__ import annotations
@@ -97,10 +99,10 @@ def _subscriber(address: str, until: int, results: Any) -> None:
 
 
 class RlinkPublish:
-    def __init__(self, subscribers: int, reps: int):
-        from .. import Learner
+    def __init__(self, subscribers: int, reps: int, shared_memory: bool = True):
+        from .. import Config, Learner
 
-        self.learner = Learner("127.0.0.1:0", transport="tcp")
+        self.learner = Learner("127.0.0.1:0", transport="tcp", config=Config(weights_shared_memory=shared_memory))
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_subscriber, args=(self.learner.address, reps + 2, self.results))
@@ -131,11 +133,11 @@ class RlinkPublish:
 
 
 def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 25,
-        device: str = "cpu") -> dict[str, Any]:  # fmt: skip
+        device: str = "cpu", shared_memory: bool = True) -> dict[str, Any]:  # fmt: skip
     state = _state(size_mb, tensors, device)
     numel = sum(t.numel() for t in state.values())
     plain = PlainBroadcast(numel, subscribers, reps, device)
-    rlink = RlinkPublish(subscribers, reps)
+    rlink = RlinkPublish(subscribers, reps, shared_memory)
     times: dict[str, list[float]] = {"plain-broadcast": [], "rlink-publish": []}
     try:
         for _ in range(2):  # warm-up: connections, groups, first-touch page faults of the double buffers
@@ -153,6 +155,7 @@ def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 
         "subscribers": subscribers,
         "tensors": tensors,
         "device": device,
+        "shared_memory": shared_memory,
         "reps": reps,
         "seconds": times,
         "median_seconds": med,
@@ -172,9 +175,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--tensors", type=int, default=25)
     parser.add_argument("--device", default="cpu", help='where the published state dict lives, e.g. "cuda:0"')
+    parser.add_argument("--no-shared-memory", action="store_true",
+                        help="the actors join a gloo broadcast instead of reading the learner's shared memory")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
-    out = run(args.size_mb, args.subscribers, args.reps, args.tensors, args.device)
+    out = run(args.size_mb, args.subscribers, args.reps, args.tensors, args.device, not args.no_shared_memory)
     for name, values in out["seconds"].items():
         print(f"{name:16s} median {statistics.median(values) * 1e3:8.1f} ms   "
               f"min {min(values) * 1e3:8.1f}   max {max(values) * 1e3:8.1f}")  # fmt: skip

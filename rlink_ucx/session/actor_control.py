@@ -17,7 +17,8 @@ from .actor_frames import BorrowedFrame
 
 log = logging.getLogger(__name__)
 # Weights messages go to the subscriber (StoreReply too: its rendezvous waits for it).
-_WEIGHTS = (_wire.Version, _wire.Publish, _wire.Group, _wire.Sealed, _wire.WeightsKey, _wire.Seal, _wire.StoreReply)
+_WEIGHTS = (_wire.Version, _wire.Publish, _wire.Mapped, _wire.Group, _wire.Sealed, _wire.WeightsKey, _wire.Seal,
+            _wire.StoreReply)
 # Without a learner's heartbeat to answer, the actor says it is alive after this many heartbeat
 # intervals of silence: the learner's heartbeats (one interval apart) come first, and answering
 # them keeps an idle actor's wake-ups at one per learner heartbeat, not two.
@@ -134,7 +135,7 @@ class ControlReader:
     def _on_weights(self, msg: Any) -> None:
         if isinstance(msg, _wire.Version):
             self.latest_version = max(self.latest_version, msg.version)
-        elif isinstance(msg, _wire.Publish):
+        elif isinstance(msg, (_wire.Publish, _wire.Mapped)):
             self.latest_version = max(self.latest_version, msg.manifest.version)
         if self.weights_listener is not None:
             self.weights_listener(msg)

@@ -94,6 +94,7 @@ class LearnerSession:
         self.last_frame = time.monotonic()  # when a frame last completed (idle actors give credit back)
         self.revoking = False  # a Revoke is outstanding
         self.subscribed = False  # wants every published version
+        self.weights_shared = False  # on the learner's host: reads versions from its shared memory
         self.cuda_device: int | None = None  # where it receives weights (NCCL needs distinct GPUs)
         self.weights_sent = 0  # newest version announced or broadcast to it
         self.weights_acked = 0  # newest version it confirmed complete and verified

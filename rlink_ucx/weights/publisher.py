@@ -45,6 +45,7 @@ class Member(Protocol):
     key: bytes  # the session's key, from the token and the ticket (``wire.keys.session_key``)
     control: ControlConnection
     subscribed: bool  # wants every published version
+    weights_shared: bool  # on this host, and reads versions from our shared memory
     cuda_device: int | None  # where it receives weights (NCCL needs distinct GPUs)
     weights_sent: int  # newest version announced or broadcast to it
     weights_acked: int  # newest version it confirmed complete and verified
@@ -77,7 +78,7 @@ class Publisher:
         self.loop = server.loop
         self.latest: Snapshot | None = None  # the newest complete version (served to pulls)
         self.pending: Snapshot | None = None  # the newest version, possibly still being copied
-        self._pool = BufferPool()
+        self._pool = BufferPool(shared=self.config.weights_shared_memory)
         self._publish_lock = threading.Lock()  # one snapshot at a time
         self._cv = threading.Condition()  # guards latest/_fanned; signals acks
         self._fanned = 0  # newest version whose fan-out has ended
@@ -91,7 +92,7 @@ class Publisher:
         self._subscription_keys: dict[int, bytes] = {}  # session id -> its subscription's key
         self._pulls: dict[int, _Pull] = {}  # session id -> the pull just verified, until served
         self.stats: dict[str, Any] = {
-            "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "groups": 0,
+            "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "groups": 0, "shared": 0,
             "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None, "backend": None,
         }  # fmt: skip
 
@@ -159,6 +160,9 @@ class Publisher:
             raise ProtocolError("weights subscription without a key nonce (an actor of an older rlink?)")
         self._subscription_keys[session.id] = _keys.subscription_key(session.key, nonce)
         session.subscribed = True
+        # An actor that can open our memfds reads versions from them: on this host only (the
+        # name says so; the actor falls back to pulls where the memfd still cannot be opened).
+        session.weights_shared = bool(msg.shared) and self._pool.shared and session.hello.host == hostname()
         session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
         # The actor pulls the current version right away; until it acknowledges it, it stays
         # out of the broadcast group.
@@ -237,6 +241,9 @@ class Publisher:
         sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
         subscribed = [s for s in sessions if s.subscribed]
         caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent and s.id in self._subscription_keys]
+        # Actors on this host read a host snapshot from our shared memory; the others join the group.
+        sharing = [s for s in caught_up if s.weights_shared and snap.shared is not None]
+        caught_up = [s for s in caught_up if s not in sharing]
         backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
         source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
         members: list[Member] = []
@@ -248,8 +255,8 @@ class Publisher:
                 self._failed(f"building fan-out group {self._generation} failed: {exc}")
         for s in subscribed:
             s.weights_sent = snap.version
-        others = [s for s in sessions if s not in members]
-        keys = {s.id: self._subscription_keys[s.id] for s in members}
+        others = [s for s in sessions if s not in members and s not in sharing]
+        keys = {s.id: self._subscription_keys[s.id] for s in members + sharing}
         for s in members:  # the key first: members tag each bucket as it arrives
             wrapped = _wire.WeightsKey(snap.version, _keys.wrap(keys[s.id], snap.version, snap.key.secret))
             self._send([s], _wire.Publish(self._generation, source.manifest), wrapped)
@@ -261,7 +268,12 @@ class Publisher:
                 others += [s for s in members if s.state == "open"]
                 members = []
         snap.wait_ready(len(snap.manifest.buckets()) + 1, timeout)
+        for s in sharing:  # sealed: the whole version is there to read
+            wrapped, seal = self._seal(keys[s.id], snap)
+            self._send([s], _wire.Mapped(snap.manifest, snap.shared), wrapped, seal)
+        self.stats["shared"] += len(sharing)
         self._send(others, _wire.Version(snap.version))  # once complete: they pull it
+        members += sharing
         if not members:
             return
         # Wait (bounded) until the members verified it: "published" means received, and an

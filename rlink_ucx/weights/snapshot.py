@@ -21,6 +21,8 @@ from ..errors import ProtocolError, RLinkError
 from ..wire.codec import DTYPES
 from ..wire.manifest import ALIGN, KEYED, Entry, Manifest
 from .mac import VersionKey
+from .shared import SharedBuffer
+from .shared import available as shared_available
 
 __all__ = ["BufferPool", "Snapshot", "snapshot", "state_dict_of"]
 
@@ -67,12 +69,13 @@ class Snapshot:
     becomes readable bucket by bucket, so the fan-out can send bucket 0 while later ones are
     still being copied; it is *sealed* once every bucket's tag is computed."""
 
-    __slots__ = ("_cv", "device", "flat", "host", "key", "manifest", "ready", "sealed", "tags")
+    __slots__ = ("_cv", "device", "flat", "host", "key", "manifest", "ready", "sealed", "shared", "tags")
 
     def __init__(self, manifest: Manifest, flat: Any, device: str, *, sealed: bool = True,
                  key: VersionKey | None = None, tags: list[bytes] | None = None):  # fmt: skip
         self.manifest, self.flat, self.device = manifest, flat, device
         self.host: Snapshot | None = None  # a CUDA snapshot's host copy, made on demand
+        self.shared: list[Any] | None = None  # where actors on this host read ``flat`` (shared.py)
         self.key = key if key is not None else VersionKey()
         self.tags: list[bytes] = tags if tags is not None else []
         if sealed and tags is None:
@@ -130,31 +133,39 @@ class Snapshot:
 
 class BufferPool:
     """Reuses flat buffers nobody references any more; a buffer still referenced (a state dict
-    the caller kept, a fan-out in flight) is never overwritten."""
+    the caller kept, a fan-out in flight) is never overwritten. ``shared``: buffers live in
+    shared memory that actors on this host can read (``shared.py``)."""
 
-    def __init__(self, keep: int = 2):
-        self._free: list[np.ndarray] = []
-        self._out: list[np.ndarray] = []
+    def __init__(self, keep: int = 2, shared: bool = False):
+        self._free: list[tuple[np.ndarray, SharedBuffer | None]] = []
+        self._out: list[tuple[np.ndarray, SharedBuffer | None]] = []
         self._keep = keep
+        self.shared = shared and shared_available()
 
-    def get(self, nbytes: int) -> np.ndarray:
+    def get(self, nbytes: int) -> tuple[np.ndarray, list[Any] | None]:
+        """A buffer of ``nbytes`` and, for a shared one, where actors find it."""
         still = []
-        for buf in self._out:
+        for entry in self._out:
+            buf = entry[0]
             # Views made from the buffer (numpy slices, tensors from them) reference it; 3 = the
-            # list slot, the loop variable and getrefcount's own argument.
+            # tuple's slot, ``buf`` and getrefcount's own argument.
             if sys.getrefcount(buf) > 3:
-                still.append(buf)
+                still.append(entry)
             elif len(self._free) < self._keep:
-                self._free.append(buf)
+                self._free.append(entry)
+            elif entry[1] is not None:
+                entry[1].close()
+            del buf
         self._out = still
-        for i, buf in enumerate(self._free):
-            if buf.nbytes == nbytes:
+        for i, entry in enumerate(self._free):
+            if entry[0].nbytes == nbytes:
                 del self._free[i]
                 break
         else:
-            buf = np.empty(nbytes, dtype=np.uint8)
-        self._out.append(buf)
-        return buf
+            region = SharedBuffer(nbytes) if self.shared else None
+            entry = (region.array() if region is not None else np.empty(nbytes, dtype=np.uint8), region)
+        self._out.append(entry)
+        return entry[0], entry[1].where if entry[1] is not None else None
 
 
 def begin_snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:
@@ -166,11 +177,13 @@ def begin_snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, po
         import torch
 
         device = next(iter(devices))
-        flat = torch.empty(total, dtype=torch.uint8, device=device)
+        flat, shared = torch.empty(total, dtype=torch.uint8, device=device), None
     else:
-        flat, device = pool.get(total), "cpu"
+        (flat, shared), device = pool.get(total), "cpu"
     bucket = max(ALIGN, bucket_bytes // ALIGN * ALIGN)
-    return Snapshot(Manifest(version, entries, total, bucket, [], KEYED), flat, device, sealed=False)
+    snap = Snapshot(Manifest(version, entries, total, bucket, [], KEYED), flat, device, sealed=False)
+    snap.shared = shared
+    return snap
 
 
 def fill(snap: Snapshot, state: Mapping[str, Any]) -> None:

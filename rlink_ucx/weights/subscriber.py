@@ -32,6 +32,8 @@ from ..wire import messages as _wire
 from .group import broadcast, formation_timeout, new_group
 from .mac import VersionKey, check_tags
 from .rendezvous import RemoteStore, relay_store
+from .shared import available as shared_available
+from .shared import read_into
 from .snapshot import BufferPool, Snapshot
 
 log = logging.getLogger(__name__)
@@ -76,13 +78,15 @@ class Subscriber:
         self._generation = 0
         self._backend = "gloo"
         self.rejected: RLinkError | None = None  # the last version refused as altered or unproven
-        self.stats: dict[str, Any] = {"broadcasts": 0, "pulls": 0, "failures": 0, "rejected": 0, "last_error": None}
+        self.stats: dict[str, Any] = {"broadcasts": 0, "shared_reads": 0, "pulls": 0, "failures": 0, "rejected": 0,
+                                      "last_error": None}  # fmt: skip
         conn.weights_listener = self.deliver
         self._device = _cuda_device()  # the caller's GPU: NCCL receives land there
         self._nonce = _auth.new_nonce()  # makes this subscription's key fresh (wire/keys.py)
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
-        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce)  # repeated after a reconnect
+        shared = config.weights_shared_memory and shared_available()  # the learner decides if we share its host
+        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, shared)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
         self._events.put(_PULL)
 
@@ -152,6 +156,8 @@ class Subscriber:
                     self._join(msg)
                 elif isinstance(msg, _wire.Publish):
                     self._receive(msg)
+                elif isinstance(msg, _wire.Mapped):
+                    self._read_shared(msg)
             except Exception as exc:  # noqa: BLE001 - logged and counted; the next version retries
                 self._group = self._group_store = None
                 self.stats["failures"] += 1
@@ -220,7 +226,7 @@ class Subscriber:
             self._check(reply.manifest)
             wrapped, seal = self._read(sock, _wire.WeightsKey), self._read(sock, _wire.Seal)
             key = self._open_seal(_keys.pull_key(session_key, challenge.nonce, nonce), reply.manifest, wrapped, seal)
-            flat = self._pool.get(reply.manifest.total_bytes)
+            flat, _ = self._pool.get(reply.manifest.total_bytes)
             _wire.recv_exact_into(sock, memoryview(flat))
             snap = Snapshot(reply.manifest, flat, "cpu", key=key, tags=list(seal.tags))
             try:
@@ -279,7 +285,7 @@ class Subscriber:
 
             flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=torch.device("cuda", self._device))
         else:
-            flat = self._pool.get(manifest.total_bytes)
+            flat, _ = self._pool.get(manifest.total_bytes)
         buckets = manifest.buckets()
         tags: list[bytes] = []
         receiving = Snapshot(manifest, flat, "cpu" if self._backend == "gloo" else str(flat.device), sealed=False,
@@ -295,6 +301,40 @@ class Subscriber:
             raise self._refuse(exc) from None
         self.stats["broadcasts"] += 1
         self._expose(Snapshot(manifest, flat, receiving.device, key=key, tags=list(seal.tags)))
+
+    def _read_shared(self, msg: _wire.Mapped) -> None:
+        """Copy a version out of the learner's shared memory (we share its host), tagging each
+        bucket as soon as it is in; exposed once every tag matches the Seal's."""
+        manifest = msg.manifest
+        self._check(manifest)
+        version = manifest.version
+        wrapped = self._next(_wire.WeightsKey, version)
+        seal = self._next(_wire.Seal, version)
+        subscription_key = _keys.subscription_key(self.conn.weights_key(), self._nonce)
+        key = self._open_seal(subscription_key, manifest, wrapped, seal)
+        flat, _ = self._pool.get(manifest.total_bytes)
+        buckets = manifest.buckets()
+        tags: list[bytes] = []
+
+        def tag_arrived(done: int) -> None:  # tag while the next piece is read
+            while len(tags) < len(buckets) and buckets[len(tags)][1] <= done:
+                i = len(tags)
+                tags.append(key.tag(flat, *buckets[i], version, i))
+
+        try:
+            read_into(msg.where, flat, tag_arrived)
+        except OSError as exc:
+            # Not readable from here after all (another PID namespace or user under the same host
+            # name): stop asking for it; this version, and every later one, comes another way.
+            self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False)
+            self.io.soon(self._send, self.conn.subscription)
+            raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); pulling instead") from exc
+        try:
+            check_tags(list(seal.tags), tags, version)
+        except ProtocolError as exc:
+            raise self._refuse(exc) from None
+        self.stats["shared_reads"] += 1
+        self._expose(Snapshot(manifest, flat, "cpu", key=key, tags=list(seal.tags)))
 
     def close(self) -> None:
         self._closed = True

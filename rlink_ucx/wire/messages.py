@@ -11,9 +11,10 @@ import msgspec
 from ..errors import ProtocolError
 from .manifest import Manifest
 
-PROTOCOL_VERSION = 5  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma);
+PROTOCOL_VERSION = 6  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma);
 # 4: keyed weights (KeyedPull, Seal, AttachProof, the rendezvous relayed over the control channel);
-# 5: data connections proven with the session key; the frame header carries the put time (64 bytes)
+# 5: data connections proven with the session key; the frame header carries the put time (64 bytes);
+# 6: same-host weights read from the learner's shared memory (KeyedSubscribe.shared, Mapped)
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -204,6 +205,19 @@ class KeyedSubscribe(Subscribe):
     """Actor -> learner: Subscribe, with the nonce that makes this subscription's key fresh."""
 
     nonce: bytes
+    shared: bool = False  # it can read versions from the learner's shared memory (same host)
+
+
+class Mapped(_Msg):
+    """Learner -> actor on its host: ``manifest``'s bytes lie in the learner's sealed memfd
+    ``where`` = [pid, fd, nonce, bytes]; read them from there. WeightsKey and Seal follow."""
+
+    manifest: Manifest
+    where: list
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
 
 
 class KeyedPull(Pull):
@@ -262,7 +276,7 @@ class AttachProof(_Msg):
 Message = Union[
     Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye,
     Error, Subscribe, Version, Group, Publish, Sealed, Got, Pull, Revoke, Returned,
-    KeyedSubscribe, KeyedPull, WeightsKey, Seal, StoreRequest, StoreReply, AttachProof,
+    KeyedSubscribe, KeyedPull, WeightsKey, Seal, StoreRequest, StoreReply, AttachProof, Mapped,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -106,8 +106,9 @@ def test_manifest_survives_the_wire_and_a_valid_one_passes():
     msg.manifest.validate(max_bytes=2**20, max_entries=100)
 
 
-def test_buffer_pool_never_reuses_a_buffer_someone_still_reads():
-    pool = BufferPool()
+@pytest.mark.parametrize("shared", [False, True], ids=["private", "shared"])
+def test_buffer_pool_never_reuses_a_buffer_someone_still_reads(shared):
+    pool = BufferPool(shared=shared)
     first = snapshot({"w": torch.ones(1000)}, 1, 1 << 20, pool)
     kept = first.tensors()["w"]  # the caller keeps a view of version 1
     first = None
@@ -119,6 +120,7 @@ def test_buffer_pool_never_reuses_a_buffer_someone_still_reads():
     assert third.flat.ctypes.data == address, "a released buffer should be reused"
     assert kept.eq(1.0).all()
     assert isinstance(third, Snapshot) and np.all(third.tensors()["w"].numpy() == 3.0)
+    assert (third.shared is not None) == shared
 
 
 def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():

@@ -1,0 +1,86 @@
+"""Same-host fan-out: snapshots in sealed shared memory that actors on the host read directly.
+
+A broadcast over sockets copies every byte twice per actor (into the kernel, out of it) and the
+learner once more per actor. An actor on the learner's host can instead read the learner's
+snapshot buffer itself: one copy, made by the actor's own core, and nothing for the learner to
+send. The buffer is a sealed ``memfd`` (``transport/shm_memory.py``), named by
+``(pid, fd, nonce, size)`` and opened through ``/proc/<pid>/fd/<fd>``, which only a process of
+the same user in the same PID namespace may open. The bytes are trusted only once every bucket
+matched its keyed tag under a Seal the actor verified, as for a broadcast: a buffer reused or
+changed while it was read fails its tags, and the actor pulls the version instead.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import Any
+
+import numpy as np
+
+from ..errors import ProtocolError
+from ..transport.shm_memory import DATA_OFFSET, NONCE_BYTES, ShmRing
+from ..transport.shm_memory import available as _memfd_available
+
+__all__ = ["NAME", "SharedBuffer", "available", "read_into"]
+
+NAME = "rlink-weights"
+_READ_PIECE = 8 << 20  # bytes per read: bounds the time the caller cannot be interrupted
+
+
+def available() -> bool:
+    return _memfd_available()
+
+
+class SharedBuffer:
+    """A snapshot's flat buffer in a sealed memfd, and where actors find it. It holds no view
+    of its memory: whoever holds :meth:`array`'s result decides how long the bytes live."""
+
+    __slots__ = ("region", "where")
+
+    def __init__(self, nbytes: int):
+        self.region, nonce = ShmRing.create(nbytes, NAME)
+        self.where = [os.getpid(), self.region.fd, nonce, nbytes]
+
+    def array(self) -> np.ndarray:
+        return np.frombuffer(self.region.mm, dtype=np.uint8, count=self.where[3], offset=DATA_OFFSET)
+
+    def close(self) -> None:
+        """Close the descriptor; the mapping goes with the last view of the array."""
+        self.region.release_fd()
+
+
+def read_into(where: Any, dst: np.ndarray, on_piece: Any = None) -> None:
+    """Copy the shared buffer ``where`` (as the learner announced it) into ``dst``, in order;
+    ``on_piece(done)`` after each piece with the bytes read so far. ``OSError`` when it cannot
+    be opened from here (another host, PID namespace or user); ``ProtocolError`` when it is
+    malformed or smaller than ``dst``."""
+    if not isinstance(where, list) or len(where) != 4:
+        raise ProtocolError("malformed shared weights location")
+    pid, fd, nonce, size = where
+    # Checked by type before use: a hostile size must not become an allocation or a path.
+    if type(pid) is not int or type(fd) is not int or type(nonce) is not bytes or type(size) is not int:
+        raise ProtocolError("malformed shared weights location")
+    if size != len(dst) or len(nonce) != NONCE_BYTES or pid <= 0 or fd < 0:
+        raise ProtocolError(f"shared weights of {size} bytes announced for a {len(dst)}-byte version")
+    path = f"/proc/{pid}/fd/{fd}"
+    if not os.readlink(path).startswith(f"/memfd:{NAME} "):  # never open a device or a FIFO by accident
+        raise OSError(f"{path} is not an rlink weights buffer")
+    own = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    try:
+        info = os.fstat(own)
+        if not stat.S_ISREG(info.st_mode) or info.st_size != DATA_OFFSET + size:
+            raise OSError(f"{path} is not the announced weights buffer")
+        if os.pread(own, NONCE_BYTES, 0) != nonce:
+            raise OSError(f"{path} is another object (nonce differs)")
+        view = memoryview(dst)
+        done = 0
+        while done < size:
+            n = os.preadv(own, [view[done : min(size, done + _READ_PIECE)]], DATA_OFFSET + done)
+            if n <= 0:
+                raise OSError(f"{path} ended after {done} of {size} bytes")
+            done += n
+            if on_piece is not None:
+                on_piece(done)
+    finally:
+        os.close(own)

@@ -1,0 +1,121 @@
+"""Weights for actors on the learner's host: read from its shared memory, verified, with a
+fall back to pulls (and to the broadcast) where that fails. Real learner and actor processes."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rlink_ucx import Config, Learner
+from tests.integration.test_datapath import join_all
+from tests.integration.test_weights_security import TOKEN, digest, model, wait_subscribed
+
+SPAWN = mp.get_context("spawn")
+
+
+def reading_actor(address: str, results: Any, until: int, leave: Any, fault: str | None = None,
+                  shared: bool = True) -> None:  # fmt: skip
+    """Subscribes, records a digest of every version it is handed, reports. ``fault``: what
+    goes wrong with its shared-memory reads ("altered": a byte changes after the read, as if
+    another process wrote into the buffer; "unreadable": the buffer cannot be opened)."""
+    from rlink_ucx import Actor, RLinkError
+    from rlink_ucx.weights import subscriber
+
+    original = subscriber.read_into
+
+    def faulty(where: Any, dst: np.ndarray, on_piece: Any = None) -> None:
+        if fault == "unreadable":
+            raise PermissionError("not ours to open")
+        original(where, dst, None)
+        dst[0] ^= 0xFF
+        if on_piece is not None:
+            on_piece(len(dst))
+
+    if fault is not None:
+        subscriber.read_into = faulty
+    seen: dict[int, str] = {}
+    error = None
+    config = Config(weights_timeout=20, weights_shared_memory=shared)
+    with Actor(address, token=TOKEN, transport="tcp", subscribe=True, config=config) as actor:
+        while not seen or max(seen) < until:
+            try:
+                state, version = actor.get_remote_model(timeout=60, latest=False)
+            except RLinkError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                break
+            seen.setdefault(version, digest(state))
+            time.sleep(0.005)
+        results.put({"seen": seen, "error": error, "stats": actor.stats()["weights"], "fault": fault,
+                     "shared": shared})  # fmt: skip
+        leave.wait(60)
+
+
+def run_versions(versions: int, actors: list[tuple[str | None, bool]]) -> tuple[list[dict], dict]:
+    """Publish ``versions`` versions to actors started as ``(fault, shared)``; their reports
+    (sorted as ``actors``) and the learner's weights stats."""
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=Config(weights_timeout=20)) as learner:
+        results, leave = SPAWN.Queue(), SPAWN.Event()
+        procs = []
+        for fault, shared in actors:
+            procs.append(SPAWN.Process(target=reading_actor, args=(learner.address, results, versions, leave,
+                                                                   fault, shared)))  # fmt: skip
+            procs[-1].start()
+        wait_subscribed(learner, len(procs))
+        for v in range(1, versions + 1):
+            assert learner.publish(model(v), wait=True, timeout=60) == v
+        reports = [results.get(timeout=60) for _ in procs]
+        leave.set()
+        assert join_all(procs) == [0] * len(procs)
+        reports.sort(key=lambda r: actors.index((r["fault"], r["shared"])))
+        return reports, learner.stats()["weights"]
+
+
+@pytest.mark.timeout(180)
+def test_actors_on_the_learners_host_read_every_version_from_its_shared_memory():
+    reports, stats = run_versions(5, [(None, True)] * 3)
+    for r in reports:
+        assert r["error"] is None, r
+        assert r["seen"] and all(d == digest(model(v)) for v, d in r["seen"].items()), r["seen"]
+        assert max(r["seen"]) == 5 and sorted(r["seen"]) == list(r["seen"]), r["seen"]
+        # The first version may come by the pull every new subscriber makes; the rest are read.
+        assert r["stats"]["shared_reads"] >= 4 and r["stats"]["broadcasts"] == 0, r["stats"]
+        assert r["stats"]["rejected"] == 0 and r["stats"]["failures"] == 0, r["stats"]
+    assert stats["groups"] == 0 and stats["shared"] >= 12, stats  # no socket broadcast at all
+
+
+@pytest.mark.timeout(180)
+def test_an_actor_that_does_not_read_shared_memory_gets_the_broadcast_beside_those_that_do():
+    reports, stats = run_versions(4, [(None, False), (None, True), (None, True)])
+    for r in reports:
+        assert r["error"] is None and all(d == digest(model(v)) for v, d in r["seen"].items()), r
+    assert reports[0]["stats"]["broadcasts"] >= 3 and reports[0]["stats"]["shared_reads"] == 0, reports[0]
+    for r in reports[1:]:
+        assert r["stats"]["shared_reads"] >= 3 and r["stats"]["broadcasts"] == 0, r["stats"]
+    assert stats["groups"] >= 1 and stats["shared"] >= 6, stats
+
+
+@pytest.mark.timeout(180)
+def test_bytes_altered_in_shared_memory_are_refused_and_the_actor_pulls_the_real_version():
+    reports, stats = run_versions(3, [("altered", True), (None, True)])
+    bad, good = reports
+    assert bad["error"] is None, bad
+    assert bad["seen"] and all(d == digest(model(v)) for v, d in bad["seen"].items()), bad["seen"]
+    assert bad["stats"]["shared_reads"] == 0 and bad["stats"]["rejected"] >= 2, bad["stats"]
+    assert bad["stats"]["pulls"] >= 3, bad["stats"]  # every version, the real one, by pull
+    assert good["stats"]["shared_reads"] >= 2 and good["stats"]["rejected"] == 0, good["stats"]
+
+
+@pytest.mark.timeout(180)
+def test_an_actor_that_cannot_open_the_shared_memory_falls_back_for_good():
+    reports, stats = run_versions(4, [("unreadable", True)])
+    (r,) = reports
+    assert r["error"] is None and all(d == digest(model(v)) for v, d in r["seen"].items()), r
+    assert max(r["seen"]) == 4 and r["stats"]["shared_reads"] == 0, r
+    # One failed read, then the learner stops offering it: the next versions come by broadcast.
+    assert r["stats"]["failures"] == 1 and r["stats"]["pulls"] >= 1, r["stats"]
+    assert r["stats"]["broadcasts"] >= 1, r["stats"]
+    assert stats["shared"] == 1, stats

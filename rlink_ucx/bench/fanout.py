@@ -102,7 +102,7 @@ class RlinkPublish:
     def __init__(self, subscribers: int, reps: int, shared_memory: bool = True):
         from .. import Config, Learner
 
-        self.learner = Learner("127.0.0.1:0", transport="tcp", config=Config(weights_shared_memory=shared_memory))
+        self.learner = Learner("127.0.0.1:0", transport="tcp", config=Config.from_env(weights_shared_memory=shared_memory))
         ctx = mp.get_context("spawn")
         self.results = ctx.Queue()
         self.procs = [ctx.Process(target=_subscriber, args=(self.learner.address, reps + 2, self.results))

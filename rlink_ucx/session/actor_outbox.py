@@ -134,29 +134,35 @@ class Outbox:
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
             self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}"))
 
-    def send_direct(self, frame: BorrowedFrame, deadline: float) -> None:
-        """Send ``frame`` from the calling thread (nothing else is queued): no thread hand-off.
+    def wait_credit(self, deadline: float) -> None:
+        """Until some credit is at hand (not taken: another thread may take it first), or
+        ``deadline`` passed (then the caller's frame waits in the I/O thread's queue, which
+        reports Backpressure). Raises the actor's error, or Closed."""
+        with self.credit_cv:
+            while self.credit <= 0 or not self.connected:
+                if self.error is not None:
+                    raise self.error
+                if self.closing:
+                    raise Closed("the actor is closed")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return
+                self.credit_waits += 1
+                self.credit_cv.wait(min(left, 0.5))
 
-        Raises Backpressure when no credit arrives before ``deadline``.
-        """
+    def send_direct(self, frame: BorrowedFrame) -> bool:
+        """Send as much of ``frame`` as the credit at hand allows, from the calling thread (no
+        hand-off; nothing else may be queued). Never waits for credit: True once all of it
+        left, False when the rest must go through the I/O thread's queue."""
         while frame.sent < frame.n:
-            with self.credit_cv:
-                while self.credit <= 0 or not self.connected:
-                    if self.error is not None:
-                        raise self.error
-                    if self.closing:
-                        raise Closed("the actor is closed")
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        raise Backpressure(
-                            f"no credit from the learner before the put timeout; {frame.sent} of {frame.n} steps sent"
-                        )
-                    self.credit_waits += 1
-                    self.credit_cv.wait(min(left, 0.5))
-                k = min(frame.n - frame.sent, self.credit, self.max_frame_steps)
-                self.credit -= k
+            if self.error is not None or not self.connected:
+                return False
+            k = self._take_credit(min(frame.n - frame.sent, self.max_frame_steps))
+            if k == 0:
+                return False
             with self.send_lock:
                 self.send_part_or_fail(frame, k)
+        return True
 
     def wait_acked(self, target: int, timeout: float, check: Callable[[], None]) -> None:
         """Until the learner holds every step below ``target`` (any thread; ``check`` raises

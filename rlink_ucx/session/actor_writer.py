@@ -176,7 +176,11 @@ class StepWriter:
         v = self.policy_version if version is None else int(version)
         self.check_open()
         conn = self._conn
-        deadline = time.monotonic() + self.config.put_timeout
+        # Credit is waited for outside the lock (close() is never held up by a put); the frame
+        # is numbered, and sent or queued, under it: frames leave in sequence order whatever
+        # other threads put meanwhile (the learner refuses a frame out of order).
+        if self._direct():
+            conn.wait_credit(time.monotonic() + self.config.put_timeout)
         with self._lock:
             self._submit_locked()  # an earlier partial frame goes first
             frame = BorrowedFrame(arrays, count, self._next_seq, v)
@@ -184,11 +188,10 @@ class StepWriter:
             self._last_sent = time.monotonic()
             with conn.changed:
                 direct = conn.outstanding == 0 and self._direct()
-        try:
             if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
                 try:
-                    conn.send_direct(frame, deadline)
-                    return
+                    if conn.send_direct(frame):
+                        return
                 except (PeerLost, ProtocolError):
                     # The connection broke mid-put. The caller's arrays stay ours until we
                     # return, so the frame goes to the I/O thread, which resends it from where
@@ -196,7 +199,8 @@ class StepWriter:
                     if conn.error is not None or self.config.reconnect_timeout <= 0:
                         raise
             frame.done = done = threading.Event()
-            self._hand_off(frame)
+            self._hand_off(frame)  # the rest, once credit comes
+        try:
             if not done.wait(self.config.put_timeout):
                 frame.cancelled = True
                 done.wait(self.config.frame_timeout + self.config.close_timeout)
@@ -217,7 +221,6 @@ class StepWriter:
         while done < count:
             if conn.error is not None or self.closed:
                 self.check_open()
-            full = None
             with self._lock:
                 fb = self._current
                 if fb is not None and fb.n and fb.version != v:  # one version per frame
@@ -233,12 +236,10 @@ class StepWriter:
                     self._next_seq += k
                     done += k
                     if fb.n == fb.capacity:
-                        full, self._current = fb, None
+                        self._current = None
+                        self._dispatch_locked(fb, v)  # under the lock: frames leave in sequence order
                     elif first:
                         self._first_step_locked(fb)
-            if full is not None:
-                self._dispatch(full, v)
-                continue
             if fb is not None:
                 continue
             fresh = self._acquire(deadline)
@@ -249,7 +250,7 @@ class StepWriter:
                 else:
                     conn.give_back(fresh)
 
-    def _dispatch(self, fb: FrameBuffer, version: int) -> None:
+    def _dispatch_locked(self, fb: FrameBuffer, version: int) -> None:
         """Send a full frame. With nothing queued and credit at hand, send it on this thread
         (and reuse the cache-warm buffer unless it must be kept for resending); otherwise hand
         it to the I/O thread."""
@@ -265,15 +266,13 @@ class StepWriter:
                 conn.send_part_or_fail(fb, fb.n)
             if conn.resend:
                 return
-            with self._lock:
-                if self._current is None:
-                    fb.reset(self._next_seq, version)
-                    self._current = fb
-                    return
+            if self._current is None:
+                fb.reset(self._next_seq, version)
+                self._current = fb
+                return
             conn.give_back(fb)
             return
-        with self._lock:
-            self._hand_off(fb)
+        self._hand_off(fb)
 
     def _acquire(self, deadline: float) -> FrameBuffer:
         conn = self._conn

@@ -51,12 +51,19 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         add("rlink-publish time <= 1.25x plain broadcast", _find(records, "plain-broadcast", w, None),
             _find(records, "rlink-publish", w, None), 1.25, "per_s", at_most=True)  # fmt: skip
     workloads = list(dict.fromkeys(r["workload"] for r in records if r["system"] == "rlink"))
+    for w in workloads:  # same host: shared memory must never lose to a socket (from 4 KiB up)
+        shm, raw = _find(records, "rlink", w, 1, "shm"), _find(records, "raw-socket", w)
+        if shm and raw and w not in ("1KiB", "cartpole"):
+            add(f"rlink-shm >= 1.0x raw socket, {w}", shm, raw, 1.0, "gbps")
     for transport in ("tcp", "ucx", "shm"):
         for w in workloads:
             four = _find(records, "rlink", w, 4, transport)
             one = _find(records, "rlink", w, 1, transport)
             if four or one:
                 add(f"rlink-{transport} 4 actors >= 0.8x 1 actor, {w}", four, one, 0.8, "per_s")
+            raw4 = _find(records, "raw-socket", w, 4)
+            if four and raw4:
+                add(f"rlink-{transport} x4 >= 0.8x raw-socket x4, {w}", four, raw4, 0.8, "gbps")
     return out
 
 
@@ -116,7 +123,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
 
     ok = [r for r in records if r.get("gbps") and not r.get("skipped") and not r.get("error")]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
-    sized = [r for r in ok if r["workload"] in ("1KiB", "64KiB", "1MiB", "16MiB")]
+    sized = [r for r in ok if r["workload"] in ("1KiB", "4KiB", "16KiB", "64KiB", "1MiB", "16MiB")]
     colors = plt.get_cmap("tab20").colors
     every = list(dict.fromkeys(_label(r) for r in ok))
     color = {label: colors[(2 * i) % 20 + (2 * i) // 20] for i, label in enumerate(every)}

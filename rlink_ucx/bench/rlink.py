@@ -19,11 +19,21 @@ MiB = 1 << 20
 MAX_BATCH_STEPS = 16384  # batches of about 4 MiB, at most this many steps (CartPole: 16384 steps, 0.6 MiB)
 
 
-def rlink_config(workload: Workload) -> tuple[dict[str, int], int]:
-    """Learner/actor config overrides and the batch size for ``workload``."""
+def rlink_config(workload: Workload, actors: int = 1) -> tuple[dict[str, int], int]:
+    """Learner/actor config overrides and the batch size for ``workload`` sent by ``actors``.
+
+    The ring holds 16 batches, and at least ``2 * actors * Config.actor_window_bytes``: the
+    learner lends the actors half the ring, split evenly, so a ring sized for one actor leaves
+    each of 4 an eighth of it (8 MiB of 64), and they keep running out of credit, where a raw
+    socket's senders have the kernel's buffers of each connection to themselves. See
+    docs/benchmarks.md, "4 actors against 1".
+    """
+    from ..config import Config
+
     step = workload.wire_step_bytes
     batch = max(1, min(BATCH_BYTES // step, MAX_BATCH_STEPS))
-    return {"buffer_bytes": max(64 * MiB, 16 * batch * step), "max_frame_bytes": max(64 * MiB, 2 * step)}, batch
+    ring = max(64 * MiB, 16 * batch * step, 2 * actors * Config.from_env().actor_window_bytes)
+    return {"buffer_bytes": ring, "max_frame_bytes": max(64 * MiB, 2 * step)}, batch
 
 
 class RlinkSender(Sender):
@@ -59,11 +69,11 @@ class RlinkSender(Sender):
 
 
 class RlinkReceiver(Receiver):
-    def __init__(self, workload: Workload, transport: str, timeout: float, api: str = "auto"):
+    def __init__(self, workload: Workload, transport: str, timeout: float, api: str = "auto", actors: int = 1):
         from .. import Config, Learner, RLinkDataset
 
         self.api = api
-        self.overrides, self.batch = rlink_config(workload)
+        self.overrides, self.batch = rlink_config(workload, actors)
         self.transport = transport
         self.timeout = timeout
         self.learner = Learner("127.0.0.1:0", transport=transport, config=Config.from_env(**self.overrides))
@@ -101,5 +111,5 @@ class RlinkReceiver(Receiver):
 
 def run_rlink(workload: Workload, timing: Timing, transport: str, actors: int, api: str = "auto") -> dict[str, Any]:
     """``api``: the actor's call, "put", "put_many", or "auto" (put for one step per chunk)."""
-    receiver = RlinkReceiver(workload, transport, timing.timeout, api)
+    receiver = RlinkReceiver(workload, transport, timing.timeout, api, actors)
     return run_session(receiver, f"{__name__}:RlinkSender", workload, timing, actors)

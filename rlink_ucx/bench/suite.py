@@ -13,7 +13,7 @@ Rows (all measured at the receiver, in separate processes unless noted):
   flight; sender and receiver are Ray actors, started by Ray);
 - ``fanout``: ``learner.publish`` vs one gloo broadcast (rlink_ucx/bench/fanout.py).
 
-Workloads: one uint8 array of 1 KiB / 64 KiB / 1 MiB / 16 MiB per step, an Atari step (obs
+Workloads: one uint8 array of 1 / 4 / 16 / 64 KiB, 1 MiB or 16 MiB per step, an Atari step (obs
 uint8[4,84,84], action int64, reward float32, done bool) and a CartPole step (obs float32[4],
 ...). Every system sends ``--chunk`` steps (default 1) per call, each with a ``t_ns`` int64
 field stamped at the call; latency is receive time minus ``t_ns``.
@@ -45,7 +45,7 @@ SUITES = ["default", "scale", "replay"]  # --suite scale: rlink_ucx/bench/scale.
 
 
 def _names(value: str, known: list[str], what: str) -> list[str]:
-    aliases = {"1K": "1KiB", "64K": "64KiB", "1M": "1MiB", "16M": "16MiB"}
+    aliases = {"1K": "1KiB", "4K": "4KiB", "16K": "16KiB", "64K": "64KiB", "1M": "1MiB", "16M": "16MiB"}
     out = [aliases.get(v.strip(), v.strip()) for v in value.split(",") if v.strip()]
     bad = [v for v in out if v not in known]
     if bad:

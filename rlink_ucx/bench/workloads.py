@@ -58,6 +58,8 @@ CARTPOLE = Workload("cartpole", (("obs", "float32", (4,)), ("action", "int64", (
                                  ("done", "bool", ())), kind="rl")  # fmt: skip
 WORKLOADS = {
     "1KiB": bytes_workload("1KiB", 1 << 10),
+    "4KiB": bytes_workload("4KiB", 4 << 10),
+    "16KiB": bytes_workload("16KiB", 16 << 10),
     "64KiB": bytes_workload("64KiB", 64 << 10),
     "1MiB": bytes_workload("1MiB", 1 << 20),
     "16MiB": bytes_workload("16MiB", 16 << 20),

@@ -19,6 +19,7 @@ import numpy as np
 from .._memory import populate
 from ..wire.codec import Schema
 from .blocks import KEEP_FREE, BlockMap
+from .split_gather import gather_rows
 from .storage import discard
 from .table import ReplayTable, _alloc
 
@@ -115,9 +116,7 @@ class BlockTable(ReplayTable):
 
     # --- reading ----------------------------------------------------------------------------------
     def gather(self, ids: np.ndarray, outs: list[np.ndarray]) -> None:
-        rows = self.map.rows(self.slots(ids).ravel())
-        for storage, out in zip(self.rows, outs):
-            np.take(storage, rows, axis=0, out=out, mode="clip")  # clip: see ReplayTable.gather
+        gather_rows(list(zip(self.rows, outs)), self.map.rows(self.slots(ids).ravel()))
 
     # --- checkpoints ------------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> None:

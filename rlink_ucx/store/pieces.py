@@ -8,7 +8,7 @@ whole one may be taken into a :class:`BlockTable` without copying.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -31,24 +31,21 @@ class ChunkGroup:
 def contiguous(pieces: list[Piece], chunk_steps: int) -> Iterator[Piece]:
     """``pieces`` merged where one ends at the ring position where the next begins, within one
     ring chunk (each chunk is an array of its own)."""
-    run: Piece | None = None
-    for p in pieces:
-        if run is not None and run.start + run.count == p.start and p.start % chunk_steps:
-            run = replace(run, count=run.count + p.count)
-            continue
-        if run is not None:
-            yield run
-        run = p
-    if run is not None:
-        yield run
+    return _merged(pieces, lambda run, p: run.start + run.count == p.start and p.start % chunk_steps != 0)
 
 
 def streams(pieces: list[Piece]) -> Iterator[Piece]:
     """``pieces`` merged where the next continues the same actor's steps (same behaviour
     version, next sequence number): one metadata update per merged run."""
+    return _merged(pieces, lambda run, p: (p.actor_id, p.version, p.seq) == (run.actor_id, run.version,
+                                                                           run.seq + run.count))  # fmt: skip
+
+
+def _merged(pieces: list[Piece], joins: Callable[[Piece, Piece], bool]) -> Iterator[Piece]:
+    """``pieces`` in order, each merged into the run before it where ``joins(run, piece)``."""
     run: Piece | None = None
     for p in pieces:
-        if run is not None and (p.actor_id, p.version, p.seq) == (run.actor_id, run.version, run.seq + run.count):
+        if run is not None and joins(run, p):
             run = replace(run, count=run.count + p.count)
             continue
         if run is not None:

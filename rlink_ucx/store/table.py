@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..wire.codec import Schema
+from .split_gather import gather_rows
 from .storage import host_storage, populate_all, populated
 
 __all__ = ["ReplayTable"]
@@ -118,12 +119,8 @@ class ReplayTable:
     def gather(self, ids: np.ndarray, outs: list[np.ndarray]) -> None:
         """Copy the rows of ``ids`` (any shape) into ``outs`` (per field ``[ids.size, step_bytes]``)."""
         slots = (np.asarray(ids, dtype=np.int64) % self.capacity).ravel()
-        for rows, out in zip(self.rows, outs):
-            # mode="clip" (the slots are in range): with the default "raise", np.take writes to a
-            # temporary and copies that to ``out``, twice the memory traffic (1.6x slower for
-            # Atari rows). One thread, unlike torch.index_select, whose two threads stall when
-            # other processes hold the cores (measured in docs/replay.md).
-            np.take(rows, slots, axis=0, out=out, mode="clip")
+        # np.take with mode="clip", large batches split with a helper thread (split_gather.py)
+        gather_rows(list(zip(self.rows, outs)), slots)
 
     def meta(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         slots = np.asarray(ids, dtype=np.int64) % self.capacity

@@ -144,9 +144,9 @@ class Publisher:
 
     def _seal(self, key: bytes, snap: Snapshot) -> tuple[_wire.WeightsKey, _wire.Seal]:
         """The version's secret wrapped for the holder of ``key``, and the Seal binding it."""
-        wrapped = _keys.wrap(key, snap.version, snap.key.secret)
-        mac = _keys.seal_mac(key, snap.version, snap.manifest, wrapped, snap.tags)
-        return _wire.WeightsKey(snap.version, wrapped), _wire.Seal(snap.version, list(snap.tags), mac)
+        wrapped = self._weights_key(key, snap)
+        mac = _keys.seal_mac(key, snap.version, snap.manifest, wrapped.wrapped, snap.tags)
+        return wrapped, _wire.Seal(snap.version, list(snap.tags), mac)
 
     # --- loop thread --------------------------------------------------------------------------
     def on_got(self, session: Member, version: int) -> None:
@@ -258,8 +258,11 @@ class Publisher:
         others = [s for s in sessions if s not in members and s not in sharing]
         keys = {s.id: self._subscription_keys[s.id] for s in members + sharing}
         for s in members:  # the key first: members tag each bucket as it arrives
-            wrapped = _wire.WeightsKey(snap.version, _keys.wrap(keys[s.id], snap.version, snap.key.secret))
-            self._send([s], _wire.Publish(self._generation, source.manifest), wrapped)
+            self._send([s], _wire.Publish(self._generation, source.manifest), self._weights_key(keys[s.id], snap))
+        mapped = False
+        if sharing and not members:  # every bucket copied: they read while the tags are computed
+            snap.wait_ready(len(snap.manifest.buckets()), timeout)
+            mapped = self._map(sharing, snap, keys)
         if members:
             try:
                 self._stream(source, members, keys, timeout)
@@ -268,9 +271,10 @@ class Publisher:
                 others += [s for s in members if s.state == "open"]
                 members = []
         snap.wait_ready(len(snap.manifest.buckets()) + 1, timeout)
-        for s in sharing:  # sealed: the whole version is there to read
-            wrapped, seal = self._seal(keys[s.id], snap)
-            self._send([s], _wire.Mapped(snap.manifest, snap.shared), wrapped, seal)
+        if not mapped:
+            self._map(sharing, snap, keys)
+        for s in sharing:  # once every tag is computed
+            self._send([s], self._seal(keys[s.id], snap)[1])
         self.stats["shared"] += len(sharing)
         self._send(others, _wire.Version(snap.version))  # once complete: they pull it
         members += sharing
@@ -285,6 +289,16 @@ class Publisher:
                 if left <= 0 or self._closed:
                     break
                 self._cv.wait(min(left, 0.25))
+
+    def _weights_key(self, key: bytes, snap: Snapshot) -> _wire.WeightsKey:
+        """The version's secret wrapped for the holder of ``key``."""
+        return _wire.WeightsKey(snap.version, _keys.wrap(key, snap.version, snap.key.secret))
+
+    def _map(self, sharing: list[Member], snap: Snapshot, keys: dict[int, bytes]) -> bool:
+        """Tell actors on this host where the version lies in our shared memory (its Seal follows)."""
+        for s in sharing:
+            self._send([s], _wire.Mapped(snap.manifest, snap.shared), self._weights_key(keys[s.id], snap))
+        return True
 
     def _stream(self, source: Snapshot, members: list[Member], keys: dict[int, bytes], timeout: float) -> None:
         """Broadcast each bucket as soon as it is copied; send each member its Seal once every

@@ -304,14 +304,14 @@ class Subscriber:
 
     def _read_shared(self, msg: _wire.Mapped) -> None:
         """Copy a version out of the learner's shared memory (we share its host), tagging each
-        bucket as soon as it is in; exposed once every tag matches the Seal's."""
+        bucket as soon as it is in; exposed once the Seal, which comes once the learner has
+        tagged it too, verifies and every tag matches."""
         manifest = msg.manifest
         self._check(manifest)
         version = manifest.version
         wrapped = self._next(_wire.WeightsKey, version)
-        seal = self._next(_wire.Seal, version)
         subscription_key = _keys.subscription_key(self.conn.weights_key(), self._nonce)
-        key = self._open_seal(subscription_key, manifest, wrapped, seal)
+        key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))  # trusted once the Seal verifies
         flat, _ = self._pool.get(manifest.total_bytes)
         buckets = manifest.buckets()
         tags: list[bytes] = []
@@ -329,6 +329,8 @@ class Subscriber:
             self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False)
             self.io.soon(self._send, self.conn.subscription)
             raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); pulling instead") from exc
+        seal = self._next(_wire.Seal, version)  # the learner computed its tags meanwhile
+        self._open_seal(subscription_key, manifest, wrapped, seal)
         try:
             check_tags(list(seal.tags), tags, version)
         except ProtocolError as exc:

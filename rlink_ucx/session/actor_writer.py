@@ -165,10 +165,19 @@ class StepWriter:
         arrays, count = check_chunk(fields, steps)
         if count == 0:
             return
-        if count >= self._frame_steps and not self._copy_large and all(a.flags.c_contiguous for a in arrays):
+        if self._borrow(count) and all(a.flags.c_contiguous for a in arrays):
             self._send_borrowed(arrays, count, version)
             return
         self._append(count, version, lambda fb, at, src, k: _write_chunk(fb, at, arrays, src, k))
+
+    def _borrow(self, count: int) -> bool:
+        """Send ``count`` steps from the caller's arrays rather than copy them into a frame? A
+        whole frame or more, always; on a plane the caller's thread sends on itself (tcp), half
+        a frame or more already: the copy costs more than the smaller frame (Atari steps put 32
+        at a time, 37 to a frame: 0.31 -> 0.18 ms of the actor's CPU per put_many)."""
+        if self._copy_large:
+            return False
+        return count >= self._frame_steps or (2 * count >= self._frame_steps and self._direct())
 
     def _send_borrowed(self, arrays: list[np.ndarray], count: int, version: int | None) -> None:
         """At least a full frame: send from the caller's memory instead of copying it (like

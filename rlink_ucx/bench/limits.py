@@ -82,13 +82,22 @@ class RawSocketSender(Sender):
             self.sock.close()
 
 
+RING_BYTES = 256 << 20  # raw-socket-ring: as large as the learner ring of a 4-actor rlink row
+
+
 class RawSocketReceiver(Receiver):
-    def __init__(self, workload: Workload):
+    """Whole messages from each sender, read with ``recv_into``. ``ring``: into the next slot of
+    a ``RING_BYTES`` buffer, wrapping, as rlink's learner lands frames in its ring (fresh, cold
+    memory each time); else all into one buffer, which stays in the cache."""
+
+    def __init__(self, workload: Workload, ring: bool = False):
         self.server = socket.create_server(("127.0.0.1", 0))
         self.size = workload.chunk * workload.wire_step_bytes
-        self.buf = bytearray(self.size)
-        self.view = memoryview(self.buf)
-        self.t_ns = np.frombuffer(self.buf, np.int64, count=1)
+        slots = max(1, RING_BYTES // self.size) if ring else 1
+        self.buf = bytearray(self.size * slots)
+        self.slots = [memoryview(self.buf)[i * self.size : (i + 1) * self.size] for i in range(slots)]
+        self.turn = 0
+        self.view = self.slots[0]
         self.chunk = workload.chunk
         self.conns: list[socket.socket] = []
         self.selector: selectors.BaseSelector | None = None
@@ -119,7 +128,9 @@ class RawSocketReceiver(Receiver):
                 raise TimeoutError("no sender sent anything")
             conn = ready[0][0].fileobj  # type: ignore[assignment]
         recv_exact(conn, view[:size])
-        marker = rec.stamp(time.monotonic_ns(), self.chunk, int(self.t_ns[0]))
+        marker = rec.stamp(time.monotonic_ns(), self.chunk, int(np.frombuffer(view, np.int64, count=1)[0]))
+        self.turn = (self.turn + 1) % len(self.slots)
+        self.view = self.slots[self.turn]
         if marker and self.selector is not None:
             self.selector.unregister(conn)  # that sender is done
         return marker
@@ -136,5 +147,5 @@ class RawSocketReceiver(Receiver):
         self.server.close()
 
 
-def run_raw_socket(workload: Workload, timing: Timing, senders: int = 1) -> dict[str, Any]:
-    return run_session(RawSocketReceiver(workload), f"{__name__}:RawSocketSender", workload, timing, senders)
+def run_raw_socket(workload: Workload, timing: Timing, senders: int = 1, ring: bool = False) -> dict[str, Any]:
+    return run_session(RawSocketReceiver(workload, ring), f"{__name__}:RawSocketSender", workload, timing, senders)

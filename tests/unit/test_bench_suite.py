@@ -124,3 +124,31 @@ def test_the_raw_socket_limit_takes_several_senders():
         RawSocketReceiver.accept = original  # type: ignore[method-assign]
     assert seen == [3]
     assert out["per_s"] > 0 and out["gbps"] > 0 and out["reps"] >= 1
+
+
+@pytest.mark.timeout(120)
+def test_the_raw_socket_ring_lands_each_message_in_the_next_slot():
+    """raw-socket-ring: messages land in turn in the slots of a 256 MiB buffer (as rlink's
+    frames land in its ring), wrapping, and are still timed from their own stamps."""
+    from rlink_ucx.bench.limits import RING_BYTES, RawSocketReceiver, run_raw_socket
+    from rlink_ucx.bench.measure import Timing
+    from rlink_ucx.bench.workloads import WORKLOADS
+
+    work = WORKLOADS["1MiB"]
+    receiver = RawSocketReceiver(work, ring=True)
+    assert len(receiver.slots) == RING_BYTES // (work.chunk * work.wire_step_bytes) >= 200
+    turns: list[int] = []
+    original = RawSocketReceiver.recv
+
+    def recv(self, rec):
+        turns.append(self.turn)
+        return original(self, rec)
+
+    RawSocketReceiver.recv = recv  # type: ignore[method-assign]
+    try:
+        out = run_raw_socket(work, Timing(warmup=0.05, window=0.15, reps=2, timeout=20), 2, ring=True)
+    finally:
+        RawSocketReceiver.recv = original  # type: ignore[method-assign]
+    receiver.close()
+    assert turns[:3] == [0, 1, 2] and len(set(turns)) > 3
+    assert out["per_s"] > 0 and out["gbps"] > 0

@@ -66,7 +66,7 @@ SYSTEMS: dict[str, System] = {
     "raw-socket": System("raw-socket", "raw-socket", "tcp", "limits", (), run_raw_socket, (1, 4)),
     # The same, landing each message in the next slot of a 256 MiB buffer, as rlink's ring does.
     "raw-socket-ring": System("raw-socket-ring", "raw-socket-ring", "tcp", "limits", (),
-                              lambda w, t, a: run_raw_socket(w, t, a, ring=True), (1, 4)),  # fmt: skip
+                              lambda w, t, a: run_raw_socket(w, t, a, ring=True), (1, 4)),
     "rlink-tcp": System("rlink-tcp", "rlink", "tcp", "rlink", (), _rlink("tcp"), (1, 4)),
     "rlink-ucx": System("rlink-ucx", "rlink", "ucx", "rlink", ("ucxx",), _rlink("ucx"), (1, 4)),
     "rlink-shm": System("rlink-shm", "rlink", "shm", "rlink", (), _rlink("shm"), (1, 4)),

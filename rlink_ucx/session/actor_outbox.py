@@ -7,7 +7,7 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ..errors import Backpressure, Closed, PeerLost, ProtocolError, RLinkError
+from ..errors import Closed, PeerLost, ProtocolError, RLinkError
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.frame import FRAME_HEADER, FRAME_MAGIC
 from ..wire.messages import PROTOCOL_VERSION

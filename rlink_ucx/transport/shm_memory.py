@@ -36,6 +36,23 @@ def available() -> bool:
     return hasattr(os, "memfd_create") and hasattr(fcntl, "F_ADD_SEALS") and os.path.isdir("/proc/self/fd")
 
 
+def open_memfd(pid: int, fd: int, size: int, name: str, mode: int) -> int:
+    """A descriptor (``mode``: ``os.O_RDONLY`` or ``os.O_RDWR``) of another process's memfd
+    ``name`` of ``size`` data bytes, announced as its descriptor ``fd``; ``OSError`` when it is
+    not reachable from here or is something else. The caller checks the nonce."""
+    path = f"/proc/{pid}/fd/{fd}"
+    # In another PID namespace the same numbers name some other process's file: look before
+    # opening (never open a device or a FIFO by accident).
+    if not os.readlink(path).startswith(f"/memfd:{name} "):
+        raise OSError(f"{path} is not an rlink {name}")
+    own = os.open(path, mode | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    info = os.fstat(own)
+    if not stat.S_ISREG(info.st_mode) or info.st_size != DATA_OFFSET + size:
+        os.close(own)
+        raise OSError(f"{path} is not the announced {name}")
+    return own
+
+
 class ShmRing:
     """A sealed shared memfd, mapped: ``size`` data bytes after the nonce page. The learner's
     ring (a byte stream) or an actor's arena (its frame buffers)."""
@@ -65,15 +82,8 @@ class ShmRing:
     def open(cls, pid: int, fd: int, nonce: bytes, size: int, name: str = RING_NAME) -> ShmRing:
         """Map the other side's region; ``OSError`` when it is not reachable from here."""
         path = f"/proc/{pid}/fd/{fd}"
-        # In another PID namespace the same numbers name some other process's file: look
-        # before opening (never open a device or a FIFO by accident), then check the nonce.
-        if not os.readlink(path).startswith(f"/memfd:{name} "):
-            raise OSError(f"{path} is not an rlink {name}")
-        own = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+        own = open_memfd(pid, fd, size, name, os.O_RDWR)
         try:
-            info = os.fstat(own)
-            if not stat.S_ISREG(info.st_mode) or info.st_size != DATA_OFFSET + size:
-                raise OSError(f"{path} is not the announced {name}")
             # Unsealed, its owner could shrink it under our mapping: reads would fault (SIGBUS).
             if fcntl.fcntl(own, fcntl.F_GET_SEALS) & SEALS != SEALS:
                 raise OSError(f"{path} is not sealed against shrinking")

@@ -13,13 +13,12 @@ changed while it was read fails its tags, and the actor pulls the version instea
 from __future__ import annotations
 
 import os
-import stat
 from typing import Any
 
 import numpy as np
 
 from ..errors import ProtocolError
-from ..transport.shm_memory import DATA_OFFSET, NONCE_BYTES, ShmRing
+from ..transport.shm_memory import DATA_OFFSET, NONCE_BYTES, ShmRing, open_memfd
 from ..transport.shm_memory import available as _memfd_available
 
 __all__ = ["NAME", "SharedBuffer", "available", "read_into"]
@@ -64,13 +63,8 @@ def read_into(where: Any, dst: np.ndarray, on_piece: Any = None) -> None:
     if size != len(dst) or len(nonce) != NONCE_BYTES or pid <= 0 or fd < 0:
         raise ProtocolError(f"shared weights of {size} bytes announced for a {len(dst)}-byte version")
     path = f"/proc/{pid}/fd/{fd}"
-    if not os.readlink(path).startswith(f"/memfd:{NAME} "):  # never open a device or a FIFO by accident
-        raise OSError(f"{path} is not an rlink weights buffer")
-    own = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK | os.O_NOCTTY)
+    own = open_memfd(pid, fd, size, NAME, os.O_RDONLY)
     try:
-        info = os.fstat(own)
-        if not stat.S_ISREG(info.st_mode) or info.st_size != DATA_OFFSET + size:
-            raise OSError(f"{path} is not the announced weights buffer")
         if os.pread(own, NONCE_BYTES, 0) != nonce:
             raise OSError(f"{path} is another object (nonce differs)")
         view = memoryview(dst)

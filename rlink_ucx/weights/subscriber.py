@@ -293,14 +293,8 @@ class Subscriber:
         # Each bucket is tagged as soon as it is in, while later ones are still arriving.
         broadcast(self._group, [receiving.bucket(a, b) for a, b in buckets], self.config.weights_timeout,
                   on_done=lambda i: tags.append(key.tag(flat, *buckets[i], version, i)))  # fmt: skip
-        seal = self._next(_wire.Seal, version)
-        self._open_seal(subscription_key, manifest, wrapped, seal)
-        try:
-            check_tags(list(seal.tags), tags, version)
-        except ProtocolError as exc:
-            raise self._refuse(exc) from None
-        self.stats["broadcasts"] += 1
-        self._expose(Snapshot(manifest, flat, receiving.device, key=key, tags=list(seal.tags)))
+        self._seal_and_expose("broadcasts", Snapshot(manifest, flat, receiving.device, key=key, tags=tags),
+                              subscription_key, wrapped)  # fmt: skip
 
     def _read_shared(self, msg: _wire.Mapped) -> None:
         """Copy a version out of the learner's shared memory (we share its host), tagging each
@@ -329,14 +323,21 @@ class Subscriber:
             self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False)
             self.io.soon(self._send, self.conn.subscription)
             raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); pulling instead") from exc
-        seal = self._next(_wire.Seal, version)  # the learner computed its tags meanwhile
-        self._open_seal(subscription_key, manifest, wrapped, seal)
+        # The Seal comes once the learner computed its tags, meanwhile.
+        self._seal_and_expose("shared_reads", Snapshot(manifest, flat, "cpu", key=key, tags=tags), subscription_key,
+                              wrapped)  # fmt: skip
+
+    def _seal_and_expose(self, path: str, snap: Snapshot, subscription_key: bytes, wrapped: _wire.WeightsKey) -> None:
+        """Wait for the version's Seal, check it and the tags we computed (``snap.tags``)
+        against it, and expose ``snap``, counted under ``path``."""
+        seal = self._next(_wire.Seal, snap.version)
+        self._open_seal(subscription_key, snap.manifest, wrapped, seal)
         try:
-            check_tags(list(seal.tags), tags, version)
+            check_tags(list(seal.tags), snap.tags, snap.version)
         except ProtocolError as exc:
             raise self._refuse(exc) from None
-        self.stats["shared_reads"] += 1
-        self._expose(Snapshot(manifest, flat, "cpu", key=key, tags=list(seal.tags)))
+        self.stats[path] += 1
+        self._expose(snap)
 
     def close(self) -> None:
         self._closed = True

@@ -48,21 +48,28 @@ def digest(state: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
-def watching_actor(address: str, results: Any, until: int, leave: Any) -> None:
-    """Subscribes, records a digest of every version it is handed, reports."""
-    from rlink_ucx import Actor, RLinkError
+def watch_versions(actor: Any, until: int) -> tuple[dict[int, str], str | None]:
+    """A digest of every version ``actor`` is handed up to ``until``, and the error that
+    stopped it early, if any."""
+    from rlink_ucx import RLinkError
 
     seen: dict[int, str] = {}
-    error = None
+    while not seen or max(seen) < until:
+        try:
+            state, version = actor.get_remote_model(timeout=60, latest=False)
+        except RLinkError as exc:
+            return seen, f"{type(exc).__name__}: {exc}"
+        seen.setdefault(version, digest(state))
+        time.sleep(0.005)
+    return seen, None
+
+
+def watching_actor(address: str, results: Any, until: int, leave: Any) -> None:
+    """Subscribes, records a digest of every version it is handed, reports."""
+    from rlink_ucx import Actor
+
     with Actor(address, token=TOKEN, transport="tcp", subscribe=True) as actor:
-        while not seen or max(seen) < until:
-            try:
-                state, version = actor.get_remote_model(timeout=60, latest=False)
-            except RLinkError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                break
-            seen.setdefault(version, digest(state))
-            time.sleep(0.005)
+        seen, error = watch_versions(actor, until)
         results.put({"seen": seen, "error": error, "stats": actor.stats()["weights"]})
         leave.wait(60)
 

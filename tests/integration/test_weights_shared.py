@@ -4,7 +4,6 @@ fall back to pulls (and to the broadcast) where that fails. Real learner and act
 from __future__ import annotations
 
 import multiprocessing as mp
-import time
 from typing import Any
 
 import numpy as np
@@ -12,7 +11,7 @@ import pytest
 
 from rlink_ucx import Config, Learner
 from tests.integration.test_datapath import join_all
-from tests.integration.test_weights_security import TOKEN, digest, model, wait_subscribed
+from tests.integration.test_weights_security import TOKEN, digest, model, wait_subscribed, watch_versions
 
 SPAWN = mp.get_context("spawn")
 
@@ -22,7 +21,7 @@ def reading_actor(address: str, results: Any, until: int, leave: Any, fault: str
     """Subscribes, records a digest of every version it is handed, reports. ``fault``: what
     goes wrong with its shared-memory reads ("altered": a byte changes after the read, as if
     another process wrote into the buffer; "unreadable": the buffer cannot be opened)."""
-    from rlink_ucx import Actor, RLinkError
+    from rlink_ucx import Actor
     from rlink_ucx.weights import subscriber
 
     original = subscriber.read_into
@@ -37,18 +36,9 @@ def reading_actor(address: str, results: Any, until: int, leave: Any, fault: str
 
     if fault is not None:
         subscriber.read_into = faulty
-    seen: dict[int, str] = {}
-    error = None
     config = Config(weights_timeout=20, weights_shared_memory=shared)
     with Actor(address, token=TOKEN, transport="tcp", subscribe=True, config=config) as actor:
-        while not seen or max(seen) < until:
-            try:
-                state, version = actor.get_remote_model(timeout=60, latest=False)
-            except RLinkError as exc:
-                error = f"{type(exc).__name__}: {exc}"
-                break
-            seen.setdefault(version, digest(state))
-            time.sleep(0.005)
+        seen, error = watch_versions(actor, until)
         results.put({"seen": seen, "error": error, "stats": actor.stats()["weights"], "fault": fault,
                      "shared": shared})  # fmt: skip
         leave.wait(60)
@@ -100,7 +90,7 @@ def test_an_actor_that_does_not_read_shared_memory_gets_the_broadcast_beside_tho
 
 @pytest.mark.timeout(180)
 def test_bytes_altered_in_shared_memory_are_refused_and_the_actor_pulls_the_real_version():
-    reports, stats = run_versions(3, [("altered", True), (None, True)])
+    reports, _ = run_versions(3, [("altered", True), (None, True)])
     bad, good = reports
     assert bad["error"] is None, bad
     assert bad["seen"] and all(d == digest(model(v)) for v, d in bad["seen"].items()), bad["seen"]

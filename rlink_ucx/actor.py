@@ -212,8 +212,10 @@ class Actor:
 
         Args:
             timeout: seconds to wait (default ``Config.weights_timeout``).
-            latest: when False, return the newest version already here without waiting for a
-                newer one in flight (still waits if there is none yet).
+            latest: wait for the newest version the learner had announced when the call began
+                (one announced meanwhile is not waited for). When False, return the newest
+                version already here without waiting for one in flight (still waits if there is
+                none yet).
 
         Raises:
             TimeoutError: no (or, with ``latest``, not the newest) version within ``timeout``.

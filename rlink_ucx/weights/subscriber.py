@@ -111,13 +111,17 @@ class Subscriber:
 
     # --- caller's thread ----------------------------------------------------------------------
     def get(self, timeout: float | None, latest: bool) -> tuple[dict[str, Any], int]:
-        """The newest complete version (waiting for it up to ``timeout``)."""
+        """The newest complete version (waiting for it up to ``timeout``). ``latest``: at least
+        the version the learner had announced when the call began. Not a newer one announced
+        meanwhile: with a learner publishing faster than this actor takes versions in, chasing
+        each announcement could keep the caller waiting until its timeout."""
         limit = self.config.weights_timeout if timeout is None else timeout
         deadline = time.monotonic() + limit
         with self._cv:
+            wanted = self.conn.latest_version if latest else 0
             while True:
                 ready = self.ready
-                if ready is not None and (not latest or ready.version >= self.conn.latest_version):
+                if ready is not None and ready.version >= wanted:
                     break
                 if self._closed:
                     raise Closed("the actor is closed")

@@ -4,6 +4,7 @@ fall back to pulls (and to the broadcast) where that fails. Real learner and act
 from __future__ import annotations
 
 import multiprocessing as mp
+import time
 from typing import Any
 
 import numpy as np
@@ -109,3 +110,65 @@ def test_an_actor_that_cannot_open_the_shared_memory_falls_back_for_good():
     assert r["stats"]["failures"] == 1 and r["stats"]["pulls"] >= 1, r["stats"]
     assert r["stats"]["broadcasts"] >= 1, r["stats"]
     assert stats["shared"] == 1, stats
+
+
+def latest_caller(address: str, results: Any, calls: int) -> None:
+    """Calls get_remote_model(latest=True) ``calls`` times while the learner keeps publishing;
+    reports the versions it got and how long the slowest call took."""
+    from rlink_ucx import Actor, RLinkError
+
+    import threading
+
+    def spin() -> None:  # an env stepping in another thread: the caller waits its turn for the GIL
+        while True:
+            pass
+
+    threading.Thread(target=spin, daemon=True).start()
+    got, slowest, error = [], 0.0, None
+    with Actor(address, token=TOKEN, transport="tcp", subscribe=True) as actor:
+        actor.get_remote_model(timeout=60, latest=False)
+        for _ in range(calls):
+            started = time.monotonic()
+            try:
+                _, version = actor.get_remote_model(timeout=20)
+            except RLinkError as exc:
+                error = f"{type(exc).__name__}: {exc}"
+                break
+            slowest = max(slowest, time.monotonic() - started)
+            got.append(version)
+        results.put({"got": got, "slowest": slowest, "error": error})
+
+
+@pytest.mark.timeout(180)
+def test_get_remote_model_latest_returns_while_the_learner_keeps_publishing():
+    """latest=True waits for the version announced when the call began, not for one announced
+    meanwhile: a call that chased every newer announcement could wait until its timeout while a
+    learner publishes faster than the actor takes versions in (the caller here also competes
+    for the GIL with a busy thread, as an actor stepping envs does)."""
+    import threading
+
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=Config(weights_timeout=20)) as learner:
+        learner.publish(model(1))
+        results = SPAWN.Queue()
+        proc = SPAWN.Process(target=latest_caller, args=(learner.address, results, 30))
+        proc.start()
+        stop = threading.Event()
+
+        def keep_publishing() -> None:
+            v = 1
+            while not stop.is_set():
+                v += 1
+                learner.publish(model(v))  # returns at once: the newest pending version wins
+                time.sleep(0.001)
+
+        publisher = threading.Thread(target=keep_publishing)
+        publisher.start()
+        try:
+            report = results.get(timeout=150)
+        finally:
+            stop.set()
+            publisher.join(10)
+        assert join_all([proc]) == [0]
+    assert report["error"] is None, report
+    assert len(report["got"]) == 30 and report["got"] == sorted(report["got"]), report
+    assert report["slowest"] < 10, report

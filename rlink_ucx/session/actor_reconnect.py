@@ -19,6 +19,24 @@ log = logging.getLogger(__name__)
 FINAL = (AuthError, Closed, Rejected, SchemaMismatch, Superseded)
 
 
+REFUSED_BACKOFF = 0.5  # seconds (times 0.5-1.5 of jitter) between attempts nobody answers
+
+
+def _refused(error: BaseException) -> bool:
+    """Whether the connection was refused: nothing listens there (yet)."""
+    while error is not None:
+        if isinstance(error, ConnectionRefusedError):
+            return True
+        error = error.__cause__  # type: ignore[assignment]
+    return False
+
+
+def _lost(exc: OSError) -> PeerLost:
+    lost = PeerLost(str(exc))
+    lost.__cause__ = exc  # _refused looks for the OSError
+    return lost
+
+
 class Reconnect:
     """Part of :class:`ActorConnection`: the reconnect loop, schema proposals (which survive a
     reconnect) and the requeueing of frames the learner does not hold."""
@@ -76,7 +94,10 @@ class Reconnect:
             if last is not None:
                 # Jitter spreads the retries of many actors that lost (or wait for) one learner.
                 await asyncio.sleep(min(left, delay * (0.5 + random.random())))
-                delay = min(2 * delay, 2.0)
+                # Nobody listening yet (refused: the kernel answers, the learner does no work)
+                # is retried at least every 0.75 s, so an actor started first meets a learner
+                # soon after it comes up; a busy or unanswering learner backs off to 3 s.
+                delay = min(2 * delay, REFUSED_BACKOFF if _refused(last) else 2.0)
             try:
                 left = max(0.1, deadline - time.monotonic())
                 await self.connect(min(attempt_timeout, left), answered_timeout=min(cap, left))
@@ -84,7 +105,7 @@ class Reconnect:
             except FINAL as exc:
                 return exc
             except (RLinkError, OSError) as exc:
-                last = exc if isinstance(exc, RLinkError) else PeerLost(str(exc))
+                last = exc if isinstance(exc, RLinkError) else _lost(exc)
                 attempt_timeout = min(cap, 2 * attempt_timeout)
                 self._teardown()
                 if cause is None and not waiting_logged:

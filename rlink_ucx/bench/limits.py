@@ -96,6 +96,7 @@ class RawSocketReceiver(Receiver):
         slots = max(1, RING_BYTES // self.size) if ring else 1
         self.buf = bytearray(self.size * slots)
         self.slots = [memoryview(self.buf)[i * self.size : (i + 1) * self.size] for i in range(slots)]
+        self.stamps = [np.frombuffer(slot, np.int64, count=1) for slot in self.slots]  # each message's send time
         self.turn = 0
         self.view = self.slots[0]
         self.chunk = workload.chunk
@@ -128,7 +129,7 @@ class RawSocketReceiver(Receiver):
                 raise TimeoutError("no sender sent anything")
             conn = ready[0][0].fileobj  # type: ignore[assignment]
         recv_exact(conn, view[:size])
-        marker = rec.stamp(time.monotonic_ns(), self.chunk, int(np.frombuffer(view, np.int64, count=1)[0]))
+        marker = rec.stamp(time.monotonic_ns(), self.chunk, int(self.stamps[self.turn][0]))
         self.turn = (self.turn + 1) % len(self.slots)
         self.view = self.slots[self.turn]
         if marker and self.selector is not None:

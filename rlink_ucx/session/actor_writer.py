@@ -188,7 +188,8 @@ class StepWriter:
         # Credit is waited for outside the lock (close() is never held up by a put); the frame
         # is numbered, and sent or queued, under it: frames leave in sequence order whatever
         # other threads put meanwhile (the learner refuses a frame out of order).
-        if self._direct():
+        any_thread = self._direct()
+        if any_thread:
             conn.wait_credit(time.monotonic() + self.config.put_timeout)
         with self._lock:
             self._submit_locked()  # an earlier partial frame goes first
@@ -196,7 +197,7 @@ class StepWriter:
             self._next_seq += count
             self._last_sent = time.monotonic()
             with conn.changed:
-                direct = conn.outstanding == 0 and self._direct()
+                direct = conn.outstanding == 0 and any_thread
             if direct:  # nothing queued: send on this thread, no hand-off to the I/O thread
                 try:
                     if conn.send_direct(frame):

@@ -259,10 +259,10 @@ class Publisher:
         keys = {s.id: self._subscription_keys[s.id] for s in members + sharing}
         for s in members:  # the key first: members tag each bucket as it arrives
             self._send([s], _wire.Publish(self._generation, source.manifest), self._weights_key(keys[s.id], snap))
-        mapped = False
-        if sharing and not members:  # every bucket copied: they read while the tags are computed
+        early = bool(sharing) and not members
+        if early:  # every bucket copied: they read while the tags are computed
             snap.wait_ready(len(snap.manifest.buckets()), timeout)
-            mapped = self._map(sharing, snap, keys)
+            self._map(sharing, snap, keys)
         if members:
             try:
                 self._stream(source, members, keys, timeout)
@@ -271,7 +271,7 @@ class Publisher:
                 others += [s for s in members if s.state == "open"]
                 members = []
         snap.wait_ready(len(snap.manifest.buckets()) + 1, timeout)
-        if not mapped:
+        if not early:
             self._map(sharing, snap, keys)
         for s in sharing:  # once every tag is computed
             self._send([s], self._seal(keys[s.id], snap)[1])
@@ -294,11 +294,10 @@ class Publisher:
         """The version's secret wrapped for the holder of ``key``."""
         return _wire.WeightsKey(snap.version, _keys.wrap(key, snap.version, snap.key.secret))
 
-    def _map(self, sharing: list[Member], snap: Snapshot, keys: dict[int, bytes]) -> bool:
+    def _map(self, sharing: list[Member], snap: Snapshot, keys: dict[int, bytes]) -> None:
         """Tell actors on this host where the version lies in our shared memory (its Seal follows)."""
         for s in sharing:
             self._send([s], _wire.Mapped(snap.manifest, snap.shared), self._weights_key(keys[s.id], snap))
-        return True
 
     def _stream(self, source: Snapshot, members: list[Member], keys: dict[int, bytes], timeout: float) -> None:
         """Broadcast each bucket as soon as it is copied; send each member its Seal once every

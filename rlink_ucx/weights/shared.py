@@ -18,17 +18,12 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
-from ..transport.shm_memory import DATA_OFFSET, NONCE_BYTES, ShmRing, open_memfd
-from ..transport.shm_memory import available as _memfd_available
+from ..transport.shm_memory import DATA_OFFSET, NONCE_BYTES, ShmRing, available, open_memfd
 
 __all__ = ["NAME", "SharedBuffer", "available", "read_into"]
 
 NAME = "rlink-weights"
 _READ_PIECE = 8 << 20  # bytes per read: bounds the time the caller cannot be interrupted
-
-
-def available() -> bool:
-    return _memfd_available()
 
 
 class SharedBuffer:

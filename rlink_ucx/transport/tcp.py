@@ -18,19 +18,19 @@ from ..wire.frame import FRAME_HEADER_BYTES
 from .base import FrameSink
 from .sockopts import set_congestion
 
-SOCKET_BUFFER_BYTES = 4 * 1024 * 1024
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting
 
 
 def tune_socket(sock: socket.socket, congestion: str = "auto") -> None:
-    """Options of a data connection: no Nagle, large buffers, ``Config.tcp_congestion``."""
+    """Options of a data connection: no Nagle, ``Config.tcp_congestion``.
+
+    The buffer sizes are left to the kernel's autotuning: fixed ones (``SO_SNDBUF`` /
+    ``SO_RCVBUF``, 4 MiB here once) turn it off and keep up to twice that in flight per
+    connection, memory that has left the cache by the time it is copied. With 4 actors that
+    doubled the learner's CPU per GB (docs/benchmarks.md, "4 actors against 1").
+    """
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
-        try:
-            sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
-        except OSError:
-            pass
     set_congestion(sock, congestion)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 from typing import Any, Self
 
 import torch
@@ -15,10 +16,12 @@ from .store.checkpoint import CheckpointError, read_manifest, restore, save
 from .store.inserter import Inserter
 from .store.limiter import RateLimiter
 from .store.replay_core import ReplayCore, stored_schema
+from .store.sample_ahead import SampleAhead
 
 __all__ = ["CheckpointError", "ReplayDataset"]
 
 _SAMPLERS = ("uniform", "prioritized", "fifo")
+_PREFETCH = 2  # batches drawn ahead by default (where allowed): one per drawing thread
 _STORAGES = ("host", "device")
 
 
@@ -60,6 +63,13 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
             metadata stay in host memory). With ``device="cpu"`` it works too, as CPU tensors.
         timeout: default seconds :meth:`sample` waits (``Config.fetch_timeout`` if None).
         seed: seeds the sampler's random generator (for reproducible tests).
+        prefetch: batches drawn ahead of :meth:`sample` by two background threads that gather
+            side by side (``store/sample_ahead.py``): sampling overlaps your training step and
+            reaches more of the memory bandwidth. None (default): 2 where nothing but timing
+            changes, i.e. the ``"uniform"`` sampler, no ``samples_per_insert``, no ``seed``, a
+            host table, batches on the CPU, and more than one CPU; else 0. A batch drawn ahead
+            may hold items evicted before :meth:`sample` returns it (as Reverb's in-flight
+            samples may). 0 turns it off.
 
     Priorities from actors: ``actor.put(step, priority=p)`` / ``actor.put_many(steps,
     priority=array)``. An actor passes a priority on every put or on none (it is a field of
@@ -78,7 +88,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                  importance_exponent: float = 0.4, samples_per_insert: float | None = None,
                  spi_tolerance: float | None = None, min_size: int = 1, device: str | torch.device = "cpu",
                  timeout: float | None = None, seed: int | None = None, storage: str = "host",
-                 _checkpoint: str | None = None):  # fmt: skip
+                 prefetch: int | None = None, _checkpoint: str | None = None):  # fmt: skip
         _check(capacity, batch_size, sampler, sequence_length, priority_exponent, importance_exponent, min_size)
         if storage not in _STORAGES:
             raise ConfigError(f"storage must be one of {_STORAGES}, got {storage!r}")
@@ -86,6 +96,14 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         self.storage = storage
         if self.device.type == "cuda" and not torch.cuda.is_available():
             raise ConfigError(f"device {self.device} requested but CUDA is not available")
+        ahead_blocked = _why_not_ahead(sampler, samples_per_insert, seed, storage, self.device)
+        if prefetch is None:
+            prefetch = 0 if ahead_blocked or (os.cpu_count() or 1) < 2 else _PREFETCH
+        elif prefetch < 0:
+            raise ConfigError(f"prefetch must be >= 0, got {prefetch}")
+        elif prefetch and ahead_blocked:
+            raise ConfigError(f"prefetch works only where drawing early changes nothing but timing: {ahead_blocked}")
+        self.prefetch = prefetch
         limiter = RateLimiter.create(min_size, samples_per_insert, spi_tolerance, batch_size)
         self.learner = learner
         self.batch_size = batch_size
@@ -115,6 +133,10 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                                      f"the learner's {stored_schema(ring.schema).describe()}")  # fmt: skip
         self._inserter = Inserter(self._core, learner._wait_ring)
         self._inserter.start()
+        self._ahead: SampleAhead | None = None
+        if prefetch:
+            self._ahead = SampleAhead(self._core, depth=prefetch, threads=min(2, prefetch))
+            weakref.finalize(self, self._ahead.close)  # a dropped replay stops its threads
 
     # --- sampling ---------------------------------------------------------------------------------
     def sample(self, timeout: float | None = None) -> Batch:
@@ -128,6 +150,8 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         """
         if timeout is None:
             timeout = self.timeout if self.timeout is not None else self.learner.config.fetch_timeout
+        if self._ahead is not None:
+            return self._ahead.get(timeout)
         return self._core.sample(timeout)
 
     def update_priorities(self, index: Any, priorities: Any) -> None:
@@ -153,7 +177,8 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
 
     @property
     def sampled(self) -> int:
-        """Items ever handed out (what the rate limiter counts)."""
+        """Items ever drawn (what the rate limiter counts); with ``prefetch``, this includes the
+        batches drawn ahead and not returned yet."""
         return self._core.limiter.sampled
 
     def __iter__(self) -> Any:
@@ -178,10 +203,11 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], learner: Learner, *, device: str | torch.device = "cpu",
-             timeout: float | None = None, seed: int | None = None, storage: str = "host") -> ReplayDataset:  # fmt: skip
+             timeout: float | None = None, seed: int | None = None, storage: str = "host",
+             prefetch: int | None = None) -> ReplayDataset:  # fmt: skip
         """A replay restored from ``path`` (settings, steps, priorities, counters, rate limiter)
-        that goes on receiving from ``learner``'s actors. ``device`` and ``storage`` are chosen
-        here, whatever they were when it was saved.
+        that goes on receiving from ``learner``'s actors. ``device``, ``storage`` and
+        ``prefetch`` are chosen here, whatever they were when it was saved.
 
         Raises:
             CheckpointError: missing, truncated or corrupted files, or another format.
@@ -190,13 +216,15 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         settings = read_manifest(path)["settings"]
         try:
             return cls(learner, **settings, device=device, timeout=timeout, seed=seed, storage=storage,
-                       _checkpoint=os.fspath(path))  # fmt: skip
+                       prefetch=prefetch, _checkpoint=os.fspath(path))  # fmt: skip
         except TypeError as exc:
             raise CheckpointError(f"{path}: bad settings in the manifest: {exc}") from exc
 
     # --- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
         """Stop receiving (the learner stays open). Idempotent."""
+        if self._ahead is not None:
+            self._ahead.close()
         self._inserter.stop(self.learner.config.close_timeout)
 
     def __enter__(self) -> Self:
@@ -209,6 +237,20 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         s = self._settings
         return (f"ReplayDataset(capacity={s['capacity']}, batch_size={s['batch_size']}, sampler={s['sampler']!r}, "
                 f"storage={self.storage!r}, device={str(self.device)!r}, held={len(self)}, inserted={self.inserted})")  # fmt: skip
+
+
+def _why_not_ahead(sampler: str, samples_per_insert: float | None, seed: int | None, storage: str,
+                   device: torch.device) -> str:  # fmt: skip
+    """Why batches may not be drawn ahead of ``sample()`` here ("" where they may)."""
+    if sampler != "uniform":
+        return f'the "{sampler}" sampler depends on what happened since (priorities, order)'
+    if samples_per_insert is not None:
+        return "samples_per_insert would count draws the caller did not ask for"
+    if seed is not None:
+        return "with a seed, batches must come in the order they were drawn"
+    if storage != "host" or device.type != "cpu":
+        return "only a host table with batches on the CPU"
+    return ""
 
 
 def _check(capacity: int, batch_size: int, sampler: str, sequence_length: int | None, alpha: float, beta: float,

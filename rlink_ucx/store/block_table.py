@@ -19,7 +19,6 @@ import numpy as np
 from .._memory import populate
 from ..wire.codec import Schema
 from .blocks import KEEP_FREE, BlockMap
-from .split_gather import gather_rows
 from .storage import discard
 from .table import ReplayTable, _alloc
 
@@ -115,8 +114,8 @@ class BlockTable(ReplayTable):
         return [rows[lo:hi].reshape(-1) for rows in self.rows]
 
     # --- reading ----------------------------------------------------------------------------------
-    def gather(self, ids: np.ndarray, outs: list[np.ndarray]) -> None:
-        gather_rows(list(zip(self.rows, outs)), self.map.rows(self.slots(ids).ravel()))
+    def storage_rows(self, ids: np.ndarray) -> np.ndarray:
+        return self.map.rows(self.slots(ids).ravel())
 
     # --- checkpoints ------------------------------------------------------------------------------
     def restore(self, state: dict[str, Any]) -> None:

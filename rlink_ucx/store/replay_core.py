@@ -5,8 +5,12 @@ the oldest steps are evicted to make room (so no sampler can pick them), the ste
 copied into the freed slots without the lock, and under the lock again the new ids become
 visible. A ``BlockTable`` (large steps, host memory) copies only what it cannot take whole:
 in the first move it maps whole ring chunks that are its own blocks to their steps and picks
-free blocks to put in the ring in their place, swapped in during the second. A sample picks ids and gathers their rows under the lock (an eviction must not
-overwrite rows being read), into staging buffers reused only once no batch refers to them.
+free blocks to put in the ring in their place, swapped in during the second.
+
+A sample picks ids and finds their rows under the lock, then copies the rows without it, into
+staging buffers reused only once no batch refers to them; so several threads may gather at
+once (``store/sample_ahead.py``). An insert that must evict waits until no gather is copying
+(an evicted row may be overwritten at once), and while it waits no new gather starts.
 With ``storage="device"`` the rows live on the device (``DeviceTable``) and a sample gathers
 them there; only the ids, weights and metadata go through host staging.
 """
@@ -31,6 +35,7 @@ from .limiter import RateLimiter
 from .pieces import chunk_groups, contiguous, streams
 from .ring import Piece, StepRing
 from .samplers import UniformSampler, _checked, make_sampler
+from .split_gather import gather_rows
 from .table import PRIORITY_FIELD, ReplayTable
 
 __all__ = ["ReplayCore", "stored_schema"]
@@ -75,7 +80,10 @@ class ReplayCore:
         self.adopt_min_bytes = ADOPT_MIN_BYTES
         self.ring_geometry: tuple[int, int] | None = None  # the learner ring's (chunk_steps, capacity), once known
         self._pool: list[_Staging] = []
+        self.pool_size = _POOL  # staging sets kept for reuse (more while sampling ahead)
         self._dtypes: list[Any] = []
+        self.gathering = 0  # samples copying rows outside the lock
+        self.evicting = 0  # inserts waiting for those copies to finish before they evict
 
     # --- setup ------------------------------------------------------------------------------------
     def build(self, schema: Schema, touch: bool = True, ring: tuple[int, int] | None = None) -> None:
@@ -168,6 +176,15 @@ class ReplayCore:
         with self.cond:
             while self.paused:  # a save began after wait_room said yes: its snapshot comes first
                 self.cond.wait()
+            if table.held + n > table.capacity and self.gathering:
+                # Rows about to be evicted may be being copied into a batch: wait for those
+                # copies (and keep new ones from starting meanwhile, or they never all end).
+                self.evicting += 1
+                try:
+                    while self.gathering:
+                        self.cond.wait()
+                finally:
+                    self.evicting -= 1
             sampler.on_evict(table.evict_for(n))
             start = table.inserted
             if groups is not None:
@@ -224,7 +241,9 @@ class ReplayCore:
         return chunk
 
     # --- sampling ---------------------------------------------------------------------------------
-    def sample(self, timeout: float) -> Batch:
+    def sample(self, timeout: float, split: bool = True) -> Batch:
+        """One batch. ``split``: a large host gather may be shared with the split-gather helper
+        (threads sampling ahead pass False: they gather side by side instead)."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
@@ -234,7 +253,8 @@ class ReplayCore:
                     raise Closed("the replay is closed")
                 table, sampler = self.table, self.sampler
                 got = None
-                if table is not None and sampler is not None and self.limiter.can_sample(self.batch_size, table.held):
+                if (table is not None and sampler is not None and not self.evicting
+                        and self.limiter.can_sample(self.batch_size, table.held)):  # fmt: skip
                     got = sampler.sample(self.batch_size)
                 if got is not None:
                     break
@@ -242,11 +262,30 @@ class ReplayCore:
                     raise Closed("the learner is closed: no more steps will arrive, " + self._why_waiting(None))
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RLinkTimeout(f"sample timed out after {timeout:.3g}s: " + self._why_waiting(timeout))
+                    raise self.timed_out(timeout)
                 self.cond.wait(left)
             self.limiter.sampled += self.batch_size
             self.cond.notify_all()  # the inserter may be waiting for room in the band
-            return self._gather(*got)
+            draw = self._draw(*got)
+            if draw.rows is None:  # a device table gathered under the lock
+                try:
+                    return self._batch(draw)
+                finally:
+                    draw.staging.claimed = False
+            self.gathering += 1
+        try:
+            gather_rows(list(zip(draw.table.rows, draw.staging.fields)), draw.rows, split)
+            return self._batch(draw)
+        finally:
+            with self.cond:
+                self.gathering -= 1
+                draw.staging.claimed = False  # the batch's tensors hold it now (or nobody does)
+                if self.evicting and not self.gathering:
+                    self.cond.notify_all()
+
+    def timed_out(self, timeout: float) -> RLinkTimeout:
+        """The error of a sample that waited ``timeout`` seconds in vain, saying why."""
+        return RLinkTimeout(f"sample timed out after {timeout:.3g}s: " + self._why_waiting(timeout))
 
     def _why_waiting(self, timeout: float | None) -> str:
         held = self.table.held if self.table is not None else 0
@@ -260,39 +299,48 @@ class ReplayCore:
         return what + f" (not enough items for a batch of {self.batch_size})"
 
     def _staging(self, rows: int) -> _Staging:
+        """A free staging set for ``rows`` rows, claimed (lock held)."""
         for staging in self._pool:
             if staging.rows == rows and not staging.in_use():
+                staging.claimed = True
                 return staging
         assert self.table is not None
         fields = not (self.table.on_device and self.cuda)  # a CUDA gather makes its own tensors
         staging = _Staging(self.table, rows, self.batch_size, self.pin, fields)
-        if len(self._pool) < _POOL:
+        staging.claimed = True
+        if len(self._pool) < self.pool_size:
             self._pool.append(staging)
         return staging
 
-    def _gather(self, ids: np.ndarray, weights: np.ndarray) -> Batch:
-        torch, table = self.torch, self.table
+    def _draw(self, ids: np.ndarray, weights: np.ndarray) -> _Draw:
+        """Everything of the batch of ``ids`` but the host rows' bytes (lock held): its staging,
+        metadata, and the storage rows to copy; a device table gathers here."""
+        table = self.table
         assert table is not None
-        b, t = len(ids), table.window
         every = table.window_ids(ids) if self.sequence_length else ids
         staging = self._staging(every.size)
+        draw = _Draw(table, staging, len(ids))
         if isinstance(table, DeviceTable):
-            rows = table.gather_device(every, staging.fields, staging.slots)
+            draw.tensors = table.gather_device(every, staging.fields, staging.slots)
         else:
-            table.gather(every, staging.fields)
-            rows = [torch.from_numpy(host) for host in staging.fields]
+            draw.rows = table.storage_rows(every)
         version, actor_id, seq = table.meta(every.ravel())
         meta = staging.meta
         meta[0], meta[1], meta[2] = version, actor_id, seq
         np.subtract(self.version(), meta[0], out=meta[3])
         staging.index[:] = ids
         staging.weight[:] = weights
-        lead = (b, t) if self.sequence_length else (b,)
+        return draw
+
+    def _batch(self, draw: _Draw) -> Batch:
+        torch, table, staging = self.torch, draw.table, draw.staging
+        rows = draw.tensors if draw.rows is None else [torch.from_numpy(host) for host in staging.fields]
+        lead = (draw.items, table.window) if self.sequence_length else (draw.items,)
         fields = {
             spec.name: raw.view(dtype).view(*lead, *spec.shape)
             for spec, raw, dtype in zip(table.schema.fields, rows, self._dtypes)
         }
-        m = torch.from_numpy(meta).view(4, *lead)
+        m = torch.from_numpy(staging.meta).view(4, *lead)
         index, weight = torch.from_numpy(staging.index), torch.from_numpy(staging.weight)
         if self.cuda:
             if not table.on_device:
@@ -323,11 +371,24 @@ class ReplayCore:
             self.cond.notify_all()
 
 
+class _Draw:
+    """A batch being made: its table, staging and item count; the storage rows still to copy
+    (host tables) or the gathered tensors (device tables)."""
+
+    def __init__(self, table: ReplayTable, staging: _Staging, items: int):
+        self.table = table
+        self.staging = staging
+        self.items = items
+        self.rows: np.ndarray | None = None
+        self.tensors: list[Any] = []
+
+
 class _Staging:
     """Host buffers for one batch; torch tensors made from them keep them referenced."""
 
     def __init__(self, table: ReplayTable, rows: int, batch_size: int, pin: bool, fields: bool = True):
         self.rows = rows
+        self.claimed = False  # handed to a sample that has not made its tensors yet
         self.fields = [_empty((rows, spec.step_bytes), np.uint8, pin) for spec in table.schema.fields] if fields else []
         self.slots = _empty((rows,), np.int64, pin)  # slot numbers, for a device gather's index
         self.meta = _empty((4, rows), np.int64, pin)
@@ -336,7 +397,7 @@ class _Staging:
         self.copied: Any = None  # the CUDA event of the copy to the device
 
     def in_use(self) -> bool:
-        if self.copied is not None and not self.copied.query():
+        if self.claimed or (self.copied is not None and not self.copied.query()):
             return True
         # 4 = this object's slot, the tuple, the loop variable and getrefcount's argument.
         return any(sys.getrefcount(a) > 4 for a in (*self.fields, self.slots, self.meta, self.index, self.weight))

@@ -32,14 +32,15 @@ _CHUNK_BYTES = 512 << 10  # one claim: small enough that the two threads finish 
 enabled = (os.cpu_count() or 1) > 1
 
 
-def gather_rows(pairs: list[tuple[np.ndarray, np.ndarray]], rows: np.ndarray) -> None:
+def gather_rows(pairs: list[tuple[np.ndarray, np.ndarray]], rows: np.ndarray, split: bool = True) -> None:
     """For each ``(storage, out)``: ``out[:] = storage[rows]`` (rows of uint8 ``[n, step_bytes]``).
 
     Large gathers are split with the helper thread when that has been the faster way lately
-    (see :class:`Chooser`); the result is exactly that of one ``np.take`` per field.
+    (see :class:`Chooser`) and ``split`` allows it (threads that sample ahead gather whole
+    batches side by side instead); the result is exactly that of one ``np.take`` per field.
     """
     big = [(s, o) for s, o in pairs if o.nbytes >= SPLIT_MIN_BYTES]
-    if not enabled or not big or rows.size < 2:
+    if not (enabled and split) or not big or rows.size < 2:
         for storage, out in pairs:
             _take(storage, rows, out)
         return

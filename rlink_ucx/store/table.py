@@ -118,9 +118,13 @@ class ReplayTable:
 
     def gather(self, ids: np.ndarray, outs: list[np.ndarray]) -> None:
         """Copy the rows of ``ids`` (any shape) into ``outs`` (per field ``[ids.size, step_bytes]``)."""
-        slots = (np.asarray(ids, dtype=np.int64) % self.capacity).ravel()
         # np.take with mode="clip", large batches split with a helper thread (split_gather.py)
-        gather_rows(list(zip(self.rows, outs)), slots)
+        gather_rows(list(zip(self.rows, outs)), self.storage_rows(ids))
+
+    def storage_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The storage rows of ``ids`` (flattened). Under the replay's lock: an insert may move
+        them; the rows of held ids stay valid until those ids are evicted."""
+        return (np.asarray(ids, dtype=np.int64) % self.capacity).ravel()
 
     def meta(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         slots = np.asarray(ids, dtype=np.int64) % self.capacity

@@ -199,3 +199,29 @@ def test_large_steps_taken_whole_from_the_ring_arrive_bit_for_bit_and_survive_a_
         b = resumed.sample(timeout=10)
         np.testing.assert_array_equal(b["action"].numpy(), b.actor_id.numpy() * 1_000_000 + b.seq.numpy())
         resumed.close()
+
+
+@pytest.mark.timeout(180)
+def test_batches_drawn_ahead_hold_whole_rows_while_actor_processes_overwrite_the_table():
+    """The default uniform replay draws batches ahead on two threads, copying rows outside the
+    replay's lock, while two actor processes stream 8x its capacity of Atari-sized steps
+    through it: every row of every batch is the step its metadata names, byte for byte."""
+    n, capacity = 4000, 1024
+    with Learner("127.0.0.1:0", transport="shm") as learner:
+        replay = ReplayDataset(learner, capacity=capacity, batch_size=64)
+        assert replay.prefetch == 2
+        procs = start(*(SPAWN.Process(target=frames_actor, args=(learner.address, a, n)) for a in (1, 2)))
+        batches, evicted = 0, 0
+        while any(p.is_alive() for p in procs) or batches < 20:
+            b = replay.sample(timeout=60)
+            actor, seq = b.actor_id.numpy(), b.seq.numpy()
+            assert np.array_equal(b["obs"].numpy(), frame_of(actor.reshape(-1, 1), seq))
+            assert np.array_equal(b["action"].numpy(), actor * 1_000_000 + seq)
+            batches += 1
+            evicted = max(evicted, replay.inserted - len(replay))
+        assert join_all(procs, 90) == [0, 0]
+        deadline = time.monotonic() + 30
+        while replay.inserted < 2 * n and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert replay.inserted == 2 * n and len(replay) == capacity and evicted > 0
+        replay.close()

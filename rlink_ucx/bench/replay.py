@@ -53,6 +53,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--reps", type=int, default=2, help="insert / checkpoint: alternating runs [2]")
     parser.add_argument("--prioritized-reps", type=int, default=2000, help="prioritized: timed calls [2000]")
     parser.add_argument("--device", default="cpu", help="uniform / checkpoint: the replay's device (cpu, cuda:0) [cpu]")
+    parser.add_argument("--prefetch", type=int, default=None,
+                        help="uniform: ReplayDataset(prefetch=...), batches drawn ahead by two threads "
+                             "[default: the replay's own choice, 2 here]")  # fmt: skip
     parser.add_argument("--storage", choices=["host", "device"], default="host",
                         help="uniform / checkpoint: the table in host memory or on --device [host]")  # fmt: skip
     parser.add_argument("--reverb", metavar="PYTHON", help="an interpreter with dm-reverb: run reverb_side.py "
@@ -81,9 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(sys.argv[1:] if argv is None else list(argv))
     report: dict[str, Any] = {"machine": {"cpus": os.cpu_count(), "python": sys.version.split()[0]}}
     if "uniform" in args.only:
-        report["uniform"] = u = bench_uniform(args.atari_capacity, args.seconds, args.device, args.storage)
+        report["uniform"] = u = bench_uniform(args.atari_capacity, args.seconds, args.device, args.storage, args.prefetch)
         log(f"uniform B={B} Atari ({u['storage']} table, batches on {u['device']}): {u['batches_per_s']} batches/s "
-            f"= {u['items_per_s']} items/s")  # fmt: skip
+            f"= {u['items_per_s']} items/s (prefetch {u['prefetch']})")  # fmt: skip
         if args.reverb:
             report["reverb"] = r = reverb(args.reverb, args.atari_capacity, args.seconds)
             for path in ("tfdata", "client"):

@@ -67,11 +67,12 @@ def fill(spec: dict, capacity: int, **kw: Any) -> Any:
     return replay
 
 
-def bench_uniform(capacity: int, seconds: float, device: str = "cpu", storage: str = "host") -> dict[str, Any]:
+def bench_uniform(capacity: int, seconds: float, device: str = "cpu", storage: str = "host",
+                  prefetch: int | None = None) -> dict[str, Any]:  # fmt: skip
     """``sample()`` of B Atari steps in a loop: batches/s, items/s, GB/s gathered."""
     import torch
 
-    replay = fill(ATARI, capacity, sampler="uniform", device=device, storage=storage)
+    replay = fill(ATARI, capacity, sampler="uniform", device=device, storage=storage, prefetch=prefetch)
     cuda = replay.device.type == "cuda"
     for _ in range(5):
         replay.sample(10)
@@ -88,7 +89,7 @@ def bench_uniform(capacity: int, seconds: float, device: str = "cpu", storage: s
     replay.close()
     from ..store import split_gather
 
-    return {"capacity": capacity, "batch": B, "device": str(replay.device), "storage": storage,
+    return {"capacity": capacity, "batch": B, "device": str(replay.device), "storage": storage, "prefetch": replay.prefetch,
             "split_gather": split_gather.enabled and storage == "host", "batches_per_s": round(per_s, 1), "items_per_s": round(per_s * B),
             "gb_per_s": round(per_s * B * step_bytes / 1e9, 2)}  # fmt: skip
 

@@ -141,18 +141,17 @@ class ShmSender:
                 self.arena_frames += 1
             elif self.direct and size >= cma.MIN_BYTES:
                 self._send_direct(header, payload)
-            elif self._fits(size):
+            elif self._fits(size) or (size <= self.ring.size // 2 and self._wait_for_room(size)):
                 # Copied first, announced after, in one send: the learner's ring hands out steps
                 # in arrival order, so a frame it has begun but whose bytes are still to come
                 # holds back every actor's steps behind it (seconds, with 256 actor threads
-                # waiting for their processes' GIL between the header and the bytes).
-                if size <= SMALL_FRAME:
-                    self._copy_small(b"".join(payload))
-                else:
-                    for buf in payload:
-                        if len(buf):
-                            self.ring.copy_in(self.written, buf)
-                            self.written += len(buf)
+                # waiting for their processes' GIL between the header and the bytes). So a
+                # frame that does not fit yet waits for room before it is announced; only one
+                # larger than half the ring streams through it.
+                for buf in [b"".join(payload)] if size <= SMALL_FRAME else payload:
+                    if len(buf):
+                        self.ring.copy_in(self.written, buf)
+                        self.written += len(buf)
                 self.sock.sendall(b"".join((RING_FRAME, header, WRITTEN, COUNTER.pack(self.written))))
             else:
                 self.sock.sendall(RING_FRAME + header)
@@ -173,18 +172,6 @@ class ShmSender:
             _close(self.sock)
             raise
 
-    def _copy_small(self, data: bytes) -> None:
-        """Copy a small frame's payload into the ring (wrapping) by slicing the mapping: one
-        copy, without the address look-ups of ``ShmRing.copy_in`` (costly for a slow actor,
-        whose every step is a frame of its own)."""
-        n, size = len(data), self.ring.size
-        at = self.written % size
-        k = min(n, size - at)
-        self.ring.mm[DATA_OFFSET + at : DATA_OFFSET + at + k] = data[:k] if k < n else data
-        if k < n:
-            self.ring.mm[DATA_OFFSET : DATA_OFFSET + n - k] = data[k:]
-        self.written += n
-
     def _fits(self, size: int) -> bool:
         """Whether ``size`` bytes fit in the ring's free room. The learner's replies are read
         only when the room we know of is short (not after every frame: a slow actor's step
@@ -194,6 +181,15 @@ class ShmSender:
         if self._replies.read():
             self._check_replies()
         return size <= self.ring.size - (self.written - self._replies.freed)
+
+    def _wait_for_room(self, size: int) -> bool:
+        """Wait until ``size`` bytes of the ring are free (at most half the ring: the learner
+        holds back less than a quarter, so that much is always freed in the end). The doorbell
+        (our unchanged count) asks it to free at once what it has copied out, rather than at
+        its next quarter of the ring."""
+        self._doorbell()
+        self._wait(lambda: size <= self.ring.size - (self.written - self._replies.freed), "free room in the shared ring")
+        return True
 
     def _stream(self, payload: list[memoryview]) -> None:
         for buf in payload:
@@ -378,6 +374,8 @@ class ShmReceiver(SocketReceiver):
                 raise EOFError("actor closed the data connection") from None
             if kind == WRITTEN:
                 self._note_written(body)
+                if self._consumed != self._released:
+                    self._release()  # between frames a doorbell means: the actor waits for room
                 continue
             self.frame_started = time.monotonic()
             payload = [v for v in self.sink.begin(body) if len(v)]

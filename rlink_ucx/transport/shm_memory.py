@@ -53,6 +53,12 @@ def open_memfd(pid: int, fd: int, size: int, name: str, mode: int) -> int:
     return own
 
 
+# Copies up to this size slice the mapping and keep the GIL: ``ctypes.memmove`` releases it,
+# and with several receive threads each release of a small field's copy is a likely thread
+# switch (measured with 4 actors: 4,000-7,000 voluntary switches a second per receive thread).
+SLICE_BYTES = 64 * 1024
+
+
 class ShmRing:
     """A sealed shared memfd, mapped: ``size`` data bytes after the nonce page. The learner's
     ring (a byte stream) or an actor's arena (its frame buffers)."""
@@ -107,11 +113,26 @@ class ShmRing:
         self.release_fd()
         self.mm.close()
 
-    def copy_in(self, pos: int, src: memoryview) -> None:
+    def copy_in(self, pos: int, src: bytes | memoryview) -> None:
         """Copy ``src`` into the ring at stream position ``pos`` (wrapping)."""
+        if len(src) <= SLICE_BYTES:
+            at, n = pos % self.size, len(src)
+            k = min(n, self.size - at)
+            self.mm[DATA_OFFSET + at : DATA_OFFSET + at + k] = src[:k] if k < n else src
+            if k < n:
+                self.mm[DATA_OFFSET : DATA_OFFSET + n - k] = src[k:]
+            return
         self._move(pos, cma.address(src), len(src), into_ring=True)
 
     def copy_out(self, pos: int, dst: memoryview) -> None:
+        """Copy ``len(dst)`` bytes from stream position ``pos`` (wrapping) into ``dst``."""
+        if len(dst) <= SLICE_BYTES:
+            at, n = pos % self.size, len(dst)
+            k = min(n, self.size - at)
+            dst[:k] = self.mm[DATA_OFFSET + at : DATA_OFFSET + at + k]
+            if k < n:
+                dst[k:] = self.mm[DATA_OFFSET : DATA_OFFSET + n - k]
+            return
         self._move(pos, cma.address(dst), len(dst), into_ring=False)
 
     def _move(self, pos: int, addr: int, n: int, into_ring: bool) -> None:

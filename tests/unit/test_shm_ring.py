@@ -80,6 +80,36 @@ def test_frames_arrive_bit_exact_across_many_wraps_of_a_small_ring(connection):
     assert sender.written > 20 * RING  # it really wrapped
 
 
+class SlowSink(RecordingSink):
+    """A learner that takes a while for each frame, so the actor's ring fills up."""
+
+    def begin(self, header):
+        time.sleep(0.001)
+        return super().begin(header)
+
+
+def test_a_frame_up_to_half_the_ring_waits_for_room_before_it_is_announced(connection, monkeypatch):
+    """The learner hands out steps in arrival order: a frame announced before its bytes are in
+    the ring would hold back every other actor's steps. So a frame that fits in half the ring
+    waits for room and is never announced before all of it is written."""
+    streamed = []  # frames announced before their bytes were written (then streamed in)
+    original = shm.ShmSender._stream
+    monkeypatch.setattr(shm.ShmSender, "_stream", lambda self, payload: (streamed.append(1), original(self, payload))[1])
+    sink = SlowSink()
+    sender, _ = _pair(connection, sink)
+    rng = np.random.default_rng(3)
+    sent = []
+    for _ in range(200):  # 2 frames fill the ring, and the learner is slower than the actor
+        parts = [rng.integers(0, 256, int(rng.integers(RING // 8, RING // 4)), dtype=np.uint8) for _ in range(2)]
+        sender.send(_header(sum(p.size for p in parts)), [memoryview(p) for p in parts])
+        sent.append(b"".join(p.tobytes() for p in parts))
+    sender.close()
+    assert sink.failed.wait(10) and isinstance(sink.failure, EOFError)
+    assert [bytes(f) for f in sink.frames] == sent
+    assert sender.written > 50 * RING  # the ring was full again and again
+    assert streamed == []
+
+
 def test_the_ring_is_sealed_against_shrinking_and_checked_by_nonce():
     ring, nonce = shm.ShmRing.create(RING)
     own = os.open(f"/proc/{os.getpid()}/fd/{ring.fd}", os.O_RDWR)

@@ -174,11 +174,14 @@ class ReplayCore:
         fields, prio = self._stream
         groups = chunk_groups(ring, pieces, fields, table) if isinstance(table, BlockTable) else None
         with self.cond:
-            while self.paused:  # a save began after wait_room said yes: its snapshot comes first
-                self.cond.wait()
-            if table.held + n > table.capacity and self.gathering:
+            while True:
+                while self.paused:  # a save began after wait_room said yes: its snapshot comes first
+                    self.cond.wait()
+                if not (table.held + n > table.capacity and self.gathering):
+                    break
                 # Rows about to be evicted may be being copied into a batch: wait for those
-                # copies (and keep new ones from starting meanwhile, or they never all end).
+                # copies (and keep new ones from starting meanwhile, or they never all end),
+                # then look again: a save may have begun while we waited.
                 self.evicting += 1
                 try:
                     while self.gathering:

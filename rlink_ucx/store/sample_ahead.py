@@ -16,6 +16,7 @@ hold items evicted since; its ``staleness`` is computed when it is returned.
 from __future__ import annotations
 
 import collections
+import logging
 import threading
 import time
 from typing import Any
@@ -23,9 +24,12 @@ from typing import Any
 import numpy as np
 
 from ..batch import Batch
+from ..errors import Closed
 from ..errors import TimeoutError as RLinkTimeout
 
 __all__ = ["SampleAhead"]
+
+log = logging.getLogger(__name__)
 
 _POLL = 0.25  # seconds a thread waits in one sample() before it looks whether it should stop
 
@@ -99,7 +103,9 @@ class SampleAhead:
                 batch = self.core.sample(_POLL, split=False)
             except RLinkTimeout:
                 pass  # too few steps yet: try again
-            except BaseException:  # noqa: BLE001 - the caller's own sample() raises it again
+            except BaseException as exc:  # noqa: BLE001 - the caller's own sample() raises it again
+                if not isinstance(exc, Closed) and not self.stopped:
+                    log.warning("replay: drawing batches ahead stopped (%r); sample() draws them itself from now on", exc)
                 with self.cond:
                     self.stopped = True
             finally:

@@ -208,3 +208,27 @@ def test_a_staging_set_is_not_handed_out_twice_before_its_batch_exists():
         first.claimed = second.claimed = False
         with core.cond:
             assert core._staging(10) is first  # free again: reused, not a new set
+
+
+def test_a_save_that_begins_while_an_insert_waits_for_a_gather_is_not_written_under():
+    """An insert waiting for a gather before it evicts must look again for a save that began
+    meanwhile: the save's snapshot comes first (found in review: it used to go on and write
+    rows the save was streaming)."""
+    ring = new_ring()
+    with ReplayDataset(FakeLearner(ring), capacity=100, batch_size=10, prefetch=0) as r:
+        core = r._core
+        put(ring, 1, 0, 100)
+        assert wait_for(lambda: r.inserted == 100)
+        with core.cond:
+            core.gathering += 1  # a gather copying outside the lock
+        put(ring, 1, 100, 10)  # must evict: waits for the gather
+        assert wait_for(lambda: core.evicting == 1)
+        core.pause()  # a checkpoint save begins
+        with core.cond:
+            core.gathering -= 1
+            core.cond.notify_all()
+        time.sleep(0.3)
+        assert r.inserted == 100 and len(r) == 100  # nothing moved under the save
+        core.resume()
+        assert wait_for(lambda: r.inserted == 110)
+        check_rows(r.sample(timeout=5))

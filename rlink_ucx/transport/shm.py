@@ -249,6 +249,11 @@ class _Records:
         out, self._data = self._data[:n], self._data[n:]
         return out
 
+    def buffered(self) -> bool:
+        """Whether a whole byte-count record (``WRITTEN`` + counter) is already read, so reading
+        it will not block."""
+        return len(self._data) >= 1 + COUNTER.size
+
     def next(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
         """``(kind, header or counter, extents)``."""
         kind = self._need(1)
@@ -313,8 +318,11 @@ class ShmReceiver(SocketReceiver):
             pass
 
     def _wait_for_bytes(self) -> None:
-        if self._consumed != self._released:
-            self._release()  # before waiting: the actor may be waiting for room
+        if self._consumed != self._released and not self._records.buffered():
+            # Before blocking: the actor may be waiting for room. Not when the next record is
+            # already here (a frame's byte count comes right after its header): a reply per
+            # frame is a system call and a wake-up of the actor each.
+            self._release()
         kind, body, _ = self._records.next()
         if kind != WRITTEN:
             raise ProtocolError("a new frame was announced before the last one's payload was written")

@@ -42,7 +42,7 @@ from typing import Any
 
 from ..errors import ProtocolError
 from ..wire.frame import FRAME_HEADER_BYTES
-from . import cma
+from . import cma, shm_pump
 from .base import FrameSink
 from .shm_memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
 from .tcp import SocketReceiver, _close, tune_socket
@@ -249,6 +249,34 @@ class _Records:
         out, self._data = self._data[:n], self._data[n:]
         return out
 
+    def fill(self) -> bool:
+        """Read what has arrived without blocking; whether anything had."""
+        try:
+            got = self.sock.recv_into(self._buf, len(self._buf), socket.MSG_DONTWAIT)
+        except BlockingIOError:
+            return False
+        if got == 0:
+            if self._data:
+                raise ConnectionResetError("actor closed the data connection mid-record")
+            raise EOFError("actor closed the data connection")  # between frames: the control channel says why
+        self._data += self._buf[:got]
+        return True
+
+    def complete(self) -> bool:
+        """Whether a whole record is buffered (an unknown or oversized one counts: reading it
+        raises the protocol error)."""
+        data = self._data
+        if not data:
+            return False
+        kind = data[:1]
+        need = 1 + (COUNTER.size if kind == WRITTEN else FRAME_HEADER_BYTES)
+        if kind in (ARENA_FRAME, DIRECT_FRAME) and len(data) >= need + COUNTER.size:
+            (n,) = COUNTER.unpack_from(data, need)
+            need += COUNTER.size + (n * EXTENT.size if n <= MAX_EXTENTS else 0)
+        elif kind in (ARENA_FRAME, DIRECT_FRAME):
+            need += COUNTER.size
+        return kind not in (WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME) or len(data) >= need
+
     def buffered(self) -> bool:
         """Whether a whole byte-count record (``WRITTEN`` + counter) is already read, so reading
         it will not block."""
@@ -289,6 +317,7 @@ class ShmReceiver(SocketReceiver):
         self._consumed = 0  # copied out
         self._released = 0  # what we told the actor
         self._records = _Records(sock)
+        self._pumped = False  # read by the process's shm pump instead of a thread of its own
 
     def _read_into(self, views: list[memoryview]) -> None:
         for view in views:
@@ -374,30 +403,59 @@ class ShmReceiver(SocketReceiver):
         poll.register(self.sock, _PEER_GONE)
         return any(events & _PEER_GONE for _, events in poll.poll(within * 1000))
 
+    def start(self) -> None:
+        if shm_pump.enabled:
+            self._pumped = True
+            shm_pump.pump().add(self)
+        else:
+            super().start()
+
+    def close(self) -> None:
+        if not self._pumped:
+            super().close()
+            return
+        # The pump closes the socket once it has stopped watching it (closed here, its number
+        # could be reused by another connection while the pump still polls it): shutting it
+        # wakes the pump, whose next read sees the end.
+        self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+
     def _receive(self) -> None:
         while True:
             try:
-                kind, body, extents = self._records.next()
+                record = self._records.next()
             except EOFError:  # between frames: the control channel says why
                 raise EOFError("actor closed the data connection") from None
-            if kind == WRITTEN:
-                self._note_written(body)
-                if self._consumed != self._released:
-                    self._release()  # between frames a doorbell means: the actor waits for room
-                continue
-            self.frame_started = time.monotonic()
-            payload = [v for v in self.sink.begin(body) if len(v)]
-            try:
-                if kind == ARENA_FRAME:
-                    self._copy_from_arena(extents, payload)
-                elif kind == DIRECT_FRAME:
-                    self._copy_directly(extents, payload)
-                else:
-                    self._read_into(payload)
-            except EOFError:
-                raise ConnectionResetError("actor closed the data connection mid-frame") from None
-            self.frame_started = None
-            self.sink.end_threadsafe()
+            self._handle(*record)
+
+    def pump_step(self) -> None:
+        """Handle the records that have arrived, without waiting for more (the pump's thread)."""
+        if self._records.fill():
+            while self._records.complete():
+                self._handle(*self._records.next())
+
+    def _handle(self, kind: bytes, body: bytes, extents: list[tuple[int, int]]) -> None:
+        if kind == WRITTEN:
+            self._note_written(body)
+            if self._consumed != self._released:
+                self._release()  # between frames a doorbell means: the actor waits for room
+            return
+        self.frame_started = time.monotonic()
+        payload = [v for v in self.sink.begin(body) if len(v)]
+        try:
+            if kind == ARENA_FRAME:
+                self._copy_from_arena(extents, payload)
+            elif kind == DIRECT_FRAME:
+                self._copy_directly(extents, payload)
+            else:
+                self._read_into(payload)
+        except EOFError:
+            raise ConnectionResetError("actor closed the data connection mid-frame") from None
+        self.frame_started = None
+        self.sink.end_threadsafe()
 
     def _finished(self) -> None:
         self.ring.close()  # this thread was the only one copying out of them

@@ -128,14 +128,22 @@ class SocketReceiver:
         try:
             self._receive()
         except Exception as exc:  # noqa: BLE001 - every failure is reported to the session
-            if not self._closed:
-                self._closed = True
-                _close(self.sock)
-                self.sink.fail_threadsafe(exc)
+            self._failed(exc)
         finally:
-            self.frame_started = None
-            self.sink.abandon()  # nothing more can land in the ring from this thread
-            self._finished()
+            self._ended()
+
+    def _failed(self, exc: Exception) -> None:
+        """Reading stopped on ``exc``: close and tell the session (unless we were closed)."""
+        if not self._closed:
+            self._closed = True
+            _close(self.sock)
+            self.sink.fail_threadsafe(exc)
+
+    def _ended(self) -> None:
+        """Nothing more is read: the session's ring gets nothing more from this receiver."""
+        self.frame_started = None
+        self.sink.abandon()
+        self._finished()
 
     def _receive(self) -> None:
         raise NotImplementedError

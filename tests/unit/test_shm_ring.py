@@ -9,12 +9,20 @@ import numpy as np
 import pytest
 
 from rlink_ucx.errors import ProtocolError
-from rlink_ucx.transport import cma, shm
+from rlink_ucx.transport import cma, shm, shm_pump
 from rlink_ucx.wire.frame import FRAME_HEADER_BYTES
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shm.available(), reason="no memfd (not Linux)")]
 
 RING = 64 * 1024
+
+
+@pytest.fixture(autouse=True, params=["pump", "thread"])
+def reading(request, monkeypatch):
+    """Every test runs with the process's shm pump reading the connection (the default) and
+    with a thread of its own per connection (``shm_pump.enabled = False``)."""
+    monkeypatch.setattr(shm_pump, "enabled", request.param == "pump")
+    return request.param
 
 
 class RecordingSink:
@@ -289,3 +297,76 @@ def test_a_sender_that_stops_waiting_for_a_direct_read_shuts_the_connection_firs
     assert received.startswith(shm.DIRECT_FRAME)
     sender.close()
     ring.close()
+
+
+def _pairs(n: int):
+    """``n`` more loopback connections, as the ``connection`` fixture makes them."""
+    out = []
+    for _ in range(n):
+        server = socket.create_server(("127.0.0.1", 0))
+        actor_side = socket.create_connection(server.getsockname())
+        learner_side, _ = server.accept()
+        server.close()
+        out.append((actor_side, learner_side))
+    return out
+
+
+def test_four_connections_read_together_and_a_bad_one_fails_alone():
+    """Four actors' connections (on one pump, or a thread each): one sends a counter that
+    rewinds the ring and fails with a protocol error; the others go on, every frame bit-exact."""
+    connections = _pairs(4)
+    sinks = [RecordingSink() for _ in connections]
+    senders = [_pair(c, sink)[0] for c, sink in zip(connections, sinks)]
+    rng = np.random.default_rng(5)
+    sent = [[] for _ in senders]
+    for i in range(120):
+        for k, sender in enumerate(senders):
+            if k == 0 and i == 40:
+                connections[0][0].sendall(shm.WRITTEN + shm.COUNTER.pack(1))  # backwards
+                continue
+            if k == 0 and i > 40:
+                continue
+            part = rng.integers(0, 256, int(rng.integers(1, RING // 3)), dtype=np.uint8)
+            sender.send(_header(part.size), [memoryview(part)])
+            sent[k].append(part.tobytes())
+    assert sinks[0].failed.wait(10) and isinstance(sinks[0].failure, ProtocolError)
+    for sender in senders[1:]:
+        sender.close()
+    for k in range(1, 4):
+        assert sinks[k].failed.wait(10) and isinstance(sinks[k].failure, EOFError)  # clean ends
+        assert [bytes(f) for f in sinks[k].frames] == sent[k]
+    assert [bytes(f) for f in sinks[0].frames] == sent[0][:40]  # what came before is kept
+    for a, b in connections:
+        a.close()
+        b.close()
+
+
+class EndingSink(RecordingSink):
+    def __init__(self):
+        super().__init__()
+        self.abandoned = threading.Event()
+
+    def abandon(self):
+        self.abandoned.set()
+
+
+def test_a_receiver_closed_by_the_learner_ends_quietly_and_its_socket_is_closed(connection):
+    """``close`` from another thread (the session ending): no failure is reported, the sink is
+    told nothing more will land, and the socket is closed (by the pump, once it stopped
+    polling it, when the pump reads it)."""
+    sink = EndingSink()
+    sender, receiver = _pair(connection, sink)
+    sender.send(_header(10), [memoryview(b"0123456789")])
+    assert sink.ended.acquire(timeout=10)
+    receiver.close()
+    assert sink.abandoned.wait(10)
+    assert sink.failure is None
+    assert wait_closed(receiver.sock)
+    sender.close()
+
+
+def wait_closed(sock, timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while sock.fileno() != -1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return sock.fileno() == -1

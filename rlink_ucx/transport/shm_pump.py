@@ -1,0 +1,132 @@
+"""One thread reads every shm data connection of the process.
+
+With a thread per actor, a learner's receive threads pass the GIL and the cores around several
+times per frame: with 4 actors on 2 cores each receive thread made 3,500-7,000 voluntary
+context switches a second (docs/benchmarks.md, "4 actors against 1"). The pump polls every
+registered connection and handles the records that have arrived, whole frames at a time. A
+frame's bytes are in the shared ring (or the actor's arena, or its memory) before the frame is
+announced, so handling one does not wait for its actor; only a frame larger than half the
+ring streams, and the pump then waits for its bytes like the receiving thread did (a stalled
+frame is closed by the session's heartbeat check, which ends that wait).
+
+A receiver's socket is closed by the pump only once it has stopped polling it (a number closed
+elsewhere could come back as another connection's while the pump still watches it): the
+receiver's ``close`` shuts the socket down, which wakes the pump.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+from typing import Any
+
+__all__ = ["ShmPump", "enabled", "pump"]
+
+log = logging.getLogger(__name__)
+
+enabled = True  # False: a thread per connection, as before (tests and A/B runs switch it)
+
+_IN = select.POLLIN | select.POLLHUP | select.POLLERR
+
+
+class ShmPump:
+    """The thread, its poll set, and the receivers waiting to join it."""
+
+    def __init__(self) -> None:
+        self._poll = select.poll()
+        self._by_fd: dict[int, Any] = {}  # socket number -> ShmReceiver
+        self._lock = threading.Lock()
+        self._joining: list[Any] = []
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        self._poll.register(self._wake_r, select.POLLIN)
+        threading.Thread(target=self._serve, name="rlink-shm-pump", daemon=True).start()
+
+    def add(self, receiver: Any) -> None:
+        """Read ``receiver``'s connection from now on (any thread)."""
+        with self._lock:
+            self._joining.append(receiver)
+        try:
+            os.write(self._wake_w, b"\0")
+        except BlockingIOError:
+            pass  # the pipe is full of wake-ups already
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                for fd, _ in self._poll.poll():
+                    if fd == self._wake_r:
+                        self._join()
+                    elif (receiver := self._by_fd.get(fd)) is not None:
+                        self._step(fd, receiver)
+            except Exception:  # a bug here must not end every actor's reading
+                log.exception("shm pump: unexpected error; going on")
+
+    def _join(self) -> None:
+        try:
+            while os.read(self._wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            joining, self._joining = self._joining, []
+        for receiver in joining:
+            fd = receiver.sock.fileno()
+            if fd < 0:  # closed before it could join
+                receiver._ended()
+                continue
+            stale = self._by_fd.get(fd)
+            if stale is not None:  # its socket was closed elsewhere and the number reused
+                self._drop(fd, stale, ConnectionResetError("the data connection was closed"))
+            self._by_fd[fd] = receiver
+            self._poll.register(fd, _IN)
+
+    def _step(self, fd: int, receiver: Any) -> None:
+        try:
+            receiver.pump_step()
+        except Exception as exc:  # noqa: BLE001 - reported to the receiver's session
+            self._drop(fd, receiver, exc)
+
+    def _drop(self, fd: int, receiver: Any, exc: Exception) -> None:
+        """Stop reading ``receiver`` (which stopped on ``exc``) and close its socket."""
+        if self._by_fd.get(fd) is receiver:  # not a later receiver that got the same number
+            del self._by_fd[fd]
+            self._poll.unregister(fd)
+        try:
+            receiver._failed(exc)
+        finally:
+            receiver._ended()
+            _close_socket(receiver.sock)
+
+
+def _close_socket(sock: Any) -> None:
+    try:
+        sock.close()
+    except OSError:
+        pass
+
+
+_pump: ShmPump | None = None
+_start_lock = threading.Lock()
+
+
+def pump() -> ShmPump:
+    """The process's pump, started on first use."""
+    global _pump
+    if _pump is None:
+        with _start_lock:
+            if _pump is None:
+                _pump = ShmPump()
+    return _pump
+
+
+def _forget_pump() -> None:
+    global _pump
+    _pump = None  # a forked child has no pump thread: it starts its own when it needs one
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pump)

@@ -81,7 +81,7 @@ class ShmPump:
             pass
         with self._lock:
             joining, self._joining = self._joining, []
-        for receiver in joining:
+        for receiver in joining:  # each on its own: one that fails must not strand the others
             fd = receiver.sock.fileno()
             if fd < 0:  # closed before it could join
                 self._end(receiver)
@@ -89,8 +89,12 @@ class ShmPump:
             stale = self._by_fd.get(fd)
             if stale is not None:  # its socket was closed elsewhere and the number reused
                 self._drop(fd, stale, ConnectionResetError("the data connection was closed"))
+            try:
+                self._poll.register(fd, _IN)
+            except OSError as exc:
+                self._drop(fd, receiver, exc)
+                continue
             self._by_fd[fd] = receiver
-            self._poll.register(fd, _IN)
 
     def _step(self, fd: int, receiver: Any) -> None:
         try:
@@ -102,12 +106,17 @@ class ShmPump:
         """Stop reading ``receiver`` (which stopped on ``exc``) and close its socket."""
         if self._by_fd.get(fd) is receiver:  # not a later receiver that got the same number
             del self._by_fd[fd]
-            self._poll.unregister(fd)
+            try:
+                self._poll.unregister(fd)
+            except OSError:  # closed elsewhere: the kernel dropped it from the set already
+                pass
         try:
             receiver._failed(exc)
         finally:
-            self._end(receiver)
-            _close_socket(receiver.sock)
+            try:
+                self._end(receiver)
+            finally:
+                _close_socket(receiver.sock)
 
     def _end(self, receiver: Any) -> None:
         try:
@@ -140,8 +149,9 @@ def pump() -> ShmPump:
 
 
 def _forget_pumps() -> None:
-    global _pumps
+    global _pumps, _start_lock
     _pumps = []  # a forked child has no pump threads: it starts its own when it needs them
+    _start_lock = threading.Lock()  # a thread of the parent may have held it at the fork
 
 
 if hasattr(os, "register_at_fork"):

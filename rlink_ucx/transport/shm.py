@@ -141,7 +141,7 @@ class ShmSender:
                 self.arena_frames += 1
             elif self.direct and size >= cma.MIN_BYTES:
                 self._send_direct(header, payload)
-            elif self._fits(size) or (size <= self.ring.size // 2 and self._wait_for_room(size)):
+            elif self._room_for(size):
                 # Copied first, announced after, in one send: the learner's ring hands out steps
                 # in arrival order, so a frame it has begun but whose bytes are still to come
                 # holds back every actor's steps behind it (seconds, with 256 actor threads
@@ -182,11 +182,16 @@ class ShmSender:
             self._check_replies()
         return size <= self.ring.size - (self.written - self._replies.freed)
 
-    def _wait_for_room(self, size: int) -> bool:
-        """Wait until ``size`` bytes of the ring are free (at most half the ring: the learner
+    def _room_for(self, size: int) -> bool:
+        """Whether ``size`` bytes can be copied into the ring before the frame is announced:
+        at once, or after waiting for room if the frame fits in half the ring (the learner
         holds back less than a quarter, so that much is always freed in the end). The doorbell
         (our unchanged count) asks it to free at once what it has copied out, rather than at
-        its next quarter of the ring."""
+        its next quarter of the ring. False: the frame streams."""
+        if self._fits(size):
+            return True
+        if size > self.ring.size // 2:
+            return False
         self._doorbell()
         self._wait(lambda: size <= self.ring.size - (self.written - self._replies.freed), "free room in the shared ring")
         return True

@@ -115,35 +115,28 @@ class ShmRing:
 
     def copy_in(self, pos: int, src: bytes | memoryview) -> None:
         """Copy ``src`` into the ring at stream position ``pos`` (wrapping)."""
-        if len(src) <= SLICE_BYTES:
-            at, n = pos % self.size, len(src)
-            k = min(n, self.size - at)
-            self.mm[DATA_OFFSET + at : DATA_OFFSET + at + k] = src[:k] if k < n else src
-            if k < n:
-                self.mm[DATA_OFFSET : DATA_OFFSET + n - k] = src[k:]
-            return
-        self._move(pos, cma.address(src), len(src), into_ring=True)
+        addr = None if len(src) <= SLICE_BYTES else cma.address(src)
+        for at, done, k in self._spans(pos, len(src)):
+            if addr is None:
+                self.mm[DATA_OFFSET + at : DATA_OFFSET + at + k] = src[done : done + k]
+            else:
+                ctypes.memmove(self.base + at, addr + done, k)
 
     def copy_out(self, pos: int, dst: memoryview) -> None:
         """Copy ``len(dst)`` bytes from stream position ``pos`` (wrapping) into ``dst``."""
-        if len(dst) <= SLICE_BYTES:
-            at, n = pos % self.size, len(dst)
-            k = min(n, self.size - at)
-            dst[:k] = self.mm[DATA_OFFSET + at : DATA_OFFSET + at + k]
-            if k < n:
-                dst[k:] = self.mm[DATA_OFFSET : DATA_OFFSET + n - k]
-            return
-        self._move(pos, cma.address(dst), len(dst), into_ring=False)
-
-    def _move(self, pos: int, addr: int, n: int, into_ring: bool) -> None:
-        while n:
-            at = pos % self.size
-            k = min(n, self.size - at)
-            if into_ring:
-                ctypes.memmove(self.base + at, addr, k)
+        addr = None if len(dst) <= SLICE_BYTES else cma.address(dst)
+        for at, done, k in self._spans(pos, len(dst)):
+            if addr is None:
+                dst[done : done + k] = self.mm[DATA_OFFSET + at : DATA_OFFSET + at + k]
             else:
-                ctypes.memmove(addr, self.base + at, k)
-            pos, addr, n = pos + k, addr + k, n - k
+                ctypes.memmove(addr + done, self.base + at, k)
+
+    def _spans(self, pos: int, n: int) -> list[tuple[int, int, int]]:
+        """``n`` bytes from stream position ``pos`` as at most two ``(ring offset, offset in
+        the caller's buffer, length)`` pieces: the ring wraps once at most."""
+        at = pos % self.size
+        k = min(n, self.size - at)
+        return [(at, 0, k), (0, k, n - k)] if k < n else [(at, 0, n)]
 
     def extents(self, views: list[memoryview]) -> bytes | None:
         """``views`` as packed (offset, length) extents if every one lies in this region."""

@@ -28,6 +28,8 @@ import select
 import threading
 from typing import Any
 
+from .tcp import _close
+
 __all__ = ["PER_PUMP", "ShmPump", "enabled", "pump"]
 
 log = logging.getLogger(__name__)
@@ -116,7 +118,7 @@ class ShmPump:
             try:
                 self._end(receiver)
             finally:
-                _close_socket(receiver.sock)
+                _close(receiver.sock)
 
     def _end(self, receiver: Any) -> None:
         try:
@@ -124,13 +126,6 @@ class ShmPump:
         finally:
             with _start_lock:
                 self.connections -= 1
-
-
-def _close_socket(sock: Any) -> None:
-    try:
-        sock.close()
-    except OSError:
-        pass
 
 
 _pumps: list[ShmPump] = []

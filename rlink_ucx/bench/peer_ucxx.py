@@ -1,5 +1,6 @@
 """``raw-ucxx``: ucxx's low-level tag send/recv, the substrate of rlink's ucx plane, on a worker
-made like rlink's own (same UCX options): one ``tag_send`` per field, two chunks' receives posted.
+made like rlink's own (same UCX options): one ``tag_send`` per field, two chunks' receives posted
+per sender (each sender's messages carry its index in their tags).
 """
 
 from __future__ import annotations
@@ -14,6 +15,10 @@ from .measure import Recorder, Timing
 from .workloads import Workload, flat_bytes
 
 UCX_TAG = 0x5EED << 32
+
+
+def _tag(sender: int, field: int) -> int:
+    return UCX_TAG | sender << 8 | field
 
 
 def _ucx_worker() -> tuple[Any, Any, Any, Any]:
@@ -48,7 +53,7 @@ class UcxxSender(Sender):
         self.u, self.Array, self._context, self.worker = _ucx_worker()
         address = self.u.UCXAddress.create_from_buffer(info)
         self.ep = self.u.UCXEndpoint.create_from_worker_address(self.worker, address, False)
-        self.tags = [self.u.UCXXTag(UCX_TAG | i) for i in range(len(workload.fields) + 1)]
+        self.tags = [self.u.UCXXTag(_tag(index, i)) for i in range(len(workload.fields) + 1)]
         self.key: Any = None
         self.bufs: list[Any] = []
 
@@ -65,47 +70,76 @@ class UcxxSender(Sender):
 
 
 class UcxxReceiver(Receiver):
-    def __init__(self, workload: Workload, timeout: float):
+    """Two chunks' receives posted per sender; takes whichever sender's current chunk is in
+    first (in turn from the last one served, so no sender is starved)."""
+
+    def __init__(self, workload: Workload, timeout: float, senders: int = 1):
         self.u, self.Array, self._context, self.worker = _ucx_worker()
         self.timeout = timeout
         self.chunk = workload.chunk
-        self.tags = [self.u.UCXXTag(UCX_TAG | i) for i in range(len(workload.fields) + 1)]
-        self.slots = []
-        for _ in range(2):
-            t_ns = np.zeros(workload.chunk, np.int64)
-            arrays = workload.chunk_arrays(fill=0)
-            buffers = [self.Array(flat_bytes(t_ns))] + [self.Array(flat_bytes(a)) for a in arrays.values()]
-            self.slots.append((t_ns, buffers, arrays))
-        self.requests: list[list[Any]] = [[], []]
-        self.cur = 0
+        fields = len(workload.fields) + 1
+        self.tags = [[self.u.UCXXTag(_tag(s, i)) for i in range(fields)] for s in range(senders)]
+        self.slots = []  # per sender, two chunks: (t_ns, buffers, arrays)
+        for _ in range(senders):
+            pair = []
+            for _ in range(2):
+                t_ns = np.zeros(workload.chunk, np.int64)
+                arrays = workload.chunk_arrays(fill=0)
+                buffers = [self.Array(flat_bytes(t_ns))] + [self.Array(flat_bytes(a)) for a in arrays.values()]
+                pair.append((t_ns, buffers, arrays))
+            self.slots.append(pair)
+        self.requests: list[list[list[Any]]] = [[[], []] for _ in range(senders)]
+        self.cur = [0] * senders
+        self.live = list(range(senders))  # senders whose end marker has not come yet
+        self.turn = 0
 
     def info(self) -> Any:
         return bytes(self.worker.address.tobytes())
 
-    def _post(self, slot: int) -> None:
-        self.requests[slot] = [self.worker.tag_recv(b, tag) for b, tag in zip(self.slots[slot][1], self.tags)]
+    def _post(self, sender: int, slot: int) -> None:
+        buffers = self.slots[sender][slot][1]
+        self.requests[sender][slot] = [self.worker.tag_recv(b, tag) for b, tag in zip(buffers, self.tags[sender])]
 
     def accept(self, actors: int, timeout: float) -> None:
-        self._post(0)
-        self._post(1)
+        for sender in range(len(self.slots)):
+            self._post(sender, 0)
+            self._post(sender, 1)
 
     def recv(self, rec: Recorder) -> int:
-        cur = self.cur
-        ucx_wait(self.worker, self.requests[cur], self.timeout)
+        deadline = time.monotonic() + self.timeout
+        spins = 0
+        while True:
+            n = len(self.live)
+            for k in range(n):
+                sender = self.live[(self.turn + k) % n]
+                if all(r.completed for r in self.requests[sender][self.cur[sender]]):
+                    self.turn = (self.turn + k + 1) % n
+                    return self._take(sender, rec)
+            self.worker.progress()
+            spins += 1
+            if spins % 256 == 0 and time.monotonic() > deadline:
+                raise TimeoutError(f"raw-ucxx: no sender's chunk came within {self.timeout}s")
+
+    def _take(self, sender: int, rec: Recorder) -> int:
+        cur = self.cur[sender]
+        for r in self.requests[sender][cur]:
+            r.check_error()
         now = time.monotonic_ns()
-        t = int(self.slots[cur][0][0])
-        self.requests[cur] = []
+        t = int(self.slots[sender][cur][0][0])
+        self.requests[sender][cur] = []
         if t < 0:  # the sender sends two markers: drain the other slot too
-            ucx_wait(self.worker, self.requests[cur ^ 1], self.timeout)
-            self.requests[cur ^ 1] = []
+            ucx_wait(self.worker, self.requests[sender][cur ^ 1], self.timeout)
+            self.requests[sender][cur ^ 1] = []
+            self.live.remove(sender)
+            self.turn = 0
             return 1
         rec.add(now, self.chunk, now - t)
-        self._post(cur)
-        self.cur = cur ^ 1
+        self._post(sender, cur)
+        self.cur[sender] = cur ^ 1
         return 0
 
     def close(self) -> None:
-        if any(self.requests):
+        if any(any(pair) for pair in self.requests):
             try:
                 self.worker.cancel_inflight_requests()
                 for _ in range(100):
@@ -114,5 +148,6 @@ class UcxxReceiver(Receiver):
                 pass
 
 
-def run_raw_ucxx(workload: Workload, timing: Timing) -> dict[str, Any]:
-    return run_session(UcxxReceiver(workload, timing.timeout), f"{__name__}:UcxxSender", workload, timing)
+def run_raw_ucxx(workload: Workload, timing: Timing, senders: int = 1) -> dict[str, Any]:
+    return run_session(UcxxReceiver(workload, timing.timeout, senders), f"{__name__}:UcxxSender", workload, timing,
+                       senders)  # fmt: skip

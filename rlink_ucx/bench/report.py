@@ -64,6 +64,14 @@ def targets(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
             raw4 = _find(records, "raw-socket", w, 4)
             if four and raw4:
                 add(f"rlink-{transport} x4 >= 0.8x raw-socket x4, {w}", four, raw4, 0.8, "gbps")
+            # The same against a receiver that keeps what it receives as rlink does (each
+            # message in fresh memory of a ring, not one buffer that stays in the cache), and,
+            # for ucx, against UCX itself with as many senders: what is left of the gap above
+            # is the cost of keeping the data, or of the substrate.
+            for base in ("raw-socket-ring", "raw-ucxx") if transport == "ucx" else ("raw-socket-ring",):
+                base4 = _find(records, base, w, 4)
+                if four and base4:
+                    add(f"rlink-{transport} x4 >= 0.8x {base} x4, {w}", four, base4, 0.8, "gbps")
     return out
 
 

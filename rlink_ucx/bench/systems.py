@@ -70,7 +70,7 @@ SYSTEMS: dict[str, System] = {
     "rlink-tcp": System("rlink-tcp", "rlink", "tcp", "rlink", (), _rlink("tcp"), (1, 4)),
     "rlink-ucx": System("rlink-ucx", "rlink", "ucx", "rlink", ("ucxx",), _rlink("ucx"), (1, 4)),
     "rlink-shm": System("rlink-shm", "rlink", "shm", "rlink", (), _rlink("shm"), (1, 4)),
-    "raw-ucxx": System("raw-ucxx", "raw-ucxx", "ucx", "peers", ("ucxx",), _one(run_raw_ucxx)),
+    "raw-ucxx": System("raw-ucxx", "raw-ucxx", "ucx", "peers", ("ucxx",), run_raw_ucxx, (1, 4)),
     "pyzmq-copy": System("pyzmq-copy", "pyzmq-copy", "tcp", "peers", ("zmq",), _zmq(copy=True)),
     "pyzmq-zerocopy": System("pyzmq-zerocopy", "pyzmq-zerocopy", "tcp", "peers", ("zmq",), _zmq(copy=False)),
     "torch-gloo": System("torch-gloo", "torch-gloo", "tcp", "peers", ("torch",), _one(run_gloo)),

@@ -8,6 +8,7 @@ import json
 import pytest
 
 from rlink_ucx.bench import report, suite, systems
+from tests.conftest import ucx_importable
 
 KEYS = {"system", "transport", "workload", "size_bytes", "actors", "gbps", "per_s", "p50_us", "p99_us", "reps"}
 
@@ -79,6 +80,16 @@ def test_targets_against_the_raw_socket_with_as_many_senders_and_shm_against_raw
     tcp4, shm4 = (got[f"rlink-{p} x4 >= 0.8x raw-socket x4, atari"] for p in ("tcp", "shm"))
     assert tcp4["ratio"] == pytest.approx(0.45) and tcp4["met"] is False  # against raw x4 (10), not raw x1 (7)
     assert shm4["ratio"] == pytest.approx(0.85) and shm4["met"] is True
+    assert "rlink-tcp x4 >= 0.8x raw-socket-ring x4, atari" not in got  # no ring row in this run
+    got = {t["target"]: t for t in report.targets([*records, row("raw-socket-ring", "atari", 5.0, actors=4)])}
+    ring = got["rlink-tcp x4 >= 0.8x raw-socket-ring x4, atari"]  # the receiver that keeps its data
+    assert ring["ratio"] == pytest.approx(0.9) and ring["met"] is True
+    assert got["rlink-tcp x4 >= 0.8x raw-socket x4, atari"]["met"] is False  # the hot-buffer line stays
+    assert "rlink-tcp x4 >= 0.8x raw-ucxx x4, atari" not in got  # UCX is the substrate of ucx alone
+    ucx = [row("rlink", "atari", 4.4, "ucx", actors=4), row("raw-ucxx", "atari", 4.0, "ucx", actors=4),
+           row("raw-ucxx", "atari", 12.0, "ucx")]  # fmt: skip
+    got = {t["target"]: t for t in report.targets([*records, *ucx])}
+    assert got["rlink-ucx x4 >= 0.8x raw-ucxx x4, atari"]["ratio"] == pytest.approx(1.1)  # x4 against x4, not x1
     assert got["rlink-shm >= 1.0x raw socket, atari"]["ratio"] == pytest.approx(6.0 / 7.0)
     assert got["rlink-shm >= 1.0x raw socket, 4KiB"]["met"] is True
     assert "rlink-shm >= 1.0x raw socket, 1KiB" not in got  # below 4 KiB no such target
@@ -152,3 +163,34 @@ def test_the_raw_socket_ring_lands_each_message_in_the_next_slot():
     receiver.close()
     assert turns[:3] == [0, 1, 2] and len(set(turns)) > 3
     assert out["per_s"] > 0 and out["gbps"] > 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
+def test_raw_ucxx_takes_several_senders_each_on_tags_of_its_own():
+    """raw-ucxx with 3 senders: every sender is read, in its own order, to its end marker,
+    and none is starved while the others stream."""
+    from rlink_ucx.bench.measure import Timing
+    from rlink_ucx.bench.peer_ucxx import UcxxReceiver, run_raw_ucxx
+    from rlink_ucx.bench.workloads import WORKLOADS
+
+    served: list[int] = []
+    stamps: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    original = UcxxReceiver._take
+
+    def take(self, sender, rec):
+        served.append(sender)
+        stamp = int(self.slots[sender][self.cur[sender]][0][0])
+        if stamp >= 0:  # (the end markers are -1)
+            stamps[sender].append(stamp)
+        return original(self, sender, rec)
+
+    UcxxReceiver._take = take  # type: ignore[method-assign]
+    try:
+        out = run_raw_ucxx(WORKLOADS["64KiB"].with_chunk(4), Timing(warmup=0.05, window=0.15, reps=2, timeout=30), 3)
+    finally:
+        UcxxReceiver._take = original  # type: ignore[method-assign]
+    assert sorted(set(served)) == [0, 1, 2]
+    assert min(served.count(s) for s in range(3)) >= 10  # every sender streamed, none starved
+    assert all(v == sorted(v) and len(set(v)) == len(v) for v in stamps.values())  # each sender's chunks in its order
+    assert out["per_s"] > 0 and out["gbps"] > 0 and out["reps"] >= 1

@@ -24,6 +24,7 @@ from ..wire.codec import torch_dtype
 from .ring import Piece, StepRing
 
 _POOL_SIZE = 4
+_LOOP_PIECES = 8  # up to this many pieces a loop over them beats the vectorized metadata
 
 
 class _Staging:
@@ -67,13 +68,26 @@ class BatchAssembler:
         return batch if n == self.batch_size else batch.head(n)
 
     def _meta(self, pieces: list[Piece], learner_version: int) -> np.ndarray:
-        meta = np.empty((4, self.batch_size), dtype=np.int64)  # version, actor_id, seq, staleness
-        i = 0
-        for p in pieces:
-            meta[0, i : i + p.count] = p.version
-            meta[1, i : i + p.count] = p.actor_id
-            meta[2, i : i + p.count] = np.arange(p.seq, p.seq + p.count)
-            i += p.count
+        """Per step: version, actor_id, seq, staleness. Beyond a few pieces in a few numpy calls
+        whatever their number: a batch of small frames from several actors has hundreds, and a
+        loop over 256 took 0.3 ms per batch (the fetching thread's largest cost; 0.06 ms now)."""
+        meta = np.empty((4, self.batch_size), dtype=np.int64)
+        if len(pieces) <= _LOOP_PIECES:
+            i = 0
+            for p in pieces:
+                meta[0, i : i + p.count] = p.version
+                meta[1, i : i + p.count] = p.actor_id
+                meta[2, i : i + p.count] = np.arange(p.seq, p.seq + p.count)
+                i += p.count
+        else:
+            per_piece = np.array([(p.count, p.version, p.actor_id, p.seq) for p in pieces], dtype=np.int64)
+            counts = per_piece[:, 0]
+            n = int(counts.sum())
+            meta[0, :n] = np.repeat(per_piece[:, 1], counts)
+            meta[1, :n] = np.repeat(per_piece[:, 2], counts)
+            # the seq of batch row i in a piece whose first row is r: the piece's seq + (i - r)
+            first_rows = np.cumsum(counts) - counts
+            np.add(np.arange(n), np.repeat(per_piece[:, 3] - first_rows, counts), out=meta[2, :n])
         np.subtract(learner_version, meta[0], out=meta[3])
         return meta
 

@@ -167,6 +167,23 @@ def test_random_interleaving_of_frames_takes_and_kept_batches_stays_fifo_and_int
     assert assembler.lent_batches > 20 and taken > 200
 
 
+@pytest.mark.parametrize("pieces", [3, 40])  # the loop over pieces and the vectorized path
+def test_batch_metadata_names_each_steps_actor_seq_version_and_staleness(pieces):
+    from rlink_ucx.store.ring import Piece
+
+    rng = np.random.default_rng(pieces)
+    counts = rng.integers(1, 9, pieces)
+    batch_size = int(counts.sum()) + 5  # a short last batch: rows past the steps are not read
+    assembler = BatchAssembler(StepRing(SCHEMA, 64 * 8, max_frame_steps=8, chunk_steps=8), batch_size, "cpu")
+    expected, parts = [], []
+    for i, n in enumerate(counts.tolist()):
+        actor, seq, version = int(rng.integers(0, 5)), int(rng.integers(0, 10**9)), int(rng.integers(0, 7))
+        parts.append(Piece(0, n, actor, seq, version))
+        expected += [(version, actor, seq + k, 9 - version) for k in range(n)]
+    meta = assembler._meta(parts, learner_version=9)
+    assert [tuple(int(v) for v in meta[:, i]) for i in range(len(expected))] == expected
+
+
 class _CopyEvent:
     """Stands in for a CUDA event: ``synchronize`` blocks until the copy is marked done."""
 

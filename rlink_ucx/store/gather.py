@@ -80,6 +80,7 @@ class BatchAssembler:
                 meta[2, i : i + p.count] = np.arange(p.seq, p.seq + p.count)
                 i += p.count
         else:
+            # (seq is a u64 on the wire, counted from 0: int64 holds it for 2**63 steps)
             per_piece = np.array([(p.count, p.version, p.actor_id, p.seq) for p in pieces], dtype=np.int64)
             counts = per_piece[:, 0]
             n = int(counts.sum())

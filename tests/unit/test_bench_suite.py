@@ -194,3 +194,22 @@ def test_raw_ucxx_takes_several_senders_each_on_tags_of_its_own():
     assert min(served.count(s) for s in range(3)) >= 10  # every sender streamed, none starved
     assert all(v == sorted(v) and len(set(v)) == len(v) for v in stamps.values())  # each sender's chunks in its order
     assert out["per_s"] > 0 and out["gbps"] > 0 and out["reps"] >= 1
+
+
+def test_raw_ucxx_serves_senders_whose_chunks_are_in_in_turn():
+    """With every sender's next chunk in, the receiver takes them in turn, not the first one
+    again and again (a sender streaming fast must not starve the others)."""
+    from rlink_ucx.bench.peer_ucxx import UcxxReceiver
+
+    class Done:
+        completed = True
+
+    receiver = UcxxReceiver.__new__(UcxxReceiver)
+    receiver.live, receiver.turn, receiver.cur, receiver.timeout = [0, 1, 2], 0, [0, 0, 0], 5.0
+    receiver.requests = [[[Done()], [Done()]] for _ in range(3)]
+    receiver.worker = type("Worker", (), {"progress": lambda self: None})()
+    served: list[int] = []
+    receiver._take = lambda sender, rec: served.append(sender) or 0  # type: ignore[method-assign]
+    for _ in range(7):
+        receiver.recv(None)  # type: ignore[arg-type]
+    assert served == [0, 1, 2, 0, 1, 2, 0]

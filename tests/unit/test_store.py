@@ -167,7 +167,7 @@ def test_random_interleaving_of_frames_takes_and_kept_batches_stays_fifo_and_int
     assert assembler.lent_batches > 20 and taken > 200
 
 
-@pytest.mark.parametrize("pieces", [3, 40])  # the loop over pieces and the vectorized path
+@pytest.mark.parametrize("pieces", [3, 8, 9, 40])  # the loop over pieces, its limit, the vectorized path
 def test_batch_metadata_names_each_steps_actor_seq_version_and_staleness(pieces):
     from rlink_ucx.store.ring import Piece
 

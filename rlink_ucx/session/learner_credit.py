@@ -46,7 +46,11 @@ class CreditGranter:
         """Run grant on the loop soon (any thread); at most one pending at a time."""
         if not self._pending:
             self._pending = True
-            self.loop.call_soon_threadsafe(self._grant_now)
+            try:
+                self.loop.call_soon_threadsafe(self._grant_now)
+            except RuntimeError:  # the learner shut down: no actor is left to grant to
+                if not self.loop.is_closed():
+                    raise
 
     def _grant_now(self) -> None:
         self._pending = False

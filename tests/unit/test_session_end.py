@@ -49,3 +49,29 @@ def test_a_failure_after_the_session_ended_is_ignored(caplog):
     assert session.stats.protocol_errors == 0 and control.sent == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(ended) == 1
+
+
+@pytest.mark.timeout(10)
+def test_a_receiver_stopping_after_the_learner_shut_down_raises_nothing():
+    # At exit a receive thread may see its actor's EOF after the learner's loop has closed:
+    # there is nobody left to tell, and its thread must not die with a traceback.
+    import asyncio
+
+    from rlink_ucx.config import Config
+    from rlink_ucx.session.learner_credit import CreditGranter
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    session, _ = _session([])
+    session.server.loop = loop
+    session.fail_threadsafe(EOFError("actor closed the data connection"))
+    CreditGranter({}, Config(), loop).request_grant()
+    open_loop = asyncio.new_event_loop()  # while the loop runs, the failure is still delivered
+    try:
+        session.server.loop = open_loop
+        session.fail_threadsafe(ProtocolError("bad magic"))
+        open_loop.call_soon(open_loop.stop)
+        open_loop.run_forever()
+    finally:
+        open_loop.close()
+    assert session.state == "lost" and session.stats.protocol_errors == 1

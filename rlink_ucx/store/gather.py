@@ -117,12 +117,13 @@ class BatchAssembler:
                 self.lent_batches += 1
                 return self._batch(lent, meta)
             staging = self._staging()
+            spans = joined(pieces, self.ring.chunk_steps)
             for f, (spec, host) in enumerate(zip(self.ring.schema.fields, staging.arrays)):
                 # numpy, not torch: torch's intra-op threads make CPU copies ~10x slower
                 # when the other cores are busy receiving (measured in docs/benchmarks.md).
                 sb = spec.step_bytes
                 i = 0
-                for p in pieces:
+                for p in spans:
                     host[i * sb : (i + p.count) * sb] = self.ring.piece_bytes(f, p)
                     i += p.count
             return self._batch(staging.arrays, meta)
@@ -132,11 +133,12 @@ class BatchAssembler:
     def _assemble_cuda(self, pieces: list[Piece], take_id: int, meta_host: np.ndarray) -> Batch:
         torch = self.torch
         fields = {}
+        spans = joined(pieces, self.ring.chunk_steps)
         with torch.cuda.stream(self._stream):
             for f, (spec, dtype) in enumerate(zip(self.ring.schema.fields, self._dtypes)):
                 out = torch.empty((self.batch_size, *spec.shape), dtype=dtype, device=self.device)
                 i = 0
-                for p in pieces:
+                for p in spans:
                     src = torch.from_numpy(self.ring.piece_bytes(f, p)).view(dtype).view(p.count, *spec.shape)
                     out[i : i + p.count].copy_(src, non_blocking=True)
                     i += p.count
@@ -149,6 +151,20 @@ class BatchAssembler:
         for tensor in (*fields.values(), meta):
             tensor.record_stream(torch.cuda.current_stream(self.device))
         return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
+
+
+def joined(pieces: list[Piece], chunk_steps: int) -> list[Piece]:
+    """``pieces`` with each run of adjacent ones in one ring chunk as a single piece (only its
+    position and count mean anything). Frames of several actors land side by side in the ring,
+    so a batch of hundreds of small frames is copied in a few slices per field, not hundreds."""
+    out: list[Piece] = []
+    for p in pieces:
+        last = out[-1] if out else None
+        if last is not None and p.start % chunk_steps and last.start + last.count == p.start:
+            out[-1] = Piece(last.start, last.count + p.count, last.actor_id, last.seq, last.version)
+        else:
+            out.append(p)
+    return out
 
 
 def _release_when_copied(copies: queue.SimpleQueue[tuple[Any, int] | None], ring: StepRing) -> None:

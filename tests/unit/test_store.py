@@ -184,6 +184,32 @@ def test_batch_metadata_names_each_steps_actor_seq_version_and_staleness(pieces)
     assert [tuple(int(v) for v in meta[:, i]) for i in range(len(expected))] == expected
 
 
+def test_adjacent_pieces_are_copied_as_one_but_never_across_a_chunk_or_a_gap():
+    from rlink_ucx.store.gather import joined
+    from rlink_ucx.store.ring import Piece
+
+    pieces = [Piece(2, 3, 1, 10, 0), Piece(5, 1, 2, 40, 0), Piece(6, 2, 1, 13, 0),  # side by side
+              Piece(8, 4, 3, 7, 0),  # starts chunk 1 (chunks of 8 steps)
+              Piece(13, 2, 1, 15, 0)]  # after a gap  # fmt: skip
+    assert [(p.start, p.count) for p in joined(pieces, 8)] == [(2, 6), (8, 4), (13, 2)]
+    assert joined([], 8) == []
+
+
+def test_a_batch_of_many_small_frames_from_several_actors_is_copied_intact():
+    ring = StepRing(SCHEMA, 256 * 8, max_frame_steps=8, chunk_steps=64)
+    assembler = BatchAssembler(ring, 48, "cpu")  # not a chunk: always copied
+    nxt = 0
+    for n in [3, 5, 1, 8, 2, 7, 4, 6, 8, 4] * 2:  # 96 steps, frames of "actors" 0-3 in turn
+        ring.grant(n)
+        fill(ring, ring.reserve(n, nxt % 4, nxt, 0), nxt)
+        nxt += n
+    for first in (0, 48):  # the second batch crosses from chunk 0 into chunk 1
+        pieces, take = ring.take(48, timeout=1)
+        batch = assembler.assemble(pieces, take, 0)
+        assert batch["x"].tolist() == list(range(first, first + 48))
+        assert batch.seq.tolist() == list(range(first, first + 48))
+
+
 class _CopyEvent:
     """Stands in for a CUDA event: ``synchronize`` blocks until the copy is marked done."""
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -35,17 +36,26 @@ def _ucx_worker() -> tuple[Any, Any, Any, Any]:
     return u, load_ucxx()[1], context, worker
 
 
-def ucx_wait(worker: Any, requests: list[Any], timeout: float, what: str = "ucx") -> None:
-    """Progress ``worker`` until every request completed (raising its error), or ``timeout``."""
+def _spin(worker: Any, ready: Callable[[], Any], timeout: float, what: str) -> Any:
+    """Progress ``worker`` until ``ready()`` returns something other than None (returned),
+    yielding the core after :data:`SPINS_BEFORE_YIELD` empty polls; TimeoutError after
+    ``timeout``."""
     deadline = time.monotonic() + timeout
     spins = 0
-    while not all(r.completed for r in requests):
+    while (found := ready()) is None:
         worker.progress()
         spins += 1
         if spins > SPINS_BEFORE_YIELD:
             os.sched_yield()
         if spins % 256 == 0 and time.monotonic() > deadline:
-            raise TimeoutError(f"{what}: ucx requests did not complete within {timeout}s")
+            raise TimeoutError(f"{what} within {timeout}s")
+    return found
+
+
+def ucx_wait(worker: Any, requests: list[Any], timeout: float, what: str = "ucx") -> None:
+    """Progress ``worker`` until every request completed (raising its error), or ``timeout``."""
+    _spin(worker, lambda: True if all(r.completed for r in requests) else None, timeout,
+          f"{what}: ucx requests did not complete")  # fmt: skip
     for r in requests:
         r.check_error()
 
@@ -114,21 +124,18 @@ class UcxxReceiver(Receiver):
             self._post(sender, 1)
 
     def recv(self, rec: Recorder) -> int:
-        deadline = time.monotonic() + self.timeout
-        spins = 0
-        while True:
-            n = len(self.live)
-            for k in range(n):
-                sender = self.live[(self.turn + k) % n]
-                if all(r.completed for r in self.requests[sender][self.cur[sender]]):
-                    self.turn = (self.turn + k + 1) % n
-                    return self._take(sender, rec)
-            self.worker.progress()
-            spins += 1
-            if spins > SPINS_BEFORE_YIELD:
-                os.sched_yield()
-            if spins % 256 == 0 and time.monotonic() > deadline:
-                raise TimeoutError(f"raw-ucxx: no sender's chunk came within {self.timeout}s")
+        sender = _spin(self.worker, self._next_in, self.timeout, "raw-ucxx: no sender's chunk came")
+        return self._take(sender, rec)
+
+    def _next_in(self) -> int | None:
+        """The first sender, in turn from the last one served, whose current chunk is in."""
+        n = len(self.live)
+        for k in range(n):
+            sender = self.live[(self.turn + k) % n]
+            if all(r.completed for r in self.requests[sender][self.cur[sender]]):
+                self.turn = (self.turn + k + 1) % n
+                return sender
+        return None
 
     def _take(self, sender: int, rec: Recorder) -> int:
         cur = self.cur[sender]

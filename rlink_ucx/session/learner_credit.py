@@ -17,6 +17,7 @@ from typing import Any
 
 from ..config import Config
 from ..store.ring import StepRing
+from ..transport.loop import call_soon_any_thread
 
 
 class CreditGranter:
@@ -46,11 +47,7 @@ class CreditGranter:
         """Run grant on the loop soon (any thread); at most one pending at a time."""
         if not self._pending:
             self._pending = True
-            try:
-                self.loop.call_soon_threadsafe(self._grant_now)
-            except RuntimeError:  # the learner shut down: no actor is left to grant to
-                if not self.loop.is_closed():
-                    raise
+            call_soon_any_thread(self.loop, self._grant_now)
 
     def _grant_now(self) -> None:
         self._pending = False

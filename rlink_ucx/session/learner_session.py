@@ -7,13 +7,14 @@ import logging
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from ..config import Config
 from ..errors import PeerLost, ProtocolError, SchemaMismatch
 from ..store.ring import Segment, StepRing
 from ..transport.base import DataPlaneRetired
 from ..transport.control import ControlConnection
+from ..transport.loop import call_soon_any_thread
 from ..weights.publisher import Publisher
 from ..wire import keys as _keys
 from ..wire import messages as _wire
@@ -262,7 +263,7 @@ class LearnerSession:
         # Credit can only be topped up where the ring has room; otherwise the consumer's next
         # release triggers the grant.
         if (self.next_seq or 0) >= self.ack_wanted:
-            self._on_loop(self._after_frame)
+            call_soon_any_thread(self.server.loop, self._after_frame)
         elif self.low_on_credit and self.ring is not None and self.ring.grantable() > 0:
             self.server.request_grant()
 
@@ -317,18 +318,7 @@ class LearnerSession:
             self.stats.torn_frames += 1
 
     def fail_threadsafe(self, exc: BaseException) -> None:
-        self._on_loop(self.fail, exc)
-
-    def _on_loop(self, fn: Any, *args: Any) -> None:
-        """Run ``fn`` on the learner's I/O loop soon (any thread). A receiver that stops after
-        the learner shut down has nobody left to tell: that is not an error (it printed a
-        traceback from the receiving thread at exit, now and then)."""
-        loop = self.server.loop
-        try:
-            loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:
-            if not loop.is_closed():
-                raise
+        call_soon_any_thread(self.server.loop, self.fail, exc)
 
     def fail(self, exc: BaseException) -> None:
         if self.state != "open":  # e.g. a frame already on its way when the session ended: not a fault

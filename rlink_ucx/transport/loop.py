@@ -39,6 +39,17 @@ async def ticks(interval: float) -> AsyncIterator[float]:
         last = now
 
 
+def call_soon_any_thread(loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> None:
+    """``loop.call_soon_threadsafe(fn, *args)``, except that a closed loop is not an error: its
+    owner shut down and nobody is left to notify (a receiving thread that stops at exit used to
+    die with a traceback)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        if not loop.is_closed():
+            raise
+
+
 class IOThread:
     """A daemon thread running one asyncio event loop until :meth:`stop`."""
 
@@ -109,13 +120,10 @@ class IOThread:
 
     def soon(self, fn: Any, *args: Any) -> None:
         """Run ``fn(*args)`` on the loop soon (any thread; in FIFO order with other calls)."""
-        try:
-            if self.in_loop_thread():  # no need to wake the loop through its self-pipe
-                self.loop.call_soon(fn, *args)
-            else:
-                self.loop.call_soon_threadsafe(fn, *args)
-        except RuntimeError:  # loop already closed: nothing left to notify
-            pass
+        if self.in_loop_thread():  # no need to wake the loop through its self-pipe
+            self.loop.call_soon(fn, *args)
+        else:
+            call_soon_any_thread(self.loop, fn, *args)
 
     def stop(self, timeout: float) -> None:
         async def _shutdown() -> None:

@@ -100,10 +100,14 @@ class Handshake:
         if welcome.transport in ("tcp", "shm"):
             await self._attach_tcp(welcome)
         else:
-            from ..transport.ucx import UcxActorPlane
+            from ..transport.ucx import UcxActorPlane, UcxUnavailable
 
-            self.sender = await UcxActorPlane.connect(self.loop, welcome, self.weights_key(), self.incarnation, self.config,
-                                                      loopback=is_loopback(self.host), control=conn.sock)  # fmt: skip
+            try:
+                self.sender = await UcxActorPlane.connect(self.loop, welcome, self.weights_key(), self.incarnation,
+                                                          self.config, loopback=is_loopback(self.host),
+                                                          control=conn.sock)  # fmt: skip
+            except UcxUnavailable as exc:
+                raise Rejected(f"the learner chose the ucx data plane, but on this actor {exc}") from exc
         await self._ready
         if self.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()

@@ -15,12 +15,13 @@ from typing import Any
 
 from .._memory import Reserve
 from ..config import Config
-from ..errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
+from ..errors import AuthError, ConfigError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ..store.ring import StepRing
 from ..transport import choose, hostname, shm, ucx_available
 from ..transport.address import is_loopback
 from ..transport.control import ControlConnection
 from ..transport.loop import ticks
+from ..transport.ucx_setup import UcxUnavailable
 from ..weights.publisher import Publisher
 from ..wire import auth as _auth
 from ..wire import messages as _wire
@@ -92,6 +93,7 @@ class LearnerServer:
         raise_file_limit(config)
         self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
         self._ucx_starting: asyncio.Future[Any] | None = None
+        self.ucx_error: str | None = None  # why UCX would not start here, once it did not
         self.learner_ucx = ucx_available() and transport != "tcp"
         self.learner_shm = shm.available() and transport in ("auto", "shm")
         if self.learner_ucx:
@@ -107,6 +109,11 @@ class LearnerServer:
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
+        if self.transport == "ucx" and self.learner_ucx:  # asked for by name: fail here, not at the first actor
+            try:
+                await self._start_ucx_plane()
+            except UcxUnavailable as exc:
+                raise ConfigError(f"transport='ucx', but {exc}") from exc
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.port), family=family, backlog=listen_backlog(self.config),
                                     reuse_port=False)  # fmt: skip
@@ -253,12 +260,25 @@ class LearnerServer:
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
         if self.ucx is None and self._choose(hello)[0] == "ucx":
-            await self._start_ucx_plane()
+            try:
+                await self._start_ucx_plane()
+            except UcxUnavailable as exc:  # this actor falls back to another plane, or is refused
+                self._ucx_unavailable(exc)
         return self._open_session(conn, hello)
 
     def _choose(self, hello: _wire.Hello) -> tuple[str, str]:
-        return choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx,
-                      same_host=hello.host == hostname(), shm=self.learner_shm and hello.shm)  # fmt: skip
+        transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx,
+                                   same_host=hello.host == hostname(), shm=self.learner_shm and hello.shm)  # fmt: skip
+        if not transport and self.ucx_error is not None and "ucx" in reason:
+            reason = f"ucx requested, but {self.ucx_error}"
+        return transport, reason
+
+    def _ucx_unavailable(self, exc: UcxUnavailable) -> None:
+        """UCX does not start in this process (its configuration, not the load): stop offering
+        it, say so once, and serve actors on the other planes."""
+        self.learner_ucx = False
+        self.ucx_error = str(exc)
+        log.error("the ucx data plane is off for this learner: %s", exc)
 
     def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
         transport, reason = self._choose(hello)
@@ -314,9 +334,6 @@ class LearnerServer:
             session.receiver = self.ucx.attach(session, actor_id, session.key, ucx_worker)
             conn.send(_wire.Ready("ucx"))
         return session
-
-
-
 
     async def _start_ucx_plane(self) -> None:
         """Start the UCX plane off the event loop: its worker takes a good part of a second to

@@ -39,7 +39,15 @@ from ..errors import PeerLost, ProtocolError
 from ..wire.frame import FRAME_HEADER_BYTES
 from . import ucx_probe
 from .base import DataPlaneRetired
-from .ucx_setup import HEADER_KIND, PAYLOAD_KIND, load_ucxx, make_worker, session_tags, ucx_options
+from .ucx_setup import (
+    HEADER_KIND,
+    PAYLOAD_KIND,
+    UcxUnavailable,
+    load_ucxx,
+    make_worker,
+    session_tags,
+    ucx_options,
+)
 from .ucx_unexpected import Sweeper
 
 if TYPE_CHECKING:
@@ -49,8 +57,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HEADER_KIND", "PAYLOAD_KIND", "UcxActorPlane", "UcxLearnerPlane", "load_ucxx", "make_worker",
-           "recycle_due", "session_tags", "ucx_options"]  # fmt: skip
+__all__ = ["HEADER_KIND", "PAYLOAD_KIND", "UcxActorPlane", "UcxLearnerPlane", "UcxUnavailable", "load_ucxx",
+           "make_worker", "recycle_due", "session_tags", "ucx_options"]  # fmt: skip
 _RECYCLED = "the learner started a fresh UCX worker; reconnect to it"
 # Progress calls that found nothing before a busy-polling thread yields its core on every
 # further call: with more processes than cores (4 actors and a learner on 2 cores) pure
@@ -154,8 +162,10 @@ class UcxLearnerPlane:
         # one that creates it (touching it from another thread hung transfers now and then).
         self._thread = threading.Thread(target=self._run, name="rlink-learner-ucx", daemon=True)
         self._thread.start()
-        if not self._started.wait(config.connect_timeout) or self._start_error is not None:
-            raise PeerLost(f"the learner's UCX worker did not start: {self._start_error}")
+        if not self._started.wait(config.connect_timeout):
+            raise PeerLost(f"the learner's UCX worker did not start within {config.connect_timeout}s")
+        if self._start_error is not None:
+            raise UcxUnavailable(f"the learner's UCX worker did not start: {self._start_error}") from self._start_error
 
     # --- called from the loop thread ----------------------------------------------------------
     def attach(self, sink: FrameSink, actor_id: int, session_key: bytes, generation: _Generation) -> UcxReceiver:

@@ -6,11 +6,18 @@ import hashlib
 import os
 from typing import TYPE_CHECKING, Any
 
+from ..errors import RLinkError
+
 if TYPE_CHECKING:
     from ..config import Config
 
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
+
+
+class UcxUnavailable(RLinkError):
+    """UCX itself would not start in this process (a bad ``UCX_*`` variable, no usable
+    transport): no retry cures it, so it is reported at once instead of retried."""
 
 
 def ucx_options(config: Config, loopback: bool = False, devices: list[str] | None = None) -> dict[str, str]:
@@ -57,5 +64,13 @@ def session_tags(session_key: bytes) -> tuple[int, int]:
 def make_worker(config: Config, loopback: bool = False, devices: list[str] | None = None) -> tuple[Any, Any, Any]:
     """A UCX context and worker with our settings: ``(libucxx, context, worker)``."""
     u, _ = load_ucxx()
-    context = u.UCXContext(ucx_options(config, loopback, devices), feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
-    return u, context, u.UCXWorker(context)
+    options = ucx_options(config, loopback, devices)
+    try:
+        context = u.UCXContext(options, feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
+        return u, context, u.UCXWorker(context)
+    except Exception as exc:  # ucxx says only "Invalid parameter"; UCX printed the why on stderr
+        ours = ", ".join(f"UCX_{k}={v}" for k, v in sorted(options.items()))
+        yours = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_")) or "none"
+        raise UcxUnavailable(f"UCX did not start ({type(exc).__name__}: {exc}); UCX's own log above says why. "
+                             f"UCX_* variables in the environment (ucxx sets some itself): {yours}; "
+                             f"set by rlink: {ours}") from exc

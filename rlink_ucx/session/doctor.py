@@ -9,18 +9,22 @@ running learner (a real handshake) is in :mod:`.doctor_learner`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import importlib.util
 import os
 import resource
 import stat
+import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..config import Config, resolve_token
 from ..errors import ConfigError
 from ..transport import ucx_probe
+from ..transport.ucx_setup import UcxUnavailable, load_ucxx, make_worker
 from . import token_file
 from .learner_admission import FDS_PER_ACTOR, FDS_SPARE, listen_backlog
 
@@ -59,15 +63,36 @@ def check_ucxx() -> Check:
                      "for RDMA, NVLink or cuda_ipc: pip install 'rlink-ucx[cu12]' (or [cu13])",
                      {"installed": False, "importable": False})  # fmt: skip
     try:
+        load_ucxx()  # as the planes import it (quiet about the variables ucxx sets itself)
         ucxx = importlib.import_module("ucxx")
     except Exception as exc:  # noqa: BLE001 - any failure of a broken install is the finding
+        exc = exc.__cause__ or exc  # load_ucxx's own ImportError says only "pip install"
         return Check("ucxx", "fail", f"ucxx is installed but does not import: {type(exc).__name__}: {exc}",
                      "reinstall the ucxx wheel matching your CUDA major version (ucxx-cu12 or ucxx-cu13)",
                      {"installed": True, "importable": False, "error": str(exc)})  # fmt: skip
     version = getattr(ucxx, "__version__", None)
     ucx = ucx_probe.version()
-    return Check("ucxx", "ok", f"ucxx {version or '?'} imports; UCX library {ucx or 'version unknown'}", "",
-                 {"installed": True, "importable": True, "ucxx_version": version, "ucx_version": ucx})  # fmt: skip
+    data = {"installed": True, "importable": True, "ucxx_version": version, "ucx_version": ucx}
+    try:  # with rlink's settings and the UCX_* variables of this environment, as a learner would
+        with _stdout_to_stderr():  # UCX prints its complaints on stdout, where our --json goes
+            make_worker(Config.from_env(), loopback=True)
+    except UcxUnavailable as exc:
+        return Check("ucxx", "fail", f"ucxx imports but {exc}", "fix or unset the UCX_* variable UCX names above",
+                     {**data, "starts": False, "error": str(exc)})  # fmt: skip
+    return Check("ucxx", "ok", f"ucxx {version or '?'} imports and starts a worker; UCX library "
+                 f"{ucx or 'version unknown'}", "", {**data, "starts": True})  # fmt: skip
+
+
+@contextlib.contextmanager
+def _stdout_to_stderr() -> Iterator[None]:
+    sys.stdout.flush()
+    saved = os.dup(1)
+    try:
+        os.dup2(2, 1)
+        yield
+    finally:
+        os.dup2(saved, 1)
+        os.close(saved)
 
 
 def check_ucx_transports() -> Check:

@@ -48,7 +48,7 @@ def test_json_reports_the_real_values_of_this_machine():
     installed = importlib.util.find_spec("ucxx") is not None
     assert checks["ucxx"]["importable"] is installed
     if installed:  # this project's venv has it: UCX sees at least TCP
-        assert checks["ucxx"]["status"] == "ok" and checks["ucxx"]["ucx_version"]
+        assert checks["ucxx"]["status"] == "ok" and checks["ucxx"]["ucx_version"] and checks["ucxx"]["starts"] is True
         assert checks["ucx_transports"]["tcp"] is True and "lo" in checks["ucx_transports"]["transports"]["tcp"]
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     config = Config()
@@ -65,6 +65,16 @@ def test_json_reports_the_real_values_of_this_machine():
     assert checks["cuda"]["torch"] == torch.__version__ and checks["cuda"]["available"] == torch.cuda.is_available()
     assert checks["nccl"]["gloo"] == torch.distributed.is_gloo_available()
     assert checks["token"]["source"] is None and checks["token"]["rlink_token_set"] is False
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx not installed")
+def test_a_ucx_variable_that_ucx_rejects_fails_the_ucxx_row_and_names_it():
+    rc, report = run_doctor(env={"UCX_RNDV_THRESH": "intra:1m"})  # UCX wants "inter" too
+    row = report["checks"]["ucxx"]
+    assert row["status"] == "fail" and row["starts"] is False
+    assert "UCX did not start" in row["summary"] and "UCX_RNDV_THRESH=intra:1m" in row["summary"]
+    assert rc == 1 and report["status"] == "fail"
 
 
 @pytest.mark.timeout(120)

@@ -61,7 +61,7 @@ class Learner:
         ConfigError: bad address/transport, a non-loopback bind without a token, metrics
             asked for without prometheus_client, or a metrics port that cannot be bound; a
             token shorter than 16 bytes, a token with ``insecure=True``, or no private
-            directory for the generated token.
+            directory for the generated token; ``transport="ucx"`` where UCX does not start.
     """
 
     def __init__(self, address: str = "127.0.0.1:8443", *, token: str | bytes | None = None,
@@ -95,13 +95,13 @@ class Learner:
         self._io = IOThread(name="rlink-learner-io")
         self._server = LearnerServer(host, port, token=self._token, transport=transport, config=self.config,
                                      loop=self._io.loop, schema=declared, publish_token=generated)  # fmt: skip
-        try:
-            self._io.call(self._server.start(), self.config.connect_timeout, "learner start")
+        try:  # the UCX plane's own start is bounded by connect_timeout: give it a margin
+            self._io.call(self._server.start(), self.config.connect_timeout + self.config.close_timeout, "learner start")
         except OSError as exc:
-            self._io.stop(self.config.close_timeout)
+            self._abort_start()
             raise ConfigError(f"cannot listen on {address}: {exc}") from exc
         except BaseException:
-            self._io.stop(self.config.close_timeout)
+            self._abort_start()
             raise
         self._address = format_address(host, self._server.port)
         if metrics_port is not None:
@@ -111,6 +111,14 @@ class Learner:
         if insecure:
             log.warning("learner on %s runs with insecure=True: any local process may connect and stream", self.address)
         log.info("learner listening on %s (transport=%s, auth=%s)", self.address, transport, self._token is not None)
+
+    def _abort_start(self) -> None:
+        """Undo a start that failed half-way (the listener, the token file, a UCX plane)."""
+        try:
+            self._io.call(self._server.stop(), self.config.close_timeout, "learner stop")
+        except Exception:  # the error that aborted the start is the one to raise
+            log.debug("stopping a learner whose start failed", exc_info=True)
+        self._io.stop(self.config.close_timeout)
 
     @property
     def address(self) -> str:

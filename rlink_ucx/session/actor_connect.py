@@ -16,7 +16,7 @@ import msgspec
 from .._memory import Reserve
 from .._version import __version__
 from ..errors import AuthError, ConnectError, PeerLost, ProtocolError, Superseded
-from ..transport import cma, hostname, shm, ucx_available
+from ..transport import cma, hostname, shm, ucx_available, ucx_failed
 from ..transport.address import is_loopback
 from ..transport.control import ControlConnection
 from ..transport.tcp import TcpSender
@@ -107,7 +107,12 @@ class Handshake:
                                                           self.config, loopback=is_loopback(self.host),
                                                           control=conn.sock)  # fmt: skip
             except UcxUnavailable as exc:
-                raise Rejected(f"the learner chose the ucx data plane, but on this actor {exc}") from exc
+                ucx_failed(str(exc))  # from now on this process offers the other planes only
+                why = f"the learner chose the ucx data plane, but on this actor {exc}"
+                if self.transport_wanted == "ucx":
+                    raise Rejected(why) from exc
+                log.error("%s; reconnecting without ucx", why)
+                raise ConnectError(why) from exc  # retried: the next Hello offers no ucx
         await self._ready
         if self.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()

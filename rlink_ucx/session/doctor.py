@@ -49,12 +49,12 @@ class Check:
 
 def system_checks(config: Config, *, actors: int) -> list[Check]:
     """Every check of this machine, for a learner expecting ``actors`` actors."""
-    return [check_ucxx(), check_ucx_transports(), check_rdma(), check_cuda(), check_nccl(),
+    return [check_ucxx(config), check_ucx_transports(), check_rdma(), check_cuda(), check_nccl(),
             check_shm(config, actors), check_nofile(config, actors), check_somaxconn(config),
             check_token(config)]  # fmt: skip
 
 
-def check_ucxx() -> Check:
+def check_ucxx(config: Config) -> Check:
     if importlib.util.find_spec("ucxx") is None:
         # Without RDMA or a GPU, UCX would only add TCP, which the tcp plane does faster.
         fast_hardware = bool(_rdma_devices()) or any(Path("/dev").glob("nvidia[0-9]*"))
@@ -75,9 +75,10 @@ def check_ucxx() -> Check:
     data = {"installed": True, "importable": True, "ucxx_version": version, "ucx_version": ucx}
     try:  # with rlink's settings and the UCX_* variables of this environment, as a learner would
         with _stdout_to_stderr():  # UCX prints its complaints on stdout, where our --json goes
-            make_worker(Config.from_env(), loopback=True)
+            make_worker(config, loopback=True)
     except UcxUnavailable as exc:
-        return Check("ucxx", "fail", f"ucxx imports but {exc}", "fix or unset the UCX_* variable UCX names above",
+        return Check("ucxx", "fail", f"ucxx imports but {exc}",
+                     "fix or unset the UCX_* variable UCX's message names (on stderr with --json)",
                      {**data, "starts": False, "error": str(exc)})  # fmt: skip
     return Check("ucxx", "ok", f"ucxx {version or '?'} imports and starts a worker; UCX library "
                  f"{ucx or 'version unknown'}", "", {**data, "starts": True})  # fmt: skip
@@ -85,10 +86,16 @@ def check_ucxx() -> Check:
 
 @contextlib.contextmanager
 def _stdout_to_stderr() -> Iterator[None]:
+    """File descriptor 1 goes to 2 meanwhile (for a C library's prints; the CLI is one thread)."""
     sys.stdout.flush()
-    saved = os.dup(1)
     try:
-        os.dup2(2, 1)
+        saved = os.dup(1)
+    except OSError:  # no stdout: nothing to keep apart
+        yield
+        return
+    try:
+        with contextlib.suppress(OSError):  # no stderr: UCX's lines go where stdout went
+            os.dup2(2, 1)
         yield
     finally:
         os.dup2(saved, 1)

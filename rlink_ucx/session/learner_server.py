@@ -17,7 +17,7 @@ from .._memory import Reserve
 from ..config import Config
 from ..errors import AuthError, ConfigError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ..store.ring import StepRing
-from ..transport import choose, hostname, shm, ucx_available
+from ..transport import choose, hostname, shm, ucx_available, ucx_failed
 from ..transport.address import is_loopback
 from ..transport.control import ControlConnection
 from ..transport.loop import ticks
@@ -109,11 +109,8 @@ class LearnerServer:
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        if self.transport == "ucx" and self.learner_ucx:  # asked for by name: fail here, not at the first actor
-            try:
-                await self._start_ucx_plane()
-            except UcxUnavailable as exc:
-                raise ConfigError(f"transport='ucx', but {exc}") from exc
+        """Bind, publish the token, start the UCX plane if asked for by name, then accept. On
+        failure the caller runs ``stop()``, which undoes whatever was done."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.port), family=family, backlog=listen_backlog(self.config),
                                     reuse_port=False)  # fmt: skip
@@ -130,6 +127,11 @@ class LearnerServer:
                 self._listener = None
                 raise
             log.info("learner token for local actors written to %s", self.token_path)
+        if self.transport == "ucx" and self.learner_ucx:  # asked for by name: fail here, not at the first actor
+            try:
+                await self._start_ucx_plane()
+            except (UcxUnavailable, PeerLost) as exc:
+                raise ConfigError(f"transport='ucx', but {exc}") from exc
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
 
@@ -269,13 +271,17 @@ class LearnerServer:
     def _choose(self, hello: _wire.Hello) -> tuple[str, str]:
         transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx,
                                    same_host=hello.host == hostname(), shm=self.learner_shm and hello.shm)  # fmt: skip
-        if not transport and self.ucx_error is not None and "ucx" in reason:
-            reason = f"ucx requested, but {self.ucx_error}"
+        if self.ucx_error is not None and (not transport or transport == "tcp") and "ucx" in reason:
+            # What choose() says of a learner without ucx ("not installed") is not why here.
+            reason = f"{'auto' if transport else 'ucx requested'}: the learner's ucx is off ({self.ucx_error})"
         return transport, reason
 
     def _ucx_unavailable(self, exc: UcxUnavailable) -> None:
         """UCX does not start in this process (its configuration, not the load): stop offering
         it, say so once, and serve actors on the other planes."""
+        if not self.learner_ucx:  # another handshake waiting on the same start said it already
+            return
+        ucx_failed(str(exc))
         self.learner_ucx = False
         self.ucx_error = str(exc)
         log.error("the ucx data plane is off for this learner: %s", exc)

@@ -18,9 +18,20 @@ def check_transport(name: str) -> str:
     return name
 
 
+_ucx_broken: str | None = None  # why UCX did not start in this process, once it did not
+
+
 def ucx_available() -> bool:
-    """Whether ucxx can be imported here (checked without importing it)."""
-    return importlib.util.find_spec("ucxx") is not None
+    """Whether this process can offer the ucx plane: ucxx can be imported (checked without
+    importing it) and UCX has not already failed to start here."""
+    return _ucx_broken is None and importlib.util.find_spec("ucxx") is not None
+
+
+def ucx_failed(why: str) -> None:
+    """UCX did not start in this process: stop offering it (a configuration error, which no
+    retry cures, so for the rest of the process)."""
+    global _ucx_broken
+    _ucx_broken = why
 
 
 def choose(learner_wants: str, actor_wants: str, *, learner_ucx: bool, actor_ucx: bool,
@@ -54,7 +65,8 @@ def choose(learner_wants: str, actor_wants: str, *, learner_ucx: bool, actor_ucx
     if wants == {"ucx"}:
         if not both_ucx:
             side = "learner" if not learner_ucx else "actor"
-            return "", f"ucx requested but ucxx is not installed on the {side} (pip install 'rlink-ucx[cu12]')"
+            return "", (f"ucx requested but the {side} offers none (ucxx is not installed there: pip install "
+                        f"'rlink-ucx[cu12]'; or UCX did not start there: see its log)")
         return "ucx", "requested"
     # auto. Over plain TCP (no RDMA, no shared memory, no CUDA) UCX is slower than a raw socket
     # on the machines we measured (docs/benchmarks.md), so auto only picks it where it can use

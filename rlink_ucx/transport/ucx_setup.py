@@ -68,9 +68,16 @@ def make_worker(config: Config, loopback: bool = False, devices: list[str] | Non
     try:
         context = u.UCXContext(options, feature_flags=(u.Feature.TAG, u.Feature.WAKEUP))
         return u, context, u.UCXWorker(context)
-    except Exception as exc:  # ucxx says only "Invalid parameter"; UCX printed the why on stderr
+    except Exception as exc:  # ucxx says only "Invalid parameter"; UCX printed the why on stdout
         ours = ", ".join(f"UCX_{k}={v}" for k, v in sorted(options.items()))
-        yours = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("UCX_")) or "none"
-        raise UcxUnavailable(f"UCX did not start ({type(exc).__name__}: {exc}); UCX's own log above says why. "
-                             f"UCX_* variables in the environment (ucxx sets some itself): {yours}; "
-                             f"set by rlink: {ours}") from exc
+        yours = ", ".join(f"{k}={v}" for k, v in sorted(os.environ.items())
+                          if k.startswith("UCX_") and _UCXX_SETS.get(k) != v) or "none"  # fmt: skip
+        raise UcxUnavailable(f"UCX did not start ({type(exc).__name__}: {exc}; UCX's own log says why). "
+                             f"UCX_* variables set here: {yours}; set by rlink: {ours}") from exc
+
+
+# What importing ucxx sets unless it is set (ucxx/__init__.py), and load_ucxx's one: left out of
+# the error above, which must name the user's variables within the 500 characters of a refusal.
+_UCXX_SETS = {"UCX_MEMTYPE_CACHE": "n", "UCX_RNDV_THRESH": "8192", "UCX_RNDV_FRAG_MEM_TYPE": "cuda",
+              "UCX_MAX_RNDV_RAILS": "1", "UCX_CUDA_COPY_MAX_REG_RATIO": "1.0", "UCX_PROTO_ENABLE": "n",
+              "UCX_WARN_UNUSED_ENV_VARS": "n"}  # fmt: skip

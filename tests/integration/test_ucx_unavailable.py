@@ -9,13 +9,14 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from typing import IO
 
 import numpy as np
 import pytest
 
-from rlink_ucx import Actor, ConnectError, Learner, RLinkDataset
+from rlink_ucx import Actor, ConfigError, ConnectError, Learner, RLinkDataset
 from tests.conftest import ucx_importable
 
 pytestmark = pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
@@ -35,11 +36,15 @@ def test_a_learner_asked_for_ucx_that_cannot_start_it_raises_a_config_error_nami
     started = time.monotonic()
     done = run_python(
         """
+        import os, threading, time
         from rlink_ucx import ConfigError, Learner
+        fds = len(os.listdir("/proc/self/fd"))
         try:
             Learner("127.0.0.1:0", transport="ucx", insecure=True)
         except ConfigError as exc:
             print("CONFIG-ERROR:", exc)
+        time.sleep(0.5)  # the I/O thread's exit
+        print("LEFT:", sorted(t.name for t in threading.enumerate()), len(os.listdir("/proc/self/fd")) - fds)
         """,
         timeout=90,
     )
@@ -47,6 +52,8 @@ def test_a_learner_asked_for_ucx_that_cannot_start_it_raises_a_config_error_nami
     line = next(x for x in done.stdout.splitlines() if x.startswith("CONFIG-ERROR:"))
     assert "transport='ucx'" in line and "UCX did not start" in line
     assert "UCX_RNDV_THRESH=intra:1m" in line  # the culprit is named
+    # ...and the half-started learner is undone: its listener, its threads
+    assert next(x for x in done.stdout.splitlines() if x.startswith("LEFT:")) == "LEFT: ['MainThread'] 0"
     assert time.monotonic() - started < 60
 
 
@@ -112,9 +119,10 @@ def test_a_learner_whose_ucx_cannot_start_refuses_actors_that_require_it_and_ser
         from rlink_ucx import Config
 
         started = time.monotonic()
-        with pytest.raises(ConnectError, match="ucx requested, but .*UCX did not start") as caught:
+        with pytest.raises(ConnectError, match="ucx requested: the learner's ucx is off .*UCX did not start") as caught:
             Actor(address, transport="ucx", insecure=True, config=Config(connect_timeout=CONNECT_TIMEOUT))
         assert time.monotonic() - started < CONNECT_TIMEOUT / 2, caught.value
+        assert "UCX_RNDV_THRESH=intra:1m" in str(caught.value)  # the culprit reaches the actor
         with Actor(address, transport="tcp", insecure=True) as actor:  # the learner still serves
             actor.put_many({"x": np.arange(10, dtype=np.int64)})
             actor.flush(timeout=30)
@@ -123,4 +131,44 @@ def test_a_learner_whose_ucx_cannot_start_refuses_actors_that_require_it_and_ser
     finally:
         proc.kill()
         _, err = proc.communicate(timeout=30)
-    assert "the ucx data plane is off for this learner" in err  # said once, on the learner's side
+    assert err.count("the ucx data plane is off for this learner") == 1  # said once, on the learner's side
+
+
+@pytest.mark.timeout(120)
+def test_an_auto_actor_whose_ucx_cannot_start_stops_offering_ucx_and_says_why_when_only_ucx_would_do():
+    with Learner("127.0.0.1:0", transport="ucx", insecure=True) as learner:
+        started = time.monotonic()
+        done = run_python(
+            f"""
+            import logging
+            from rlink_ucx import Actor, Config, ConnectError
+            logging.basicConfig(level=logging.ERROR)
+            try:
+                Actor({learner.address!r}, transport="auto", insecure=True,
+                      config=Config(connect_timeout={CONNECT_TIMEOUT}))
+            except ConnectError as exc:
+                print("CONNECT-ERROR:", type(exc).__name__, exc)
+            """,
+            timeout=90,
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        # First try: the learner chose ucx, this actor's UCX did not start: said, and retried
+        # without ucx; second try: the learner requires ucx, so it refuses, saying why.
+        assert "reconnecting without ucx" in done.stderr and "UCX_RNDV_THRESH=intra:1m" in done.stderr
+        line = next(x for x in done.stdout.splitlines() if x.startswith("CONNECT-ERROR:"))
+        assert "Rejected" in line and "the actor offers none" in line and "UCX did not start there" in line
+        assert time.monotonic() - started < CONNECT_TIMEOUT / 2
+
+
+@pytest.mark.timeout(120)
+def test_a_ucx_learner_that_cannot_listen_leaves_no_thread_or_descriptor_behind():
+    with Learner("127.0.0.1:0", transport="tcp", insecure=True) as taken:
+        threads, fds = {t.name for t in threading.enumerate()}, len(os.listdir("/proc/self/fd"))
+        with pytest.raises(ConfigError, match="cannot listen"):
+            Learner(taken.address, transport="ucx", insecure=True)  # the port is in use
+        deadline = time.monotonic() + 10
+        while ({t.name for t in threading.enumerate()} - threads or len(os.listdir("/proc/self/fd")) > fds) \
+                and time.monotonic() < deadline:  # fmt: skip
+            time.sleep(0.1)
+        assert {t.name for t in threading.enumerate()} - threads == set()
+        assert len(os.listdir("/proc/self/fd")) <= fds

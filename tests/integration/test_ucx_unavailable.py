@@ -31,6 +31,28 @@ def run_python(code: str, timeout: float) -> subprocess.CompletedProcess[str]:
                           timeout=timeout)  # fmt: skip
 
 
+def connect_with_broken_ucx(address: str, transport: str) -> tuple[str, str]:
+    """Connect an actor whose UCX cannot start (in a process of its own): its ConnectError, as
+    ``"CONNECT-ERROR: <type> <message>"``, and its log. It must fail far sooner than a retry
+    until ``connect_timeout`` would."""
+    started = time.monotonic()
+    done = run_python(
+        f"""
+        import logging
+        from rlink_ucx import Actor, Config, ConnectError
+        logging.basicConfig(level=logging.ERROR)
+        try:
+            Actor({address!r}, transport={transport!r}, insecure=True, config=Config(connect_timeout={CONNECT_TIMEOUT}))
+        except ConnectError as exc:
+            print("CONNECT-ERROR:", type(exc).__name__, exc)
+        """,
+        timeout=90,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert time.monotonic() - started < CONNECT_TIMEOUT / 2
+    return next(x for x in done.stdout.splitlines() if x.startswith("CONNECT-ERROR:")), done.stderr
+
+
 @pytest.mark.timeout(120)
 def test_a_learner_asked_for_ucx_that_cannot_start_it_raises_a_config_error_naming_the_variable():
     started = time.monotonic()
@@ -60,24 +82,9 @@ def test_a_learner_asked_for_ucx_that_cannot_start_it_raises_a_config_error_nami
 @pytest.mark.timeout(120)
 def test_an_actor_whose_ucx_cannot_start_is_rejected_at_once_and_the_learner_serves_others():
     with Learner("127.0.0.1:0", transport="auto", insecure=True) as learner:
-        started = time.monotonic()
-        done = run_python(
-            f"""
-            from rlink_ucx import Actor, Config, ConnectError
-            try:
-                Actor({learner.address!r}, transport="ucx", insecure=True,
-                      config=Config(connect_timeout={CONNECT_TIMEOUT}))
-            except ConnectError as exc:
-                print("CONNECT-ERROR:", type(exc).__name__, exc)
-            """,
-            timeout=90,
-        )
-        elapsed = time.monotonic() - started
-        assert done.returncode == 0, done.stderr[-2000:]
-        line = next(x for x in done.stdout.splitlines() if x.startswith("CONNECT-ERROR:"))
+        line, _ = connect_with_broken_ucx(learner.address, "ucx")
         assert "Rejected" in line and "on this actor UCX did not start" in line
         assert "UCX_RNDV_THRESH=intra:1m" in line
-        assert elapsed < CONNECT_TIMEOUT / 2
         # The learner's own UCX is fine: an actor with a working UCX streams over it.
         dataset = RLinkDataset(learner, batch_size=10)
         with Actor(learner.address, transport="ucx", insecure=True) as actor:
@@ -137,27 +144,11 @@ def test_a_learner_whose_ucx_cannot_start_refuses_actors_that_require_it_and_ser
 @pytest.mark.timeout(120)
 def test_an_auto_actor_whose_ucx_cannot_start_stops_offering_ucx_and_says_why_when_only_ucx_would_do():
     with Learner("127.0.0.1:0", transport="ucx", insecure=True) as learner:
-        started = time.monotonic()
-        done = run_python(
-            f"""
-            import logging
-            from rlink_ucx import Actor, Config, ConnectError
-            logging.basicConfig(level=logging.ERROR)
-            try:
-                Actor({learner.address!r}, transport="auto", insecure=True,
-                      config=Config(connect_timeout={CONNECT_TIMEOUT}))
-            except ConnectError as exc:
-                print("CONNECT-ERROR:", type(exc).__name__, exc)
-            """,
-            timeout=90,
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
+        line, log = connect_with_broken_ucx(learner.address, "auto")
         # First try: the learner chose ucx, this actor's UCX did not start: said, and retried
         # without ucx; second try: the learner requires ucx, so it refuses, saying why.
-        assert "reconnecting without ucx" in done.stderr and "UCX_RNDV_THRESH=intra:1m" in done.stderr
-        line = next(x for x in done.stdout.splitlines() if x.startswith("CONNECT-ERROR:"))
+        assert "reconnecting without ucx" in log and "UCX_RNDV_THRESH=intra:1m" in log
         assert "Rejected" in line and "the actor offers none" in line and "UCX did not start there" in line
-        assert time.monotonic() - started < CONNECT_TIMEOUT / 2
 
 
 @pytest.mark.timeout(120)

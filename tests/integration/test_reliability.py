@@ -354,8 +354,8 @@ def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return
     with Learner("127.0.0.1:0", transport=transport, config=config) as learner:
         dataset = RLinkDataset(learner, batch_size=2)
         if transport in ("ucx", "shm"):
-            # The learner's UCX worker, and the process's shm pump (an epoll and a pipe), start
-            # with the first actor of their plane: count them in (run alone, this test is first).
+            # The process's shm pump (an epoll and a pipe) starts with the first actor of its
+            # plane, and UCX maps a first peer's memory: count them in (run alone, this test is first).
             with Actor(learner.address, transport=transport, actor_id=2) as first:
                 first.put_many({"x": np.zeros((2, 1 << 15), np.int64)})
             dataset.fetch(timeout=30)

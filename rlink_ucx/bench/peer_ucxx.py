@@ -12,15 +12,12 @@ from typing import Any
 
 import numpy as np
 
+from ..transport.ucx import SPINS_BEFORE_YIELD  # yield as rlink's plane does (no ucxx import here)
 from .harness import Receiver, Sender, run_session
 from .measure import Recorder, Timing
 from .workloads import Workload, flat_bytes
 
 UCX_TAG = 0x5EED << 32
-# Empty polls before each further one yields the core, as rlink's ucx plane does: with more
-# processes than cores, senders spinning flat out starve the receiver they wait for (4 senders
-# on 2 cores: 4.2-4.5 GB/s of Atari steps without yielding, 11.5-11.8 with; one sender the same).
-SPINS_BEFORE_YIELD = 32
 
 
 def _tag(sender: int, field: int) -> int:
@@ -38,8 +35,10 @@ def _ucx_worker() -> tuple[Any, Any, Any, Any]:
 
 def _spin(worker: Any, ready: Callable[[], Any], timeout: float, what: str) -> Any:
     """Progress ``worker`` until ``ready()`` returns something other than None (returned),
-    yielding the core after :data:`SPINS_BEFORE_YIELD` empty polls; TimeoutError after
-    ``timeout``."""
+    yielding the core after ``SPINS_BEFORE_YIELD`` empty polls as rlink's ucx plane does (with
+    more processes than cores, senders spinning flat out starve the receiver they wait for: 4
+    senders on 2 cores, 4.2-4.5 GB/s of Atari steps without yielding, 11.5-11.8 with);
+    TimeoutError after ``timeout``."""
     deadline = time.monotonic() + timeout
     spins = 0
     while (found := ready()) is None:

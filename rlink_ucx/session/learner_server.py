@@ -17,7 +17,7 @@ from .._memory import Reserve
 from ..config import Config
 from ..errors import AuthError, ConfigError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ..store.ring import StepRing
-from ..transport import choose, hostname, shm, ucx_available, ucx_failed
+from ..transport import choose, hostname, shm, ucx_available, ucx_failed, ucx_failure
 from ..transport.address import is_loopback
 from ..transport.control import ControlConnection
 from ..transport.loop import ticks
@@ -93,7 +93,6 @@ class LearnerServer:
         raise_file_limit(config)
         self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
         self._ucx_starting: asyncio.Future[Any] | None = None
-        self.ucx_error: str | None = None  # why UCX would not start here, once it did not
         self.learner_ucx = ucx_available() and transport != "tcp"
         self.learner_shm = shm.available() and transport in ("auto", "shm")
         if self.learner_ucx:
@@ -271,9 +270,10 @@ class LearnerServer:
     def _choose(self, hello: _wire.Hello) -> tuple[str, str]:
         transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx,
                                    same_host=hello.host == hostname(), shm=self.learner_shm and hello.shm)  # fmt: skip
-        if self.ucx_error is not None and (not transport or transport == "tcp") and "ucx" in reason:
+        failure = ucx_failure()
+        if failure is not None and (not transport or transport == "tcp") and "ucx" in reason:
             # What choose() says of a learner without ucx ("not installed") is not why here.
-            reason = f"{'auto' if transport else 'ucx requested'}: the learner's ucx is off ({self.ucx_error})"
+            reason = f"{'auto' if transport else 'ucx requested'}: the learner's ucx is off ({failure})"
         return transport, reason
 
     def _ucx_unavailable(self, exc: UcxUnavailable) -> None:
@@ -283,7 +283,6 @@ class LearnerServer:
             return
         ucx_failed(str(exc))
         self.learner_ucx = False
-        self.ucx_error = str(exc)
         log.error("the ucx data plane is off for this learner: %s", exc)
 
     def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:

@@ -27,6 +27,11 @@ def ucx_available() -> bool:
     return _ucx_broken is None and importlib.util.find_spec("ucxx") is not None
 
 
+def ucx_failure() -> str | None:
+    """Why UCX did not start in this process, if it did not (see :func:`ucx_failed`)."""
+    return _ucx_broken
+
+
 def ucx_failed(why: str) -> None:
     """UCX did not start in this process: stop offering it (a configuration error, which no
     retry cures, so for the rest of the process)."""

@@ -57,13 +57,13 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-__all__ = ["HEADER_KIND", "PAYLOAD_KIND", "UcxActorPlane", "UcxLearnerPlane", "UcxUnavailable", "load_ucxx",
-           "make_worker", "recycle_due", "session_tags", "ucx_options"]  # fmt: skip
+__all__ = ["HEADER_KIND", "PAYLOAD_KIND", "SPINS_BEFORE_YIELD", "UcxActorPlane", "UcxLearnerPlane", "UcxUnavailable",
+           "load_ucxx", "make_worker", "recycle_due", "session_tags", "ucx_options"]  # fmt: skip
 _RECYCLED = "the learner started a fresh UCX worker; reconnect to it"
 # Progress calls that found nothing before a busy-polling thread yields its core on every
 # further call: with more processes than cores (4 actors and a learner on 2 cores) pure
 # spinning starves the very peer it waits for.
-_SPINS_BEFORE_YIELD = 32
+SPINS_BEFORE_YIELD = 32
 _UNANNOUNCED_GRACE = 1.0  # seconds a payload message may wait for its header's receive to complete
 
 
@@ -164,6 +164,8 @@ class UcxLearnerPlane:
         self._thread.start()
         if not self._started.wait(config.connect_timeout):
             raise PeerLost(f"the learner's UCX worker did not start within {config.connect_timeout}s")
+        if isinstance(self._start_error, UcxUnavailable):
+            raise self._start_error
         if self._start_error is not None:
             raise UcxUnavailable(f"the learner's UCX worker did not start: {self._start_error}") from self._start_error
 
@@ -227,7 +229,7 @@ class UcxLearnerPlane:
                 idle = 0
             else:
                 idle += 1
-                if idle > _SPINS_BEFORE_YIELD:
+                if idle > SPINS_BEFORE_YIELD:
                     os.sched_yield()  # busy-poll politely: actors on this host need the core too
                 if idle > self._IDLE_SPINS and not self._retiring:
                     # Nothing moved for a while: sleep in epoll until UCX has an event (or
@@ -455,7 +457,7 @@ class UcxActorPlane:
         while not all(r.completed for r in requests):
             self.worker.progress()
             spins += 1
-            if spins > _SPINS_BEFORE_YIELD:  # a long send yields too: cheap when no one else waits
+            if spins > SPINS_BEFORE_YIELD:  # a long send yields too: cheap when no one else waits
                 os.sched_yield()
             if spins % 256 == 0:
                 if time.monotonic() > deadline:

@@ -25,10 +25,14 @@ BAD = {"UCX_RNDV_THRESH": "intra:1m"}  # UCX wants a value for "inter" too: its 
 CONNECT_TIMEOUT = 60.0  # what a silent retry would cost; every failure below must come far sooner
 
 
+def broken_env() -> dict[str, str]:
+    """This environment with the bad variable, and this checkout importable."""
+    return {**os.environ, **BAD, "PYTHONPATH": os.getcwd()}
+
+
 def run_python(code: str, timeout: float) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, **BAD, "PYTHONPATH": os.getcwd()}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True, check=False,
-                          timeout=timeout)  # fmt: skip
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=broken_env(), capture_output=True,
+                          text=True, check=False, timeout=timeout)  # fmt: skip
 
 
 def connect_with_broken_ucx(address: str, transport: str) -> tuple[str, str]:
@@ -117,8 +121,7 @@ def tagged_line(stream: IO[str], tag: str) -> str:
 
 @pytest.mark.timeout(120)
 def test_a_learner_whose_ucx_cannot_start_refuses_actors_that_require_it_and_serves_the_others():
-    env = {**os.environ, **BAD, "PYTHONPATH": os.getcwd()}
-    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LEARNER_WITHOUT_UCX)], env=env, text=True,
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(LEARNER_WITHOUT_UCX)], env=broken_env(), text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)  # fmt: skip
     try:
         assert proc.stdout is not None

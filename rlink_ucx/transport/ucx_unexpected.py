@@ -7,9 +7,11 @@ open to its network) could fill the learner's memory that way: 200 MiB of 4 KiB 
 with made-up tags grew a learner by 254 MiB before this. A :class:`Sweeper` looks at the
 oldest unexpected message after every progress round and takes it off the queue, into a
 small scratch buffer, unless the owner of the worker keeps it (a session's next message,
-read in turn once its receive is posted). Behind a kept message the queue is searched by
-tag bits every few milliseconds, so one that stays (an actor stalled mid-frame with its next
-header sent) shelters nothing behind it.
+read in turn once its receive is posted) or takes it itself (the learner reads each frame
+header this way, so a session waiting for its next frame posts no receive and costs nothing
+per round). Behind a kept message the queue is searched by tag bits every few milliseconds,
+so one that stays (an actor stalled mid-frame with its next header sent) shelters nothing
+behind it.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ _IN_FLIGHT = 256  # discarding receives not yet complete (rendezvous ones wait f
 _PER_SWEEP = 1024  # messages one sweep may discard, so a flood cannot hold the thread
 _AROUND_EVERY = 0.01  # seconds between searches past a kept message (64 probes, ~10 us)
 
+# What the worker's owner says of an unexpected message (``triage(tag, length)``).
+KEEP = 0  # leave it queued: its receive will be posted in turn
+DISCARD = 1  # nobody's: receive it into scratch and forget it
+TAKEN = 2  # the owner received it itself (``take``), during the call
+
 
 class Sweeper:
     """Discards one worker's unexpected messages, oldest first (call on the worker's thread)."""
@@ -35,10 +42,11 @@ class Sweeper:
         self._next_around = 0.0
         self.discarded = 0
 
-    def sweep(self, worker: Any, discard: Callable[[int], bool]) -> int:
-        """Take unexpected messages off ``worker``'s queue, oldest first, while ``discard(tag)``
-        says so; past the first one kept, every ``_AROUND_EVERY`` seconds, search by tag bit
-        for the others. Returns how many were discarded."""
+    def sweep(self, worker: Any, triage: Callable[[int, int], int]) -> int:
+        """Take unexpected messages off ``worker``'s queue, oldest first, while
+        ``triage(tag, length)`` says DISCARD (or TAKEN: it received the message itself); past
+        the first one kept, every ``_AROUND_EVERY`` seconds, search by tag bit for the others.
+        Returns how many messages left the queue."""
         self._pending = [r for r in self._pending if not r.completed]
         n, kept = 0, None
         while n < _PER_SWEEP:
@@ -46,21 +54,30 @@ class Sweeper:
             if not head.matched:
                 break
             tag = _value(head.sender_tag)
-            if not discard(tag):
+            verdict = triage(tag, head.length)
+            if verdict == KEEP:
                 kept = tag
                 break
-            if not self._take(worker, tag):
-                break
+            if not self._handle(worker, tag, verdict):
+                break  # too many discards in flight: the rest waits a round
             n += 1
         now = time.monotonic()
         if kept is not None and now >= self._next_around:
             self._next_around = now + _AROUND_EVERY
-            n += self._around(worker, kept, discard, _PER_SWEEP - n)
-        self.discarded += n
+            n += self._around(worker, kept, triage, _PER_SWEEP - n)
         return n
 
-    def _around(self, worker: Any, kept: int, discard: Callable[[int], bool], budget: int) -> int:
-        """Discard messages queued behind ``kept``: every other tag differs from it in some bit,
+    def _handle(self, worker: Any, tag: int, verdict: int) -> bool:
+        """Carry out ``verdict`` on the oldest message with ``tag``: did it leave the queue?"""
+        if verdict == TAKEN:
+            return True
+        if verdict == DISCARD and self._take(worker, tag):
+            self.discarded += 1
+            return True
+        return False
+
+    def _around(self, worker: Any, kept: int, triage: Callable[[int, int], int], budget: int) -> int:
+        """Handle messages queued behind ``kept``: every other tag differs from it in some bit,
         and a probe with a one-bit mask finds the oldest message differing there."""
         n = 0
         for bit in range(64):
@@ -70,7 +87,7 @@ class Sweeper:
                 if not found.matched:
                     break
                 tag = _value(found.sender_tag)
-                if not discard(tag) or not self._take(worker, tag):
+                if not self._handle(worker, tag, triage(tag, found.length)):
                     break  # another session's next message: what hides behind it waits a round
                 n += 1
         return n

@@ -1,6 +1,7 @@
 """An actor wakes only when it has something to do: a step put while its I/O side is idle goes
 out on the caller's thread (no hand-off to the I/O thread, no linger timer), and an idle actor's
-I/O thread wakes once per learner heartbeat (answering it), not on a periodic tick.
+I/O thread wakes once per learner heartbeat (answering it), not on a periodic tick. On ucx,
+where only the I/O thread may send, such a step is handed to it at once instead of lingering.
 
 Wake-ups are counted, not timed: the actor's I/O loop is made to count the times its selector
 blocks (each is one sleep, and so one wake-up), in this process; the learner runs in its own.
@@ -17,7 +18,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config
-from tests.conftest import shm_possible
+from tests.conftest import shm_possible, ucx_importable
 
 SPAWN = mp.get_context("spawn")
 TRANSPORTS = ["tcp", pytest.param("shm", marks=pytest.mark.skipif(not shm_possible(), reason="no memfd"))]
@@ -149,6 +150,33 @@ def test_steps_put_faster_than_the_linger_fill_frames(transport):
     assert 2 <= sent <= 4, sent  # ...the 99 others together (a tick may split them, if this machine stalls us)
     assert waited < 1.0, waited  # the linger timer sent them, not the close
     assert result["rewards"] == [float(i) for i in range(101)]
+
+
+@pytest.mark.timeout(90)
+@pytest.mark.skipif(not ucx_importable(), reason="ucxx not installed")
+def test_a_ucx_step_put_while_the_io_side_is_idle_leaves_at_once_not_after_the_linger():
+    # A long linger: a step that waited for the linger timer (at least half a linger, the
+    # timer's phase) would arrive a second late; handed to the I/O thread it leaves at once.
+    config = Config(frame_linger=2.0, heartbeat_interval=5.0, heartbeat_timeout=30.0)
+    with _Learner(config) as learner:
+        with Actor(learner.address, transport="ucx", config=config) as actor:
+            assert actor.stats()["transport"] == "ucx"
+            actor.put(step(0))
+            actor.flush(30)
+            delays, armed = [], []
+            for i in range(1, 4):
+                time.sleep(config.frame_linger + 0.1)  # the last frame left over a linger ago
+                frames, put_at = actor.stats()["frames_sent"], time.monotonic()
+                actor.put(step(i))
+                while actor.stats()["frames_sent"] == frames and time.monotonic() - put_at < 5:
+                    time.sleep(0.002)
+                delays.append(time.monotonic() - put_at)
+                armed.append(actor._writer._armed)
+            actor.flush(30)
+        result = learner.result()
+    assert max(delays) < 0.5, delays  # the linger timer would have taken 1 s or more
+    assert armed == [False] * 3  # and no timer was armed for them
+    assert result["rewards"] == [float(i) for i in range(4)]
 
 
 @pytest.mark.timeout(90)

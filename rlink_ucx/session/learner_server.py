@@ -391,8 +391,8 @@ class LearnerServer:
     def grant_credits(self) -> None:
         self.credit.grant()
 
-    def request_grant(self) -> None:
-        self.credit.request_grant()
+    def credit_low(self) -> None:
+        self.credit.credit_low()
 
     # --- liveness and bookkeeping -------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:

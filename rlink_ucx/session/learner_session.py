@@ -42,7 +42,7 @@ class Owner(Protocol):
 
     def grant_credits(self) -> None: ...
 
-    def request_grant(self) -> None: ...
+    def credit_low(self) -> None: ...
 
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None: ...
 
@@ -264,8 +264,8 @@ class LearnerSession:
         # release triggers the grant.
         if (self.next_seq or 0) >= self.ack_wanted:
             call_soon_any_thread(self.server.loop, self._after_frame)
-        elif self.low_on_credit and self.ring is not None and self.ring.grantable() > 0:
-            self.server.request_grant()
+        elif self.low_on_credit:
+            self.server.credit_low()
 
     def _commit(self) -> None:
         with self._lock:

@@ -120,3 +120,39 @@ def test_the_window_is_never_zero_and_never_above_the_configured_one(actors):
     w = g.window(ring, actors)
     assert 1 <= w <= max(4 * ring.max_frame_steps, (256 << 10) // 8)
     assert w <= max(1, ring.capacity // (2 * actors))
+
+
+def test_a_release_wakes_the_loop_only_while_an_actor_waits_for_room():
+    # The consumer's release (one per batch) used to walk every session to see whether one was
+    # low on credit; now a session that falls low with no room in the ring leaves a flag.
+    ring = new_ring()
+    session = Session(ring)
+    g = granter({0: session}, ring)
+    g.grant()
+    window = session.credit
+    ring.grant(ring.grantable())  # the rest of the ring is lent out elsewhere
+    g.space_freed()
+    assert not g._pending  # nobody is low: a release wakes nothing
+    session.credit = 0  # it spent its window (its frames are in the ring)
+    g.credit_low()
+    assert g.starved and not g._pending  # no room to grant: waits for the consumer
+    g.space_freed()
+    assert g._pending  # the release schedules the grant
+    ring.revoke(window)  # the consumer freed room
+    g._grant_now()
+    assert session.credit == window and not g.starved  # granted, nobody waits any more
+    g.space_freed()
+    assert not g._pending
+
+
+def test_a_low_actor_with_room_in_the_ring_is_granted_without_waiting_for_a_release():
+    ring = new_ring()
+    session = Session(ring)
+    g = granter({0: session}, ring)
+    g.grant()
+    ring.revoke(session.credit)  # its frames were consumed meanwhile
+    session.credit = 0
+    g.credit_low()
+    assert g._pending  # room now: granted at once
+    g._grant_now()
+    assert session.credit > 0 and not g.starved

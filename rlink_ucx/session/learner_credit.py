@@ -82,6 +82,7 @@ class CreditGranter:
         self._rotation = (self._rotation + 1) % len(active)
         now = time.monotonic()
         low_water = window - threshold
+        room_seen = 0  # the room on which an actor was left waiting
         for session in active[self._rotation :] + active[: self._rotation]:
             # A mark set under a larger window would keep the session "low" for good, and every
             # batch the consumer frees would wake this loop for nothing.
@@ -91,15 +92,21 @@ class CreditGranter:
             want = window - session.credit
             if want < threshold:
                 continue
-            give = min(want, ring.grantable())
+            room = ring.grantable()
+            give = min(want, room)
             if give <= 0 or (give < threshold and session.credit > 0):
-                self.starved = self.starved or session.low_on_credit  # it waits for the consumer
+                if give <= 0 or session.low_on_credit:  # it (and the actors after it) waits for room
+                    self.starved, room_seen = True, room
                 if give <= 0:
-                    self.starved = True  # and so may the actors after it
                     break
                 continue
             ring.grant(give)
             session.grant(give, low_water=low_water)
+        if self.starved and ring.grantable() > room_seen:
+            # The consumer freed room after it was looked at but before the flag was set, so
+            # its release saw no flag: grant again rather than wait for a release that may
+            # never come (the ring may be empty by now).
+            self.request_grant()
         # Take back what actors hold beyond the fair window (promised while fewer were
         # connected); their Returned grants it to the others.
         self._revoke_excess(active, window, threshold)

@@ -106,8 +106,9 @@ class _Receive:
         self.actor_id = actor_id
         self.tags = tags  # indexed by kind: HEADER_KIND, PAYLOAD_KIND
         self.generation = generation  # the worker whose address the actor was sent
-        # Receives are posted through an endpoint of their own (to our own worker): matching is
-        # still by tag alone, but closing the endpoint cancels exactly this session's receives.
+        # Payload receives are posted through an endpoint of their own (to our own worker):
+        # matching is still by tag alone, but closing the endpoint cancels exactly this
+        # session's receives. (Its headers are taken off the unexpected queue, whole.)
         self.endpoint: Any = None
         self.header = bytearray(FRAME_HEADER_BYTES)
         self.header_array: Any = None  # ucxx's view of ``header``, made once
@@ -318,6 +319,9 @@ class UcxLearnerPlane:
         """Receive ``state``'s next frame header, the oldest message with ``tag`` on the worker
         (a small eager message, there whole), and handle its frame as far as it has come."""
         taken = generation.worker.tag_probe(self.u.UCXXTag(tag), self.u.UCXXTagMaskFull, True)
+        if not taken.matched:  # pragma: no cover - only this thread takes messages off the queue
+            self._failed(state, ProtocolError("internal: a probed frame header is gone"))
+            return
         request = generation.worker.tag_recv_with_handle(state.header_array, taken)
         state.awaiting_header = False
         state.requests.append((request, state.header_array, HEADER_KIND))

@@ -26,13 +26,14 @@ _PER_SWEEP = 1024  # messages one sweep may discard, so a flood cannot hold the 
 _AROUND_EVERY = 0.01  # seconds between searches past a kept message (64 probes, ~10 us)
 
 # What the worker's owner says of an unexpected message (``triage(tag, length)``).
-KEEP = 0  # leave it queued: its receive will be posted in turn
+KEEP = 0  # leave it queued: its receive will be posted (or it will be taken) in turn
 DISCARD = 1  # nobody's: receive it into scratch and forget it
 TAKEN = 2  # the owner received it itself (``take``), during the call
 
 
 class Sweeper:
-    """Discards one worker's unexpected messages, oldest first (call on the worker's thread)."""
+    """Walks one worker's unexpected messages, oldest first, discarding or handing each to its
+    owner as the owner's triage says (call on the worker's thread)."""
 
     def __init__(self, u: Any, array: Any):
         self.u = u

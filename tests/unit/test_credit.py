@@ -156,3 +156,30 @@ def test_a_low_actor_with_room_in_the_ring_is_granted_without_waiting_for_a_rele
     assert g._pending  # room now: granted at once
     g._grant_now()
     assert session.credit > 0 and not g.starved
+
+
+def test_room_freed_while_the_grant_looks_at_the_ring_is_not_lost():
+    # The race a review found: the consumer frees room after grant() read the ring as full but
+    # before it set the flag, so the release saw no flag; grant() must notice the room itself.
+    ring = new_ring()
+    session = Session(ring)
+    g = granter({0: session}, ring)
+    g.grant()
+    window = session.credit
+    ring.grant(ring.grantable())
+    session.credit = 0
+    real, raced = ring.grantable, []
+
+    def racing() -> int:
+        room = real()
+        if room == 0 and not raced:  # the consumer's release lands right after this read
+            raced.append(True)
+            ring.revoke(window)
+            g.space_freed()
+        return room
+
+    ring.grantable = racing
+    g._grant_now()
+    assert raced and g._pending  # the release it missed is made up for at once
+    g._grant_now()
+    assert session.credit == window

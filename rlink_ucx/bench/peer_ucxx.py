@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from ..transport.ucx import SPINS_BEFORE_YIELD  # yield as rlink's plane does (no ucxx import here)
+from ..transport.ucx_setup import SPINS_BEFORE_YIELD  # yield as rlink's plane does (no ucxx import here)
 from .harness import Receiver, Sender, run_session
 from .measure import Recorder, Timing
 from .workloads import Workload, flat_bytes

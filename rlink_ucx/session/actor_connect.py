@@ -100,7 +100,8 @@ class Handshake:
         if welcome.transport in ("tcp", "shm"):
             await self._attach_tcp(welcome)
         else:
-            from ..transport.ucx import UcxActorPlane, UcxUnavailable
+            from ..transport.ucx_actor import UcxActorPlane
+            from ..transport.ucx_setup import UcxUnavailable
 
             try:
                 self.sender = await UcxActorPlane.connect(self.loop, welcome, self.weights_key(), self.incarnation,

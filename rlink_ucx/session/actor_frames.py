@@ -11,7 +11,7 @@ import numpy as np
 
 from ..wire.codec import DTYPES, Schema
 
-__all__ = ["BorrowedFrame", "FrameBuffer"]
+__all__ = ["BorrowedFrame", "FrameBuffer", "write_chunk", "write_step"]
 
 
 class FrameBuffer:
@@ -80,3 +80,14 @@ class BorrowedFrame:
     def payload(self, start: int, stop: int) -> list[memoryview]:
         return [flat[start * sb : stop * sb] for flat, sb in zip(self.flat, self._sizes)]
 
+
+def write_step(fb: FrameBuffer, at: int, values: list[Any]) -> None:
+    """Write one step's checked ``values`` at row ``at`` of ``fb``."""
+    for arr, value in zip(fb.typed, values):
+        arr[at] = value
+
+
+def write_chunk(fb: FrameBuffer, at: int, arrays: list[np.ndarray], src: int, k: int) -> None:
+    """Write rows ``[src, src + k)`` of a checked chunk at rows ``[at, at + k)`` of ``fb``."""
+    for arr, value in zip(fb.typed, arrays):
+        arr[at : at + k] = value[src : src + k]

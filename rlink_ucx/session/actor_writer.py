@@ -18,7 +18,7 @@ from ..transport.loop import IOThread
 from ..wire import messages as _wire
 from ..wire.codec import Schema, infer_schema
 from .actor_fields import Field, check_chunk, check_value, raise_extra
-from .actor_frames import BorrowedFrame, FrameBuffer
+from .actor_frames import BorrowedFrame, FrameBuffer, write_chunk, write_step
 from .actor_link import ActorConnection
 
 __all__ = ["StepWriter"]
@@ -115,7 +115,7 @@ class StepWriter:
             self._send_borrowed([v.reshape(1, *v.shape) for v in values], 1, version)
             return
         if not self._put_in_frame(values, version, checked=True):
-            self._append(1, version, lambda fb, at, src, k: _write_step(fb, at, values))
+            self._append(1, version, lambda fb, at, src, k: write_step(fb, at, values))
 
     def _put_in_frame(self, step: Any, version: int | None, checked: bool) -> bool:
         """Write one step into the current frame if it has room (else False: nothing written).
@@ -168,7 +168,7 @@ class StepWriter:
         if self._borrow(count) and all(a.flags.c_contiguous for a in arrays):
             self._send_borrowed(arrays, count, version)
             return
-        self._append(count, version, lambda fb, at, src, k: _write_chunk(fb, at, arrays, src, k))
+        self._append(count, version, lambda fb, at, src, k: write_chunk(fb, at, arrays, src, k))
 
     def _borrow(self, count: int) -> bool:
         """Send ``count`` steps from the caller's arrays rather than copy them into a frame? A
@@ -494,14 +494,3 @@ class StepWriter:
         err = self._conn.error
         if err is not None:
             raise type(err)(str(err)) from err
-
-
-def _write_step(fb: FrameBuffer, at: int, values: list[Any]) -> None:
-    for arr, value in zip(fb.typed, values):
-        arr[at] = value
-
-
-def _write_chunk(fb: FrameBuffer, at: int, arrays: list[np.ndarray], src: int, k: int) -> None:
-    for arr, value in zip(fb.typed, arrays):
-        arr[at : at + k] = value[src : src + k]
-

@@ -13,6 +13,10 @@ if TYPE_CHECKING:
 
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
+# Progress calls that found nothing before a busy-polling thread yields its core on every
+# further call: with more processes than cores (4 actors and a learner on 2 cores) pure
+# spinning starves the very peer it waits for.
+SPINS_BEFORE_YIELD = 32
 
 
 class UcxUnavailable(RLinkError):

@@ -122,15 +122,20 @@ def test_the_window_is_never_zero_and_never_above_the_configured_one(actors):
     assert w <= max(1, ring.capacity // (2 * actors))
 
 
-def test_a_release_wakes_the_loop_only_while_an_actor_waits_for_room():
-    # The consumer's release (one per batch) used to walk every session to see whether one was
-    # low on credit; now a session that falls low with no room in the ring leaves a flag.
+def one_actor_and_a_full_ring() -> tuple[StepRing, Session, CreditGranter, int]:
+    """One actor granted its window; the rest of the ring lent out elsewhere."""
     ring = new_ring()
     session = Session(ring)
     g = granter({0: session}, ring)
     g.grant()
-    window = session.credit
-    ring.grant(ring.grantable())  # the rest of the ring is lent out elsewhere
+    ring.grant(ring.grantable())
+    return ring, session, g, session.credit
+
+
+def test_a_release_wakes_the_loop_only_while_an_actor_waits_for_room():
+    # The consumer's release (one per batch) used to walk every session to see whether one was
+    # low on credit; now a session that falls low with no room in the ring leaves a flag.
+    ring, session, g, window = one_actor_and_a_full_ring()
     g.space_freed()
     assert not g._pending  # nobody is low: a release wakes nothing
     session.credit = 0  # it spent its window (its frames are in the ring)
@@ -161,12 +166,7 @@ def test_a_low_actor_with_room_in_the_ring_is_granted_without_waiting_for_a_rele
 def test_room_freed_while_the_grant_looks_at_the_ring_is_not_lost():
     # The race a review found: the consumer frees room after grant() read the ring as full but
     # before it set the flag, so the release saw no flag; grant() must notice the room itself.
-    ring = new_ring()
-    session = Session(ring)
-    g = granter({0: session}, ring)
-    g.grant()
-    window = session.credit
-    ring.grant(ring.grantable())
+    ring, session, g, window = one_actor_and_a_full_ring()
     session.credit = 0
     real, raced = ring.grantable, []
 

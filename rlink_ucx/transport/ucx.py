@@ -14,7 +14,8 @@ costs ~10 us and beats a raw socket. So:
   twice as many as are live) the thread starts a fresh worker and moves the live actors to it
   (they reconnect once);
 - each actor owns a worker with one endpoint to the learner's worker address (exchanged over
-  the authenticated control channel) and sends ``header, field_0, field_1, ...`` with one tag
+  the authenticated control channel) and sends the frame header followed by the fields of at
+  most ``INLINE_FIELD_BYTES`` as one message, then each larger field as a message of its own
   (``ucx_actor.py``).
 
 Each session has two tags (headers, payloads) of 64 secret bits each, derived from its
@@ -44,6 +45,8 @@ from .base import DataPlaneRetired
 from .ucx_actor import UcxActorPlane
 from .ucx_setup import (
     HEADER_KIND,
+    INLINE_FIELD_BYTES,
+    MAX_HEADER_MESSAGE_BYTES,
     PAYLOAD_KIND,
     SPINS_BEFORE_YIELD,
     UcxUnavailable,
@@ -106,8 +109,7 @@ class _Receive:
         # matching is still by tag alone, but closing the endpoint cancels exactly this
         # session's receives. (Its headers are taken off the unexpected queue, whole.)
         self.endpoint: Any = None
-        self.header = bytearray(FRAME_HEADER_BYTES)
-        self.header_array: Any = None  # ucxx's view of ``header``, made once
+        self.header = bytearray(FRAME_HEADER_BYTES)  # the frame's header message, small fields included
         self.awaiting_header = False  # between frames: the next header is read when it comes
         self.requests: list[tuple[Any, Any, int]] = []  # (request, Array, kind) in flight
         self.payload_left = 0
@@ -288,10 +290,10 @@ class UcxLearnerPlane:
             if kind == HEADER_KIND:
                 if not state.awaiting_header:
                     return KEEP  # its next frame's header, read once this frame is done
-                if length != FRAME_HEADER_BYTES:
-                    self._failed(state, ProtocolError(f"a frame header of {length} bytes"))
+                if not FRAME_HEADER_BYTES <= length <= MAX_HEADER_MESSAGE_BYTES:
+                    self._failed(state, ProtocolError(f"a frame header message of {length} bytes"))
                     return DISCARD
-                self._take_header(generation, state, tag)
+                self._take_header(generation, state, tag, length)
                 return TAKEN
             if state.payload_left:
                 return KEEP
@@ -311,16 +313,19 @@ class UcxLearnerPlane:
                         "or one whose session ended)")  # fmt: skip
         return n
 
-    def _take_header(self, generation: _Generation, state: _Receive, tag: int) -> None:
-        """Receive ``state``'s next frame header, the oldest message with ``tag`` on the worker
-        (a small eager message, there whole), and handle its frame as far as it has come."""
+    def _take_header(self, generation: _Generation, state: _Receive, tag: int, length: int) -> None:
+        """Receive ``state``'s next frame header message, the oldest message with ``tag`` on the
+        worker (``length`` bytes, eager, there whole), and handle its frame as far as it has come."""
         taken = generation.worker.tag_probe(self.u.UCXXTag(tag), self.u.UCXXTagMaskFull, True)
         if not taken.matched:  # pragma: no cover - only this thread takes messages off the queue
             self._failed(state, ProtocolError("internal: a probed frame header is gone"))
             return
-        request = generation.worker.tag_recv_with_handle(state.header_array, taken)
+        if len(state.header) != length:
+            state.header = bytearray(length)
+        array = self.Array(state.header)
+        request = generation.worker.tag_recv_with_handle(array, taken)
         state.awaiting_header = False
-        state.requests.append((request, state.header_array, HEADER_KIND))
+        state.requests.append((request, array, HEADER_KIND))
         self._busy[state] = None
         self._advance(state)
 
@@ -340,7 +345,6 @@ class UcxLearnerPlane:
                 return
             own = self.u.UCXAddress.create_from_buffer(generation.address)
             state.endpoint = self.u.UCXEndpoint.create_from_worker_address(generation.worker, own, False)
-            state.header_array = self.Array(state.header)
             self._receives.append(state)
         state.awaiting_header = True  # read off the queue by _sweep when it comes
 
@@ -348,7 +352,8 @@ class UcxLearnerPlane:
         state.frame_started = time.monotonic()
         state.unannounced_since = None
         try:
-            views = [v for v in state.sink.begin(bytes(state.header)) if len(v)]
+            views = [v for v in state.sink.begin(bytes(state.header[:FRAME_HEADER_BYTES])) if len(v)]
+            views = self._unpack_inline(state.header, views)
         except ProtocolError as exc:
             self._failed(state, exc)
             return
@@ -358,6 +363,25 @@ class UcxLearnerPlane:
         state.payload_left = len(views)
         for view in views:
             self._recv(state, view, PAYLOAD_KIND)
+
+    @staticmethod
+    def _unpack_inline(message: bytearray, views: list[memoryview]) -> list[memoryview]:
+        """Copy the small fields that came after the header in ``message`` into their
+        ``views``; returns the views still to receive, one message each."""
+        offset, rest = FRAME_HEADER_BYTES, []
+        for view in views:
+            if len(view) > INLINE_FIELD_BYTES:
+                rest.append(view)
+                continue
+            end = offset + len(view)
+            if end > len(message):
+                break
+            view[:] = message[offset:end]
+            offset = end
+        else:
+            if offset == len(message):
+                return rest
+        raise ProtocolError(f"a frame header message of {len(message)} bytes does not match its small fields")
 
     def _on_frame(self, state: _Receive) -> None:
         state.frame_started = None

@@ -13,6 +13,13 @@ if TYPE_CHECKING:
 
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
+# A field of at most this many bytes in a frame travels inside the header's message, after the
+# header, instead of as a message of its own: an Atari frame is 2 messages instead of 6, a
+# frame of small steps one. Every message costs a send, a receive and their Python on both
+# sides (4 Atari actors: +8-17% GB/s).
+INLINE_FIELD_BYTES = 4096
+# The header's message is at most this long (the learner refuses longer ones).
+MAX_HEADER_MESSAGE_BYTES = 64 * 1024
 # Progress calls that found nothing before a busy-polling thread yields its core on every
 # further call: with more processes than cores (4 actors and a learner on 2 cores) pure
 # spinning starves the very peer it waits for.

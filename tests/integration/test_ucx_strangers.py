@@ -19,6 +19,7 @@ from tests.integration.hostile import (
     paced_int_proc,
     ucx_stalled_actor_proc,
     ucx_stranger_proc,
+    ucx_short_header_proc,
     ucx_unannounced_payload_proc,
 )
 
@@ -129,6 +130,23 @@ def test_payload_that_no_header_announced_ends_the_session_that_sent_it():
     # Kept, the message would have waited in the worker for a receive that never comes.
     assert "no frame header announced" in said, said
     assert ended and ended[0]["protocol_errors"] == 1, ended
+
+
+@pytest.mark.timeout(120)
+def test_a_header_message_without_the_small_fields_it_announces_ends_that_session():
+    # Fields of at most INLINE_FIELD_BYTES travel inside the header's message; one that says a
+    # step of 8 bytes follows and carries none must not leave the ring with unwritten bytes.
+    with Learner("127.0.0.1:0", token=TOKEN, transport="ucx") as learner:
+        out = SPAWN.Queue()
+        proc = SPAWN.Process(target=ucx_short_header_proc, args=(learner.address, TOKEN, out))
+        proc.start()
+        said = out.get(timeout=60)
+        proc.join(30)
+        ended = learner.stats()["ended_actors"]
+        steps = learner.stats()["buffer"]["steps_in"]
+    assert "does not match its small fields" in said, said
+    assert ended and ended[0]["protocol_errors"] == 1, ended
+    assert steps == 0
 
 
 def _tcp_address_for_ucx() -> str | None:

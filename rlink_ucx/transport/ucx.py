@@ -8,14 +8,14 @@ costs ~10 us and beats a raw socket. So:
   frame header off the worker's queue of unexpected messages, where the sweeper finds it
   (so an actor between frames has no receive posted and costs the thread nothing per round:
   with 1,024 actors, checking a posted header receive per actor took most of the thread),
-  and once the header is validated posts one receive per field straight into the ring (no
-  copy). A worker keeps the shared memory of every actor process it
+  and once the header is validated copies the small fields that came with it into the ring
+  and posts one receive per other field straight into the ring (no copy). A worker keeps the shared memory of every actor process it
   talked to, dead or not, so after ``Config.ucx_recycle_after`` ended sessions (and at least
   twice as many as are live) the thread starts a fresh worker and moves the live actors to it
   (they reconnect once);
 - each actor owns a worker with one endpoint to the learner's worker address (exchanged over
-  the authenticated control channel) and sends the frame header followed by the fields of at
-  most ``INLINE_FIELD_BYTES`` as one message, then each larger field as a message of its own
+  the authenticated control channel) and sends the frame header followed by its small fields
+  as one message (``ucx_setup.inline_fields``), then each other field as a message of its own
   (``ucx_actor.py``).
 
 Each session has two tags (headers, payloads) of 64 secret bits each, derived from its
@@ -45,11 +45,11 @@ from .base import DataPlaneRetired
 from .ucx_actor import UcxActorPlane
 from .ucx_setup import (
     HEADER_KIND,
-    INLINE_FIELD_BYTES,
-    MAX_HEADER_MESSAGE_BYTES,
+    HEADER_MESSAGE_BYTES,
     PAYLOAD_KIND,
     SPINS_BEFORE_YIELD,
     UcxUnavailable,
+    inline_fields,
     load_ucxx,
     make_worker,
     session_tags,
@@ -290,7 +290,7 @@ class UcxLearnerPlane:
             if kind == HEADER_KIND:
                 if not state.awaiting_header:
                     return KEEP  # its next frame's header, read once this frame is done
-                if not FRAME_HEADER_BYTES <= length <= MAX_HEADER_MESSAGE_BYTES:
+                if not FRAME_HEADER_BYTES <= length <= HEADER_MESSAGE_BYTES:
                     self._failed(state, ProtocolError(f"a frame header message of {length} bytes"))
                     return DISCARD
                 self._take_header(generation, state, tag, length)
@@ -368,15 +368,15 @@ class UcxLearnerPlane:
     def _unpack_inline(message: bytearray, views: list[memoryview]) -> list[memoryview]:
         """Copy the small fields that came after the header in ``message`` into their
         ``views``; returns the views still to receive, one message each."""
-        offset, rest = FRAME_HEADER_BYTES, []
-        for view in views:
-            if len(view) > INLINE_FIELD_BYTES:
+        offset, rest, data = FRAME_HEADER_BYTES, [], memoryview(message)
+        for view, ride in zip(views, inline_fields(len(view) for view in views)):
+            if not ride:
                 rest.append(view)
                 continue
             end = offset + len(view)
             if end > len(message):
                 break
-            view[:] = message[offset:end]
+            view[:] = data[offset:end]
             offset = end
         else:
             if offset == len(message):

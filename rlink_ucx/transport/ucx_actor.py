@@ -1,6 +1,6 @@
 """The ``ucx`` plane's actor side: one UCX worker, one endpoint to the learner's worker (its
 address comes over the authenticated control channel); per frame, one message of the header
-and the fields of at most ``INLINE_FIELD_BYTES``, then one per larger field, sent with the
+and the small fields (``ucx_setup.inline_fields``), then one per other field, sent with the
 session's two tags, one frame at a time (docs/transports.md, "Why one frame in
 flight"). The learner's side is ``ucx.py``.
 """
@@ -18,9 +18,9 @@ from ..errors import PeerLost, ProtocolError
 from . import ucx_probe
 from .ucx_setup import (
     HEADER_KIND,
-    INLINE_FIELD_BYTES,
     PAYLOAD_KIND,
     SPINS_BEFORE_YIELD,
+    inline_fields,
     load_ucxx,
     make_worker,
     session_tags,
@@ -74,14 +74,15 @@ class UcxActorPlane:
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         tag_header, tag_payload = self.tags[HEADER_KIND], self.tags[PAYLOAD_KIND]
+        inline = inline_fields(len(view) for view in payload)
         message = bytearray(header)  # UCX needs a writable, contiguous buffer
-        for view in payload:
-            if 0 < len(view) <= INLINE_FIELD_BYTES:  # small fields ride along (ucx_setup)
+        for view, ride in zip(payload, inline):
+            if ride:  # small fields ride along (ucx_setup.inline_fields)
                 message += view
         keep = [self.Array(message)]
         requests = [self.endpoint.tag_send(keep[0], tag_header)]
-        for view in payload:
-            if len(view) > INLINE_FIELD_BYTES:
+        for view, ride in zip(payload, inline):
+            if len(view) and not ride:
                 keep.append(self.Array(view))
                 requests.append(self.endpoint.tag_send(keep[-1], tag_payload))
         deadline = time.monotonic() + self.config.frame_timeout

@@ -4,22 +4,21 @@ from __future__ import annotations
 
 import hashlib
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from ..errors import RLinkError
+from ..wire.frame import FRAME_HEADER_BYTES
 
 if TYPE_CHECKING:
     from ..config import Config
 
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
-# A field of at most this many bytes in a frame travels inside the header's message, after the
-# header, instead of as a message of its own: an Atari frame is 2 messages instead of 6, a
-# frame of small steps one. Every message costs a send, a receive and their Python on both
-# sides (4 Atari actors: +8-17% GB/s).
-INLINE_FIELD_BYTES = 4096
-# The header's message is at most this long (the learner refuses longer ones).
-MAX_HEADER_MESSAGE_BYTES = 64 * 1024
+# A frame's header message: the header and, after it, the frame's small fields (see
+# inline_fields), at most this long. Well under the 8 KiB above which ucxx's UCX_RNDV_THRESH
+# sends by rendezvous: the header message stays eager, there whole once it is seen.
+HEADER_MESSAGE_BYTES = 4096
 # Progress calls that found nothing before a busy-polling thread yields its core on every
 # further call: with more processes than cores (4 actors and a learner on 2 cores) pure
 # spinning starves the very peer it waits for.
@@ -29,6 +28,20 @@ SPINS_BEFORE_YIELD = 32
 class UcxUnavailable(RLinkError):
     """UCX itself would not start in this process (a bad ``UCX_*`` variable, no usable
     transport): no retry cures it, so it is reported at once instead of retried."""
+
+
+def inline_fields(lengths: Iterable[int]) -> list[bool]:
+    """Which fields of a frame (their byte lengths, in order) travel inside the header's message
+    instead of as messages of their own: each non-empty one, in order, while the message stays
+    within ``HEADER_MESSAGE_BYTES``. Every message costs a send, a receive and their Python on
+    both sides: an Atari frame is 2 messages instead of 6 (4 actors: +8-17% GB/s), a frame of
+    small steps one. Actor and learner both decide with this."""
+    total, inline = FRAME_HEADER_BYTES, []
+    for n in lengths:
+        fits = 0 < n and total + n <= HEADER_MESSAGE_BYTES
+        total += n if fits else 0
+        inline.append(fits)
+    return inline
 
 
 def ucx_options(config: Config, loopback: bool = False, devices: list[str] | None = None) -> dict[str, str]:

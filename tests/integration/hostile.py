@@ -275,24 +275,24 @@ def ucx_short_header_proc(address: str, token: bytes, out: Any) -> None:
 def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> None:
     """An authenticated ucx actor that sends a valid frame header, never its payload, and the
     next frame's header: that one waits, kept, at the head of the learner's unexpected queue.
-    Its one field is larger than ``INLINE_FIELD_BYTES``, so the payload is a message of its own
+    Its one field is larger than ``HEADER_MESSAGE_BYTES``, so the payload is a message of its own
     (a smaller field would travel inside the header's message)."""
     from rlink_ucx import Config
     from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
-    from rlink_ucx.transport.ucx_setup import INLINE_FIELD_BYTES
+    from rlink_ucx.transport.ucx_setup import HEADER_MESSAGE_BYTES
 
     actor = RawActor(address, token)
     try:
         welcome = actor.hello(pid=os.getpid(), transport="ucx", ucx=True)
         actor.expect(_wire.Ready)
-        accept = actor.propose([["x", "uint8", [2 * INLINE_FIELD_BYTES]]])
+        accept = actor.propose([["x", "uint8", [2 * HEADER_MESSAGE_BYTES]]])
         actor.expect(_wire.Credit)
         u, context, worker = make_worker(Config(), loopback=True)
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
             worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
         header_tag, _ = session_tags(actor.session_key)
-        step_bytes = 2 * INLINE_FIELD_BYTES
+        step_bytes = 2 * HEADER_MESSAGE_BYTES
         keep = [array(bytearray(FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, seq, 0, step_bytes).pack()))
                 for seq in (0, 1)]  # fmt: skip
         requests = [endpoint.tag_send(k, u.UCXXTag(header_tag)) for k in keep]

@@ -134,7 +134,7 @@ def test_payload_that_no_header_announced_ends_the_session_that_sent_it():
 
 @pytest.mark.timeout(120)
 def test_a_header_message_without_the_small_fields_it_announces_ends_that_session():
-    # Fields of at most INLINE_FIELD_BYTES travel inside the header's message; one that says a
+    # Small fields travel inside the header's message (ucx_setup.inline_fields); one that says a
     # step of 8 bytes follows and carries none must not leave the ring with unwritten bytes.
     with Learner("127.0.0.1:0", token=TOKEN, transport="ucx") as learner:
         out = SPAWN.Queue()

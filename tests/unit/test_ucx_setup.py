@@ -54,3 +54,16 @@ def test_net_devices_add_rdma_devices_to_the_interface(monkeypatch):
                                                           "posix": ["memory"]})  # fmt: skip
     assert ucx_probe.net_devices("127.0.0.1") == ["lo", "mlx5_0:1"]
     assert ucx_probe.net_devices("0.0.0.0") is None
+
+
+def test_small_fields_ride_in_the_header_message_while_it_stays_eager():
+    from rlink_ucx.transport.ucx_setup import HEADER_MESSAGE_BYTES, inline_fields
+    from rlink_ucx.wire.frame import FRAME_HEADER_BYTES
+
+    # An Atari frame of 32 steps: t_ns, obs, action, reward, done.
+    assert inline_fields([256, 903_168, 256, 128, 32]) == [True, False, True, True, True]
+    # In order, while the message fits: the field that would overflow it goes alone, and a
+    # later small one may still fit; empty fields never count.
+    room = HEADER_MESSAGE_BYTES - FRAME_HEADER_BYTES
+    assert inline_fields([room - 100, 0, 200, 100]) == [True, False, False, True]
+    assert inline_fields([room + 1]) == [False]

@@ -206,41 +206,9 @@ def ucx_stranger_proc(worker_address: bytes, total: int, size: int, out: Any) ->
     out.put(sent)
 
 
-def ucx_unannounced_payload_proc(address: str, token: bytes, out: Any) -> None:
-    """An authenticated ucx actor that sends a payload message (its session's own payload tag)
-    with no frame header before it. Reports what the learner said."""
-    from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
-
-    actor = RawActor(address, token)
-    try:
-        welcome = actor.hello(pid=os.getpid(), transport="ucx", ucx=True)
-        actor.expect(_wire.Ready)
-        u, context, worker = make_worker(Config(), loopback=True)
-        _, array = load_ucxx()
-        endpoint = u.UCXEndpoint.create_from_worker_address(
-            worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
-        _, payload_tag = session_tags(actor.session_key)
-        request = endpoint.tag_send(array(bytearray(4096)), u.UCXXTag(payload_tag))
-        deadline = time.monotonic() + 5
-        while not request.completed and time.monotonic() < deadline:
-            worker.progress()
-        actor.control.settimeout(10)
-        try:
-            actor.expect(_wire.Bye)  # never comes: the learner reports an error or closes
-            out.put("bye")
-        except ConnectionError as exc:
-            out.put(str(exc))
-        except (OSError, EOFError) as exc:
-            out.put(f"closed: {exc!r}")
-    finally:
-        actor.close()
-
-
-def ucx_short_header_proc(address: str, token: bytes, out: Any) -> None:
-    """An authenticated ucx actor whose frame header announces a step of one int64 field (8
-    bytes, small enough to travel inside the header's message) but sends the header alone.
-    Reports what the learner said."""
+def _send_one_ucx_message(address: str, token: bytes, out: Any, message: Any) -> None:
+    """As an authenticated ucx actor, send one UCX message, ``message(welcome, accept, tags)``
+    -> (bytes, tag), after proposing an int64 field ``x``; report what the learner said."""
     from rlink_ucx import Config
     from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
 
@@ -254,9 +222,8 @@ def ucx_short_header_proc(address: str, token: bytes, out: Any) -> None:
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
             worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
-        header_tag, _ = session_tags(actor.session_key)
-        header = array(bytearray(FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, 8).pack()))
-        request = endpoint.tag_send(header, u.UCXXTag(header_tag))
+        data, tag = message(welcome, accept, session_tags(actor.session_key))
+        request = endpoint.tag_send(array(bytearray(data)), u.UCXXTag(tag))
         deadline = time.monotonic() + 5
         while not request.completed and time.monotonic() < deadline:
             worker.progress()
@@ -270,6 +237,28 @@ def ucx_short_header_proc(address: str, token: bytes, out: Any) -> None:
             out.put(f"closed: {exc!r}")
     finally:
         actor.close()
+
+
+def _unannounced_payload(welcome: Any, accept: Any, tags: tuple[int, int]) -> tuple[bytes, int]:
+    return bytes(4096), tags[1]  # the session's own payload tag, no header before it
+
+
+def _short_header(welcome: Any, accept: Any, tags: tuple[int, int]) -> tuple[bytes, int]:
+    # One step of the int64 field: 8 bytes, which ride inside the header's message; none do.
+    return FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, 8).pack(), tags[0]
+
+
+def ucx_unannounced_payload_proc(address: str, token: bytes, out: Any) -> None:
+    """An authenticated ucx actor that sends a payload message (its session's own payload tag)
+    with no frame header before it. Reports what the learner said."""
+    _send_one_ucx_message(address, token, out, _unannounced_payload)
+
+
+def ucx_short_header_proc(address: str, token: bytes, out: Any) -> None:
+    """An authenticated ucx actor whose frame header announces a step of one int64 field (8
+    bytes, small enough to travel inside the header's message) but sends the header alone.
+    Reports what the learner said."""
+    _send_one_ucx_message(address, token, out, _short_header)
 
 
 def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import time
+from typing import Any
 
 import pytest
 
@@ -118,15 +119,22 @@ def test_junk_queued_behind_a_stalled_actors_next_header_is_thrown_away_too():
     assert grown < 48 << 20, f"the learner grew by {grown >> 20} MiB with {JUNK_BYTES >> 20} MiB of junk"
 
 
-@pytest.mark.timeout(120)
-def test_payload_that_no_header_announced_ends_the_session_that_sent_it():
+def _one_hostile_session(target: Any) -> tuple[str, list[dict], int]:
+    """Run ``target`` (a hostile.py process) against a ucx learner: what the learner told it,
+    the ended sessions, and the steps that reached the ring."""
     with Learner("127.0.0.1:0", token=TOKEN, transport="ucx") as learner:
         out = SPAWN.Queue()
-        proc = SPAWN.Process(target=ucx_unannounced_payload_proc, args=(learner.address, TOKEN, out))
+        proc = SPAWN.Process(target=target, args=(learner.address, TOKEN, out))
         proc.start()
         said = out.get(timeout=60)
         proc.join(30)
-        ended = learner.stats()["ended_actors"]
+        stats = learner.stats()
+    return said, stats["ended_actors"], stats["buffer"]["steps_in"]
+
+
+@pytest.mark.timeout(120)
+def test_payload_that_no_header_announced_ends_the_session_that_sent_it():
+    said, ended, _ = _one_hostile_session(ucx_unannounced_payload_proc)
     # Kept, the message would have waited in the worker for a receive that never comes.
     assert "no frame header announced" in said, said
     assert ended and ended[0]["protocol_errors"] == 1, ended
@@ -136,14 +144,7 @@ def test_payload_that_no_header_announced_ends_the_session_that_sent_it():
 def test_a_header_message_without_the_small_fields_it_announces_ends_that_session():
     # Small fields travel inside the header's message (ucx_setup.inline_fields); one that says a
     # step of 8 bytes follows and carries none must not leave the ring with unwritten bytes.
-    with Learner("127.0.0.1:0", token=TOKEN, transport="ucx") as learner:
-        out = SPAWN.Queue()
-        proc = SPAWN.Process(target=ucx_short_header_proc, args=(learner.address, TOKEN, out))
-        proc.start()
-        said = out.get(timeout=60)
-        proc.join(30)
-        ended = learner.stats()["ended_actors"]
-        steps = learner.stats()["buffer"]["steps_in"]
+    said, ended, steps = _one_hostile_session(ucx_short_header_proc)
     assert "does not match its small fields" in said, said
     assert ended and ended[0]["protocol_errors"] == 1, ended
     assert steps == 0

@@ -94,11 +94,12 @@ class CreditGranter:
                 continue
             room = ring.grantable()
             give = min(want, room)
-            if give <= 0 or (give < threshold and session.credit > 0):
-                if give <= 0 or session.low_on_credit:  # it (and the actors after it) waits for room
+            if give <= 0:  # it, and the actors after it, wait for room
+                self.starved, room_seen = True, room
+                break
+            if give < threshold and session.credit > 0:
+                if session.low_on_credit:  # too little room to be worth a grant: it waits
                     self.starved, room_seen = True, room
-                if give <= 0:
-                    break
                 continue
             ring.grant(give)
             session.grant(give, low_water=low_water)

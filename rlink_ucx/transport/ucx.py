@@ -132,7 +132,7 @@ class UcxReceiver:
         return self._state.frame_started
 
     def start(self) -> None:
-        self._plane.call(lambda: self._plane._post_header(self._state))
+        self._plane.call(lambda: self._plane._await_header(self._state))
 
     def close(self) -> None:
         self._plane.call(lambda: self._plane._drop(self._state))
@@ -335,7 +335,7 @@ class UcxLearnerPlane:
         state.requests.append((request, array, kind))
         self._busy[state] = None
 
-    def _post_header(self, state: _Receive) -> None:
+    def _await_header(self, state: _Receive) -> None:
         if state.dead:
             return
         if state.endpoint is None:
@@ -346,7 +346,7 @@ class UcxLearnerPlane:
             own = self.u.UCXAddress.create_from_buffer(generation.address)
             state.endpoint = self.u.UCXEndpoint.create_from_worker_address(generation.worker, own, False)
             self._receives.append(state)
-        state.awaiting_header = True  # read off the queue by _sweep when it comes
+        state.awaiting_header = True  # no receive: _sweep takes it off the queue when it comes
 
     def _on_header(self, state: _Receive) -> None:
         state.frame_started = time.monotonic()
@@ -386,7 +386,7 @@ class UcxLearnerPlane:
     def _on_frame(self, state: _Receive) -> None:
         state.frame_started = None
         state.sink.end_threadsafe()
-        self._post_header(state)
+        self._await_header(state)
 
     def _failed(self, state: _Receive, exc: BaseException) -> None:
         first = not state.dead

@@ -8,8 +8,9 @@ costs ~10 us and beats a raw socket. So:
   frame header off the worker's queue of unexpected messages, where the sweeper finds it
   (so an actor between frames has no receive posted and costs the thread nothing per round:
   with 1,024 actors, checking a posted header receive per actor took most of the thread),
-  and once the header is validated copies the small fields that came with it into the ring
-  and posts one receive per other field straight into the ring (no copy). A worker keeps the shared memory of every actor process it
+  and once the header is validated copies the small fields that came with it into the ring;
+  each other field's message, once on the queue and as long as the field, is received straight
+  into the ring (no copy). A worker keeps the shared memory of every actor process it
   talked to, dead or not, so after ``Config.ucx_recycle_after`` ended sessions (and at least
   twice as many as are live) the thread starts a fresh worker and moves the live actors to it
   (they reconnect once);
@@ -112,7 +113,8 @@ class _Receive:
         self.header = bytearray(FRAME_HEADER_BYTES)  # the frame's header message, small fields included
         self.awaiting_header = False  # between frames: the next header is read when it comes
         self.requests: list[tuple[Any, Any, int]] = []  # (request, Array, kind) in flight
-        self.payload_left = 0
+        self.views: list[memoryview] = []  # the frame's fields whose message has not come yet
+        self.payload_left = 0  # the frame's payload messages not yet received whole
         self.unannounced_since: float | None = None  # payload of ours seen while awaiting a header
         self.dead = False
         self.frame_started: float | None = None
@@ -256,9 +258,10 @@ class UcxLearnerPlane:
         return moved
 
     def _advance(self, state: _Receive) -> bool:
-        """Handle ``state``'s receives that completed, in order (a header posts the payload's,
-        which may complete at once). Returns whether any did."""
-        moved = False
+        """Receive ``state``'s payload messages that came, and handle its receives that
+        completed, in order (a header's may take the payload's, which may complete at once).
+        Returns whether anything moved."""
+        moved = self._take_payloads(state)
         while state.requests and state.requests[0][0].completed:
             request, _, kind = state.requests.pop(0)
             moved = True
@@ -273,9 +276,31 @@ class UcxLearnerPlane:
                 state.payload_left -= 1
                 if state.payload_left == 0:
                     self._on_frame(state)
-        if not state.requests:
+        if not state.requests and not state.views:
             self._busy.pop(state, None)
         return moved
+
+    def _take_payloads(self, state: _Receive) -> bool:
+        """Receive each of ``state``'s payload messages that has come, straight into its field,
+        once its length is the field's: UCX would fill a longer receive with a shorter message
+        and call it complete, leaving the rest of the field as it was."""
+        taken, tag = False, self.u.UCXXTag(state.tags[PAYLOAD_KIND])
+        while state.views and not state.dead:
+            found = state.generation.worker.tag_probe(tag, self.u.UCXXTagMaskFull)
+            if not found.matched:
+                break
+            self._take_payload(state, found.length)
+            taken = True
+        return taken
+
+    def _take_payload(self, state: _Receive, length: int) -> None:
+        """Receive ``state``'s oldest payload message (``length`` bytes, on the worker's queue)
+        into its next field, or end the session if the lengths differ."""
+        view = state.views.pop(0)
+        if length != len(view):
+            self._failed(state, ProtocolError(f"a payload message of {length} bytes for a field of {len(view)}"))
+            return
+        self._recv(state, view, PAYLOAD_KIND)  # matches that oldest message at once
 
     def _sweep(self, generation: _Generation) -> int:
         """Read the frame headers waiting on ``generation``'s worker, and throw away the
@@ -295,6 +320,9 @@ class UcxLearnerPlane:
                     return DISCARD
                 self._take_header(generation, state, tag, length)
                 return TAKEN
+            if state.views:
+                self._take_payload(state, length)
+                return DISCARD if state.dead else TAKEN
             if state.payload_left:
                 return KEEP
             # Payload while it waits for a header: more than its last header announced, unless
@@ -361,8 +389,9 @@ class UcxLearnerPlane:
             self._on_frame(state)
             return
         state.payload_left = len(views)
-        for view in views:
-            self._recv(state, view, PAYLOAD_KIND)
+        state.views = views  # each received once its message is there, and its length checked
+        self._busy[state] = None
+        self._take_payloads(state)
 
     @staticmethod
     def _unpack_inline(message: bytearray, views: list[memoryview]) -> list[memoryview]:
@@ -424,6 +453,7 @@ class UcxLearnerPlane:
     def _forget(self, state: _Receive) -> None:
         self._busy.pop(state, None)
         state.requests.clear()
+        state.views = []
         state.endpoint = None
         if state in self._receives:
             self._receives.remove(state)

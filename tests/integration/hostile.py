@@ -206,9 +206,10 @@ def ucx_stranger_proc(worker_address: bytes, total: int, size: int, out: Any) ->
     out.put(sent)
 
 
-def _send_one_ucx_message(address: str, token: bytes, out: Any, message: Any) -> None:
-    """As an authenticated ucx actor, send one UCX message, ``message(welcome, accept, tags)``
-    -> (bytes, tag), after proposing an int64 field ``x``; report what the learner said."""
+def _send_ucx_messages(address: str, token: bytes, out: Any, messages: Any, field: Any = ("int64", [])) -> None:
+    """As an authenticated ucx actor, send UCX messages, ``messages(welcome, accept, tags)`` ->
+    [(bytes, tag), ...], after proposing one field ``x`` (dtype and shape ``field``); report
+    what the learner said."""
     from rlink_ucx import Config
     from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
 
@@ -216,16 +217,17 @@ def _send_one_ucx_message(address: str, token: bytes, out: Any, message: Any) ->
     try:
         welcome = actor.hello(pid=os.getpid(), transport="ucx", ucx=True)
         actor.expect(_wire.Ready)
-        accept = actor.propose([["x", "int64", []]])
+        accept = actor.propose([["x", *field]])
         actor.expect(_wire.Credit)
         u, context, worker = make_worker(Config(), loopback=True)
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
             worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
-        data, tag = message(welcome, accept, session_tags(actor.session_key))
-        request = endpoint.tag_send(array(bytearray(data)), u.UCXXTag(tag))
+        sent = messages(welcome, accept, session_tags(actor.session_key))
+        keep = [(array(bytearray(data)), tag) for data, tag in sent]
+        requests = [endpoint.tag_send(data, u.UCXXTag(tag)) for data, tag in keep]
         deadline = time.monotonic() + 5
-        while not request.completed and time.monotonic() < deadline:
+        while not all(r.completed for r in requests) and time.monotonic() < deadline:
             worker.progress()
         actor.control.settimeout(10)
         try:
@@ -239,26 +241,43 @@ def _send_one_ucx_message(address: str, token: bytes, out: Any, message: Any) ->
         actor.close()
 
 
-def _unannounced_payload(welcome: Any, accept: Any, tags: tuple[int, int]) -> tuple[bytes, int]:
-    return bytes(4096), tags[1]  # the session's own payload tag, no header before it
+def _unannounced_payload(welcome: Any, accept: Any, tags: tuple[int, int]) -> list[tuple[bytes, int]]:
+    return [(bytes(4096), tags[1])]  # the session's own payload tag, no header before it
 
 
-def _short_header(welcome: Any, accept: Any, tags: tuple[int, int]) -> tuple[bytes, int]:
+def _short_header(welcome: Any, accept: Any, tags: tuple[int, int]) -> list[tuple[bytes, int]]:
     # One step of the int64 field: 8 bytes, which ride inside the header's message; none do.
-    return FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, 8).pack(), tags[0]
+    return [(FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, 8).pack(), tags[0])]
+
+
+def _short_payload(field_bytes: int) -> Any:
+    def messages(welcome: Any, accept: Any, tags: tuple[int, int]) -> list[tuple[bytes, int]]:
+        # One step of the field, its message 1 KiB short: UCX itself would accept it into the
+        # field's receive and call the receive complete.
+        header = FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, field_bytes).pack()
+        return [(header, tags[0]), (b"\xab" * (field_bytes - 1024), tags[1])]
+
+    return messages
 
 
 def ucx_unannounced_payload_proc(address: str, token: bytes, out: Any) -> None:
     """An authenticated ucx actor that sends a payload message (its session's own payload tag)
     with no frame header before it. Reports what the learner said."""
-    _send_one_ucx_message(address, token, out, _unannounced_payload)
+    _send_ucx_messages(address, token, out, _unannounced_payload)
 
 
 def ucx_short_header_proc(address: str, token: bytes, out: Any) -> None:
     """An authenticated ucx actor whose frame header announces a step of one int64 field (8
     bytes, small enough to travel inside the header's message) but sends the header alone.
     Reports what the learner said."""
-    _send_one_ucx_message(address, token, out, _short_header)
+    _send_ucx_messages(address, token, out, _short_header)
+
+
+def ucx_short_payload_proc(address: str, token: bytes, out: Any, field_bytes: int) -> None:
+    """An authenticated ucx actor whose frame header announces one step of a ``field_bytes``
+    field (too large to ride in the header's message) and whose payload message is 1 KiB short.
+    Reports what the learner said."""
+    _send_ucx_messages(address, token, out, _short_payload(field_bytes), ("uint8", [field_bytes]))
 
 
 def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> None:

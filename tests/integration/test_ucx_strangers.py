@@ -4,6 +4,7 @@ on the interfaces of the control channel."""
 
 from __future__ import annotations
 
+import functools
 import multiprocessing as mp
 import os
 import time
@@ -21,6 +22,7 @@ from tests.integration.hostile import (
     ucx_stalled_actor_proc,
     ucx_stranger_proc,
     ucx_short_header_proc,
+    ucx_short_payload_proc,
     ucx_unannounced_payload_proc,
 )
 
@@ -146,6 +148,17 @@ def test_a_header_message_without_the_small_fields_it_announces_ends_that_sessio
     # step of 8 bytes follows and carries none must not leave the ring with unwritten bytes.
     said, ended, steps = _one_hostile_session(ucx_short_header_proc)
     assert "does not match its small fields" in said, said
+    assert ended and ended[0]["protocol_errors"] == 1, ended
+    assert steps == 0
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("field_bytes", [6 * 1024, 64 * 1024], ids=["eager", "rendezvous"])
+def test_a_payload_message_shorter_than_its_field_ends_that_session_and_no_step_is_torn(field_bytes: int):
+    # UCX completes a receive with a shorter message and says nothing; the rest of the field
+    # would have kept whatever the ring held there before.
+    said, ended, steps = _one_hostile_session(functools.partial(ucx_short_payload_proc, field_bytes=field_bytes))
+    assert f"a payload message of {field_bytes - 1024} bytes for a field of {field_bytes}" in said, said
     assert ended and ended[0]["protocol_errors"] == 1, ended
     assert steps == 0
 

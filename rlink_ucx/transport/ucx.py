@@ -9,8 +9,8 @@ costs ~10 us and beats a raw socket. So:
   (so an actor between frames has no receive posted and costs the thread nothing per round:
   with 1,024 actors, checking a posted header receive per actor took most of the thread),
   and once the header is validated copies the small fields that came with it into the ring;
-  each other field's message, once on the queue and as long as the field, is received straight
-  into the ring (no copy). A worker keeps the shared memory of every actor process it
+  each other field's message, once on the queue and as long as the field, is received into
+  the ring (a rendezvous message straight from the actor's memory). A worker keeps the shared memory of every actor process it
   talked to, dead or not, so after ``Config.ucx_recycle_after`` ended sessions (and at least
   twice as many as are live) the thread starts a fresh worker and moves the live actors to it
   (they reconnect once);
@@ -284,6 +284,8 @@ class UcxLearnerPlane:
         """Receive each of ``state``'s payload messages that has come, straight into its field,
         once its length is the field's: UCX would fill a longer receive with a shorter message
         and call it complete, leaving the rest of the field as it was."""
+        if not state.views:
+            return False
         taken, tag = False, self.u.UCXXTag(state.tags[PAYLOAD_KIND])
         while state.views and not state.dead:
             found = state.generation.worker.tag_probe(tag, self.u.UCXXTagMaskFull)

@@ -40,6 +40,31 @@ def stream_actor(address: str, transport: str, actor: int, n: int, mode: str = "
         a.flush(60)
 
 
+def large_field_steps(actor: int, n: int) -> dict[str, np.ndarray]:
+    """Steps with two fields too large to ride in a ucx frame's header message (12 KiB and
+    6 KiB a step) and a small one; the bytes encode (actor, seq, field)."""
+    seq = np.arange(n, dtype=np.int64)[:, None]
+    return {
+        "obs": ((seq * 7 + actor + np.arange(12288)) % 251).astype(np.uint8),
+        "mask": (seq * 1000 + actor * 10_000_000 + np.arange(1536)).astype(np.float32),
+        "reward": (seq[:, 0] * 3 + actor).astype(np.int32),
+    }
+
+
+def large_field_actor(address: str, transport: str, actor: int, n: int) -> None:
+    """Put ``n`` large-field steps: single puts (frames of one or a few steps) and put_many chunks."""
+    from rlink_ucx import Actor
+
+    steps = large_field_steps(actor, n)
+    with Actor(address, transport=transport, actor_id=actor) as a:
+        seq = 0
+        while seq < n:
+            k = 1 if (seq // 50) % 2 == 0 else min(13, n - seq)
+            a.put_many({f: v[seq : seq + k] for f, v in steps.items()})
+            seq += k
+        a.flush(60)
+
+
 def int_actor(address: str, actor: int, n: int) -> None:
     """Put int64 steps 0..n-1 in chunks of 100 over tcp."""
     from rlink_ucx import Actor

@@ -18,6 +18,8 @@ from rlink_ucx.wire.messages import PROTOCOL_VERSION
 from tests.conftest import TRANSPORTS, shm_possible
 from tests.integration.procs import (
     encoded_steps,
+    large_field_actor,
+    large_field_steps,
     int_actor,
     lingering_actor,
     steady_actor,
@@ -165,6 +167,39 @@ def test_fetch_times_out_on_an_idle_learner():
             actor.flush(10)
             with pytest.raises(TimeoutError):  # the rlink error is also a builtin TimeoutError
                 dataset.fetch(timeout=0.3)
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_steps_with_several_large_fields_arrive_bit_exact(transport):
+    # Over ucx each of the two large fields is a message of its own (eager or rendezvous by
+    # size), received into the ring in turn once its length is checked; the small one rides in
+    # the header's message.
+    n_actors, n_steps, batch_size = 2, 600, 100
+    with Learner("127.0.0.1:0", transport=transport) as learner:
+        dataset = RLinkDataset(learner, batch_size=batch_size)
+        procs = [SPAWN.Process(target=large_field_actor, args=(learner.address, transport, a + 1, n_steps))
+                 for a in range(n_actors)]  # fmt: skip
+        for p in procs:
+            p.start()
+        got: dict[str, list] = {"obs": [], "mask": [], "reward": [], "actor": [], "seq": []}
+        for _ in range(n_actors * n_steps // batch_size):
+            batch = dataset.fetch(timeout=60)
+            for name in ("obs", "mask", "reward"):
+                got[name].append(batch[name].numpy().copy())
+            got["actor"].append(batch.actor_id.numpy().copy())
+            got["seq"].append(batch.seq.numpy().copy())
+        assert join_all(procs) == [0] * n_actors
+        stats = learner.stats()
+    cat = {k: np.concatenate(v) for k, v in got.items()}
+    for a in range(1, n_actors + 1):
+        mine = cat["actor"] == a
+        assert cat["seq"][mine].tolist() == list(range(n_steps)), f"actor {a}: steps missing, duplicated or reordered"
+        expected = large_field_steps(a, n_steps)
+        for name in ("obs", "mask", "reward"):
+            assert cat[name][mine].tobytes() == expected[name].tobytes(), name
+    assert {a["transport"] for a in stats["actors"] + stats["ended_actors"]} == {transport}
+    assert all(a["protocol_errors"] == 0 for a in stats["actors"] + stats["ended_actors"])
 
 
 @pytest.mark.timeout(30)

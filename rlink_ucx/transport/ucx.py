@@ -44,6 +44,7 @@ from ..wire.frame import FRAME_HEADER_BYTES
 from . import ucx_probe
 from .base import DataPlaneRetired
 from .ucx_actor import UcxActorPlane
+from .ucx_generation import Generation, recycle_due
 from .ucx_setup import (
     HEADER_KIND,
     HEADER_MESSAGE_BYTES,
@@ -56,7 +57,7 @@ from .ucx_setup import (
     session_tags,
     ucx_options,
 )
-from .ucx_unexpected import DISCARD, KEEP, TAKEN, Sweeper
+from .ucx_unexpected import DISCARD, KEEP, TAKEN
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -70,38 +71,10 @@ _RECYCLED = "the learner started a fresh UCX worker; reconnect to it"
 _UNANNOUNCED_GRACE = 1.0  # seconds a payload message may wait for its header's receive to complete
 
 
-def recycle_due(ended: int, live: int, after: int) -> bool:
-    """Should a worker with ``ended`` ended and ``live`` live sessions be recycled?
-
-    Recycling makes every live ucx actor reconnect once, so it waits for ``after`` ended
-    sessions and at least twice as many as are live: the stale memory stays within about twice
-    what the live actors hold, and an ended session costs at most half a reconnect. ``after``
-    0 means never.
-    """
-    return after > 0 and ended >= max(after, 2 * live)
-
-
-class _Generation:
-    """One UCX worker of the learner plane. A worker keeps the shared memory of every peer
-    process it has talked to, dead or alive, for as long as it lives; so after enough ended
-    sessions the plane starts a new generation and retires this one once its sessions are gone."""
-
-    def __init__(self, config: Config, loopback: bool, devices: list[str] | None):
-        self.u, self.context, self.worker = make_worker(config, loopback, devices)
-        self.address = bytes(self.worker.address.tobytes())
-        self.worker.init_blocking_progress_mode()  # the plane sleeps in its epoll when idle
-        self.ended = 0  # sessions of this worker that have ended
-        self.sweeper = Sweeper(self.u, load_ucxx()[1])
-
-    def release(self) -> None:
-        """Destroy the worker (on the progress thread, which made it): its mappings go with it."""
-        self.worker = self.context = self.sweeper = None
-
-
 class _Receive:
     """One actor's receive state, touched only by the progress thread."""
 
-    def __init__(self, sink: FrameSink, actor_id: int, tags: tuple[int, int], generation: _Generation):
+    def __init__(self, sink: FrameSink, actor_id: int, tags: tuple[int, int], generation: Generation):
         self.sink = sink
         self.actor_id = actor_id
         self.tags = tags  # indexed by kind: HEADER_KIND, PAYLOAD_KIND
@@ -158,8 +131,8 @@ class UcxLearnerPlane:
         self.devices = None if loopback or host is None else ucx_probe.net_devices(host)
         # Every live session's tags -> (receive, kind), for telling its messages from strangers'.
         self._by_tag: dict[int, tuple[_Receive, int]] = {}
-        self.current: _Generation
-        self._retiring: list[_Generation] = []  # older workers, until their sessions are gone
+        self.current: Generation
+        self._retiring: list[Generation] = []  # older workers, until their sessions are gone
         self.recycled = 0
         self._calls: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
         self._receives: list[_Receive] = []
@@ -180,7 +153,7 @@ class UcxLearnerPlane:
             raise UcxUnavailable(f"the learner's UCX worker did not start: {self._start_error}") from self._start_error
 
     # --- called from the loop thread ----------------------------------------------------------
-    def attach(self, sink: FrameSink, actor_id: int, session_key: bytes, generation: _Generation) -> UcxReceiver:
+    def attach(self, sink: FrameSink, actor_id: int, session_key: bytes, generation: Generation) -> UcxReceiver:
         """Receive one actor's frames into ``sink`` on ``generation``, the worker whose address
         the actor was sent (read from ``current`` when its session was opened); the tags come
         from the session's key. Returns the started receiver."""
@@ -207,7 +180,7 @@ class UcxLearnerPlane:
     # --- the progress thread -------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self.current = _Generation(self.config, self.loopback, self.devices)
+            self.current = Generation(self.config, self.loopback, self.devices)
         except BaseException as exc:  # reported by __init__ in the caller's thread
             self._start_error = exc
             self._started.set()
@@ -304,7 +277,7 @@ class UcxLearnerPlane:
             return
         self._recv(state, view, PAYLOAD_KIND)  # matches that oldest message at once
 
-    def _sweep(self, generation: _Generation) -> int:
+    def _sweep(self, generation: Generation) -> int:
         """Read the frame headers waiting on ``generation``'s worker, and throw away the
         messages that no live session of it asked for; a session's next message waits its
         turn. After ``_poll``: every receive that completed has been followed by the next one,
@@ -343,7 +316,7 @@ class UcxLearnerPlane:
                         "or one whose session ended)")  # fmt: skip
         return n
 
-    def _take_header(self, generation: _Generation, state: _Receive, tag: int, length: int) -> None:
+    def _take_header(self, generation: Generation, state: _Receive, tag: int, length: int) -> None:
         """Receive ``state``'s next frame header message, the oldest message with ``tag`` on the
         worker (``length`` bytes, eager, there whole), and handle its frame as far as it has come."""
         taken = generation.worker.tag_probe(self.u.UCXXTag(tag), self.u.UCXXTagMaskFull, True)
@@ -472,7 +445,7 @@ class UcxLearnerPlane:
         """Start a new worker for new sessions and move the live ones to it: their sessions
         end here, and their actors reconnect (resending what was not acknowledged)."""
         try:
-            fresh = _Generation(self.config, self.loopback, self.devices)
+            fresh = Generation(self.config, self.loopback, self.devices)
         except Exception:  # noqa: BLE001 - keep serving on the old worker; try again later
             log.warning("could not start a fresh UCX worker; keeping the current one", exc_info=True)
             self.current.ended = 0

@@ -7,6 +7,7 @@ import os
 import socket
 import struct
 import time
+from typing import Any
 
 import numpy as np
 import pytest
@@ -41,20 +42,21 @@ def join_all(procs, timeout=60):
     return [p.exitcode for p in procs]
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("transport", TRANSPORTS)
-def test_four_actors_every_step_exactly_once_bit_exact(transport):
-    n_actors, n_steps, batch_size = 4, 10_000, 500
+def stream_and_collect(transport: str, target: Any, n_actors: int, n_steps: int, batch_size: int,
+                       fields: tuple[str, ...]) -> tuple[dict[str, np.ndarray], dict]:  # fmt: skip
+    """Run ``n_actors`` processes of ``target(address, transport, actor_id, n_steps)`` against a
+    learner and fetch every step: ``fields`` and each step's actor, seq and version, in the order
+    fetched, and the learner's stats at the end."""
     with Learner("127.0.0.1:0", transport=transport) as learner:
         dataset = RLinkDataset(learner, batch_size=batch_size)
-        procs = [SPAWN.Process(target=stream_actor, args=(learner.address, transport, a + 1, n_steps))
+        procs = [SPAWN.Process(target=target, args=(learner.address, transport, a + 1, n_steps))
                  for a in range(n_actors)]  # fmt: skip
         for p in procs:
             p.start()
-        got: dict[str, list] = {"obs": [], "action": [], "reward": [], "done": [], "actor": [], "seq": [], "version": []}
+        got: dict[str, list] = {name: [] for name in (*fields, "actor", "seq", "version")}
         for _ in range(n_actors * n_steps // batch_size):
             batch = dataset.fetch(timeout=60)
-            for name in ("obs", "action", "reward", "done"):
+            for name in fields:
                 got[name].append(batch[name].numpy().copy())
             got["actor"].append(batch.actor_id.numpy().copy())
             got["seq"].append(batch.seq.numpy().copy())
@@ -62,7 +64,14 @@ def test_four_actors_every_step_exactly_once_bit_exact(transport):
             assert (batch.staleness == learner.version - batch.version).all()
         assert join_all(procs) == [0] * n_actors
         stats = learner.stats()
-    cat = {k: np.concatenate(v) for k, v in got.items()}
+    return {k: np.concatenate(v) for k, v in got.items()}, stats
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_four_actors_every_step_exactly_once_bit_exact(transport):
+    n_actors, n_steps, fields = 4, 10_000, ("obs", "action", "reward", "done")
+    cat, stats = stream_and_collect(transport, stream_actor, n_actors, n_steps, 500, fields)
     assert len(cat["seq"]) == n_actors * n_steps
     for a in range(1, n_actors + 1):
         mine = cat["actor"] == a
@@ -175,23 +184,8 @@ def test_steps_with_several_large_fields_arrive_bit_exact(transport):
     # Over ucx each of the two large fields is a message of its own (eager or rendezvous by
     # size), received into the ring in turn once its length is checked; the small one rides in
     # the header's message.
-    n_actors, n_steps, batch_size = 2, 600, 100
-    with Learner("127.0.0.1:0", transport=transport) as learner:
-        dataset = RLinkDataset(learner, batch_size=batch_size)
-        procs = [SPAWN.Process(target=large_field_actor, args=(learner.address, transport, a + 1, n_steps))
-                 for a in range(n_actors)]  # fmt: skip
-        for p in procs:
-            p.start()
-        got: dict[str, list] = {"obs": [], "mask": [], "reward": [], "actor": [], "seq": []}
-        for _ in range(n_actors * n_steps // batch_size):
-            batch = dataset.fetch(timeout=60)
-            for name in ("obs", "mask", "reward"):
-                got[name].append(batch[name].numpy().copy())
-            got["actor"].append(batch.actor_id.numpy().copy())
-            got["seq"].append(batch.seq.numpy().copy())
-        assert join_all(procs) == [0] * n_actors
-        stats = learner.stats()
-    cat = {k: np.concatenate(v) for k, v in got.items()}
+    n_actors, n_steps = 2, 600
+    cat, stats = stream_and_collect(transport, large_field_actor, n_actors, n_steps, 100, ("obs", "mask", "reward"))
     for a in range(1, n_actors + 1):
         mine = cat["actor"] == a
         assert cat["seq"][mine].tolist() == list(range(n_steps)), f"actor {a}: steps missing, duplicated or reordered"

@@ -77,6 +77,8 @@ class Actor:
                  insecure: bool = False):  # fmt: skip
         self.config = resolve(config)
         check_transport(transport)
+        if actor_id is not None and not (isinstance(actor_id, int) and 0 <= actor_id < 1 << 63):
+            raise ConfigError(f"actor_id must be an int in [0, 2**63), not {actor_id!r}")
         host, port, transport = parse_endpoint(address, transport)
         self._lock = threading.Lock()  # guards the subscriber's creation
         self._subscriber: Subscriber | None = None

@@ -364,13 +364,13 @@ class LearnerServer:
         if self.schema is None or self.ring is None:
             if self.schema is not None and self.schema != schema:
                 raise SchemaMismatch(self._mismatch(schema))
-            self.schema = schema
             if schema.step_bytes > self.config.max_frame_bytes:
                 raise SchemaMismatch(
                     f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
                 )
             reserve, self.reserve = self.reserve, None
             self.ring = _new_ring(schema, self.config, self.batch_steps, self.pin_memory, reserve)
+            self.schema = schema  # only now: a refused proposal must not become the learner's schema
             self.credit.ring = self.ring
             self.ring.on_space_freed = self.credit.space_freed
             self.ring_ready.set()
@@ -383,10 +383,6 @@ class LearnerServer:
         assert self.schema is not None
         return (f"actor schema {schema.describe()} does not match the learner's {self.schema.describe()}: "
                 f"{self.schema.compare(schema)}")  # fmt: skip
-
-
-
-
 
     def grant_credits(self) -> None:
         self.credit.grant()
@@ -401,7 +397,6 @@ class LearnerServer:
             for session in list(self.sessions.values()):
                 session.heartbeat(now, late)
             self.credit.reclaim_idle(now)
-
 
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
         if self.sessions.pop(session.id, None) is None:

@@ -206,6 +206,8 @@ class LearnerSession:
             )
         if not 0 < h.n_steps <= ring.max_frame_steps:
             raise ProtocolError(f"frame of {h.n_steps} steps; limit {ring.max_frame_steps}")
+        if h.seq + h.n_steps >= 1 << 63:  # seqs are int64 in a batch (Batch.seq)
+            raise ProtocolError(f"frame seq {h.seq} + {h.n_steps} steps is beyond 2**63")
         if h.payload_bytes != h.n_steps * ring.schema.step_bytes:
             raise ProtocolError(f"payload {h.payload_bytes} bytes does not match {h.n_steps} steps of the schema")
         if h.n_steps > self.credit:

@@ -4,7 +4,7 @@ length prefix (never pickle). Data frames have their own binary header (``frame.
 from __future__ import annotations
 
 import struct
-from typing import Any, Union
+from typing import Annotated, Any, Union
 
 import msgspec
 
@@ -57,9 +57,13 @@ class Attach(_Msg):
 
 
 # --- session ----------------------------------------------------------------------------------
+# Actor ids and incarnations are u64 in frame headers but int64 in batches (Batch.actor_id).
+ActorId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
+
+
 class Hello(_Msg):
-    actor_id: Union[int, None]
-    incarnation: int
+    actor_id: Union[ActorId, None]
+    incarnation: ActorId
     library: str
     transport: str  # what the actor asks for: auto | tcp | ucx | shm
     ucx: bool  # ucxx importable on the actor

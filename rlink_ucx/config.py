@@ -69,7 +69,9 @@ class Config:
     resend_large_puts: bool = False
 
     # --- learner-side caps ----------------------------------------------------------------
-    buffer_bytes: int = 64 * MiB  # the learner's receive ring (per schema), never exceeded
+    # The learner's receive ring (per schema): a schema two of whose frames do not fit is refused;
+    # the ring rounds up to whole batches (at least one), and up to 4 spare batches are kept for lending.
+    buffer_bytes: int = 64 * MiB
     actor_window_bytes: int = 32 * MiB  # credit an actor may hold (in flight) at once
     max_frame_bytes: int = 64 * MiB  # largest frame payload accepted
     max_control_bytes: int = 1 * MiB  # largest control message after authentication
@@ -173,12 +175,13 @@ def check_token(token: str | bytes, source: str = "the token") -> bytes:
 
 
 def read_token_file(path: str) -> bytes:
-    """The token in the file ``path`` (surrounding whitespace stripped), which must not be
-    accessible by group or others (chmod 600), like an ssh key.
+    """The token in the file ``path`` (``~`` expanded, surrounding whitespace stripped), which
+    must not be accessible by group or others (chmod 600), like an ssh key.
 
     Raises:
         ConfigError: the file is missing, unreadable, open to others, or holds a short token.
     """
+    path = os.path.expanduser(path)  # RLINK_TOKEN_FILE='~/.rlink-token' from compose, k8s, systemd
     try:
         mode = os.stat(path).st_mode
         if mode & (stat.S_IRWXG | stat.S_IRWXO):
@@ -192,15 +195,17 @@ def read_token_file(path: str) -> bytes:
 
 def resolve_token(token: str | bytes | None) -> bytes | None:
     """The token as bytes: the argument, else ``RLINK_TOKEN``, else the file in ``RLINK_TOKEN_FILE``;
-    None when none is given (the learner then generates one, see ``Config.token_dir``).
+    None when none is given (the learner then generates one, see ``Config.token_dir``). Surrounding
+    whitespace is stripped from each, as from a token file, so ``open(path).read()`` (with the
+    newline ``rlink token --file`` writes) matches ``RLINK_TOKEN_FILE=path`` on the other side.
 
     Raises:
         ConfigError: the token is shorter than ``MIN_TOKEN_BYTES``, or the file is unusable.
     """
     if token is not None:
-        return check_token(token)
+        return check_token((token.encode() if isinstance(token, str) else bytes(token)).strip())
     if os.environ.get("RLINK_TOKEN"):
-        return check_token(os.environ["RLINK_TOKEN"], "RLINK_TOKEN")
+        return check_token(os.environ["RLINK_TOKEN"].strip(), "RLINK_TOKEN")
     if os.environ.get("RLINK_TOKEN_FILE"):
         return read_token_file(os.environ["RLINK_TOKEN_FILE"])
     return None

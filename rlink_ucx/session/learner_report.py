@@ -10,23 +10,34 @@ from .._version import __version__
 
 
 class StalenessHistogram:
-    """Fetched steps by staleness (the learner's version at fetch minus the step's version)."""
+    """Fetched steps by staleness (the learner's version at fetch minus the step's version).
+
+    Counted exactly up to ``CAP`` either way and at ``+-CAP`` beyond, so an actor that gives
+    every frame a version of its own cannot grow the learner's memory or its stats; the mean
+    and the max stay exact."""
+
+    CAP = 1024
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = {}
+        self._steps = 0
+        self._total = 0
+        self._max: int | None = None
 
     def record(self, counts: dict[int, int]) -> None:
         """Add a batch's counts (called by the dataset, under its lock)."""
         for staleness, n in counts.items():
-            self.counts[staleness] = self.counts.get(staleness, 0) + n
+            key = max(-self.CAP, min(self.CAP, staleness))
+            self.counts[key] = self.counts.get(key, 0) + n
+            self._steps += n
+            self._total += staleness * n
+            self._max = staleness if self._max is None else max(self._max, staleness)
 
     def summary(self, dropped: int) -> dict[str, Any]:
-        hist = dict(sorted(self.counts.items()))
-        n = sum(hist.values())
         return {
-            "histogram": hist,
-            "mean": sum(k * v for k, v in hist.items()) / n if n else 0.0,
-            "max": max(hist) if hist else 0,
+            "histogram": dict(sorted(self.counts.items())),
+            "mean": self._total / self._steps if self._steps else 0.0,
+            "max": self._max if self._max is not None else 0,
             "dropped": dropped,
         }
 

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from ..batch import Batch
-from ..wire.codec import torch_dtype
+from ..wire.codec import torch_dtype, typed_view
 from .ring import Piece, StepRing
 
 _POOL_SIZE = 4
@@ -104,7 +104,7 @@ class BatchAssembler:
     def _batch(self, arrays: list[np.ndarray], meta_host: np.ndarray) -> Batch:
         torch = self.torch
         fields = {
-            spec.name: torch.from_numpy(host).view(dtype).view(self.batch_size, *spec.shape)
+            spec.name: typed_view(torch.from_numpy(host), dtype, self.batch_size, *spec.shape)
             for spec, host, dtype in zip(self.ring.schema.fields, arrays, self._dtypes)
         }
         meta = torch.from_numpy(meta_host)
@@ -139,7 +139,7 @@ class BatchAssembler:
                 out = torch.empty((self.batch_size, *spec.shape), dtype=dtype, device=self.device)
                 i = 0
                 for p in spans:
-                    src = torch.from_numpy(self.ring.piece_bytes(f, p)).view(dtype).view(p.count, *spec.shape)
+                    src = typed_view(torch.from_numpy(self.ring.piece_bytes(f, p)), dtype, p.count, *spec.shape)
                     out[i : i + p.count].copy_(src, non_blocking=True)
                     i += p.count
                 fields[spec.name] = out

@@ -28,7 +28,7 @@ import numpy as np
 from ..batch import Batch
 from ..errors import Closed, ConfigError, SchemaMismatch
 from ..errors import TimeoutError as RLinkTimeout
-from ..wire.codec import Schema, torch_dtype
+from ..wire.codec import Schema, torch_dtype, typed_view
 from .block_table import BlockTable, spare_blocks
 from .device_table import DeviceTable
 from .limiter import RateLimiter
@@ -340,7 +340,7 @@ class ReplayCore:
         rows = draw.tensors if draw.rows is None else [torch.from_numpy(host) for host in staging.fields]
         lead = (draw.items, table.window) if self.sequence_length else (draw.items,)
         fields = {
-            spec.name: raw.view(dtype).view(*lead, *spec.shape)
+            spec.name: typed_view(raw, dtype, *lead, *spec.shape)
             for spec, raw, dtype in zip(table.schema.fields, rows, self._dtypes)
         }
         m = torch.from_numpy(staging.meta).view(4, *lead)

@@ -49,8 +49,8 @@ class FieldSpec:
     shape: tuple[int, ...]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not (0 < len(self.name) <= MAX_NAME_LEN):
-            raise ProtocolError(f"bad field name {self.name!r}")
+        if not isinstance(self.name, str) or not (0 < len(self.name) <= MAX_NAME_LEN) or not self.name.isprintable():
+            raise ProtocolError(f"bad field name {self.name!r}: 1 to {MAX_NAME_LEN} printable characters")
         if not isinstance(self.dtype, str) or self.dtype not in DTYPES:  # a list from the wire is unhashable
             raise ProtocolError(f"field {self.name!r}: dtype {self.dtype!r} is not allowed")
         if len(self.shape) > MAX_DIMS or any(
@@ -234,3 +234,12 @@ def torch_dtype(name: str) -> Any:
     import torch
 
     return {"bool": torch.bool}.get(name) or getattr(torch, name)
+
+
+def typed_view(raw: Any, dtype: Any, *shape: int) -> Any:
+    """A uint8 torch tensor's bytes as ``dtype`` in ``shape``, without a copy. A field of zero
+    bytes (a dimension of size 0) gets an empty tensor: torch cannot view zero bytes as a
+    wider dtype."""
+    if raw.numel() == 0:
+        return raw.new_empty(shape, dtype=dtype)
+    return raw.view(dtype).view(*shape)

@@ -196,6 +196,19 @@ def test_steps_with_several_large_fields_arrive_bit_exact(transport):
     assert all(a["protocol_errors"] == 0 for a in stats["actors"] + stats["ended_actors"])
 
 
+@pytest.mark.timeout(60)
+def test_a_field_of_zero_size_arrives_as_an_empty_tensor_of_its_dtype():
+    # torch cannot view zero bytes as float32: every fetch used to fail, losing the steps.
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        dataset = RLinkDataset(learner, batch_size=10)
+        with Actor(learner.address, transport="tcp") as actor:
+            actor.put_many({"empty": np.zeros((10, 3, 0), np.float32), "x": np.arange(10)})
+            actor.flush(10)
+            batch = dataset.fetch(timeout=10)
+    assert batch["empty"].shape == (10, 3, 0) and str(batch["empty"].dtype) == "torch.float32"
+    assert batch["x"].tolist() == list(range(10))
+
+
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("transport", TRANSPORTS)
 def test_close_twice_is_fine(transport):

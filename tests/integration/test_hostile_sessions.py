@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from rlink_ucx import Actor, ConfigError, Learner, RLinkDataset
+from rlink_ucx import Actor, Config, ConfigError, Learner, RLinkDataset
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.frame import FrameHeader
 from tests.integration.hostile import RawActor
@@ -85,4 +85,39 @@ def test_an_actor_id_outside_int64_is_refused(actor_id: int):
             hostile.close()
         with pytest.raises(ConfigError, match=r"actor_id must be an int in \[0, 2\*\*63\)"):
             Actor(learner.address, token=TOKEN, actor_id=actor_id)
+        _honest_steps_arrive(learner)
+
+
+@pytest.mark.timeout(60)
+def test_a_schema_whose_two_frames_do_not_fit_the_ring_is_refused():
+    # One 6 MiB step under max_frame_bytes: the ring would have grown to three of them (and
+    # spares), past the 8 MiB of buffer_bytes.
+    config = Config(buffer_bytes=8 << 20)
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=config) as learner:
+        hostile = RawActor(learner.address, TOKEN)
+        try:
+            hostile.hello(pid=1, transport="tcp")
+            reply = _reply_to_proposal(hostile, [["x", "uint8", [6 << 20]]])
+        finally:
+            hostile.close()
+        assert isinstance(reply, _wire.Reject), reply
+        assert "must hold two frames, 12582912 bytes, over buffer_bytes=8388608" in reply.reason, reply
+        assert learner.stats()["buffer"]["capacity_bytes"] == 0  # no ring was made
+        _honest_steps_arrive(learner)
+
+
+@pytest.mark.timeout(60)
+def test_a_field_name_with_control_characters_is_refused():
+    # It would have gone into the learner's log as it is: a newline and an escape sequence
+    # forge a log line.
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as learner:
+        hostile = RawActor(learner.address, TOKEN)
+        try:
+            hostile.hello(pid=1, transport="tcp")
+            reply = _reply_to_proposal(hostile, [["x\n\x1b[31mERROR forged", "int64", []]])
+        except (ConnectionError, OSError, EOFError) as exc:
+            reply = exc
+        finally:
+            hostile.close()
+        assert "printable characters" in str(getattr(reply, "reason", None) or getattr(reply, "text", None) or reply)
         _honest_steps_arrive(learner)

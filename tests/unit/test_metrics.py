@@ -172,3 +172,19 @@ def test_metrics_without_prometheus_client_say_which_extra_to_install(monkeypatc
 def test_metrics_port_must_be_a_port_number(port):
     with pytest.raises(ConfigError, match="metrics_port"):
         Learner("127.0.0.1:0", token="x" * 32, metrics_port=port)
+
+
+def test_the_staleness_histogram_stays_bounded_and_its_mean_and_max_stay_exact():
+    from rlink_ucx.session.learner_report import StalenessHistogram
+
+    hist = StalenessHistogram()
+    hist.record({5: 1, 5000: 2, -3000: 1})
+    for version in range(10_000):  # an actor that gives every frame a version of its own
+        hist.record({version: 1})
+    summary = hist.summary(dropped=0)
+    assert set(summary["histogram"]) == {-StalenessHistogram.CAP, *range(StalenessHistogram.CAP + 1)}
+    assert summary["histogram"][-StalenessHistogram.CAP] == 1
+    assert summary["histogram"][StalenessHistogram.CAP] == 2 + (10_000 - StalenessHistogram.CAP)
+    assert summary["histogram"][5] == 2
+    assert summary["max"] == 9999
+    assert summary["mean"] == pytest.approx((5 + 10_000 - 3000 + sum(range(10_000))) / 10_004)

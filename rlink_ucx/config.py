@@ -1,16 +1,19 @@
 """One frozen configuration object for every timeout, cap and knob.
 
 Precedence: an explicit ``Config(...)`` argument > ``RLINK_<FIELD>`` environment variable >
-the default here. Every wait in the library takes its limit from this object, so nothing
-blocks forever.
+the default here, for every ``Config`` made (``Config()``, ``Config(put_timeout=5)``,
+``Config.from_env()``); ``replace`` keeps what the config had. Every wait in the library
+takes its limit from this object, so nothing blocks forever.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import re
 import stat
+from collections.abc import Mapping
 from typing import Any
 
 from .errors import ConfigError
@@ -127,26 +130,48 @@ class Config:
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | None = None, **overrides: Any) -> Config:
-        """Defaults, overridden by ``RLINK_*`` variables, overridden by ``overrides``."""
-        env = os.environ if environ is None else environ
-        values: dict[str, Any] = {}
-        for field in dataclasses.fields(cls):
-            raw = env.get(f"RLINK_{field.name.upper()}")
-            if raw is None:
-                continue
-            kind = type(field.default)
-            try:
-                if kind is bool:
-                    values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                    continue
-                values[field.name] = kind(float(raw)) if kind is int else kind(raw)
-            except ValueError as exc:
-                raise ConfigError(f"RLINK_{field.name.upper()}={raw!r} is not a {kind.__name__}") from exc
-        values.update(overrides)
-        return cls(**values)
+        """Defaults, overridden by ``RLINK_*`` variables (of ``environ``, else the process's),
+        overridden by ``overrides``. ``Config(**overrides)`` does the same with the process's."""
+        config = cls.__new__(cls)
+        _dataclass_init(config, **{**_env_values(os.environ if environ is None else environ), **overrides})
+        return config
 
     def replace(self, **changes: Any) -> Config:
         return dataclasses.replace(self, **changes)
+
+
+def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
+    """The ``RLINK_<FIELD>`` variables in ``env``, as Config field values."""
+    values: dict[str, Any] = {}
+    for field in dataclasses.fields(Config):
+        raw = env.get(f"RLINK_{field.name.upper()}")
+        if raw is None:
+            continue
+        kind = type(field.default)
+        try:
+            if kind is bool:
+                values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                continue
+            values[field.name] = kind(float(raw)) if kind is int else kind(raw)
+        except ValueError as exc:
+            raise ConfigError(f"RLINK_{field.name.upper()}={raw!r} is not a {kind.__name__}") from exc
+    return values
+
+
+_dataclass_init = Config.__init__
+
+
+def _init_with_env(self: Config, *args: Any, **given: Any) -> None:
+    # Fields not given come from RLINK_* variables, then the defaults: Config(frame_bytes=...)
+    # in a script keeps the operator's RLINK_SHM_DIRECT_READ=0. (dataclasses.replace passes
+    # every field, so a replaced config keeps the values it had.)
+    given.update(zip((f.name for f in dataclasses.fields(Config)), args))
+    _dataclass_init(self, **{**_env_values(os.environ), **given})
+
+
+_init_with_env.__signature__ = inspect.signature(_dataclass_init)  # type: ignore[attr-defined]
+_init_with_env.__doc__ = _dataclass_init.__doc__
+Config.__init__ = _init_with_env  # type: ignore[method-assign]
 
 
 def resolve(config: Config | None) -> Config:

@@ -5,7 +5,7 @@ import types
 
 import pytest
 
-from rlink_ucx import Config, ProtocolError
+from rlink_ucx import Config, ConfigError, ProtocolError
 from rlink_ucx.session.learner_session import LearnerSession
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire import auth as _auth
@@ -116,6 +116,23 @@ def test_mutual_proofs_are_direction_bound():
     _auth.verify(_auth.actor_proof(token, a, b), _auth.actor_proof(token, a, b), "x")
     with pytest.raises(Exception, match="did not match"):
         _auth.verify(_auth.actor_proof(token, a, b), _auth.learner_proof(token, a, b), "x")
+
+
+def test_a_config_built_in_code_still_takes_the_fields_it_was_not_given_from_the_environment(monkeypatch):
+    # The docs promise it; Config(...) used to ignore RLINK_* altogether, so an operator's
+    # RLINK_SHM_DIRECT_READ=0 was lost on every script that built its own Config.
+    monkeypatch.setenv("RLINK_PUT_TIMEOUT", "7")
+    monkeypatch.setenv("RLINK_SHM_DIRECT_READ", "0")
+    assert Config().put_timeout == 7.0
+    cfg = Config(frame_bytes=8192)
+    assert (cfg.put_timeout, cfg.shm_direct_read, cfg.frame_bytes) == (7.0, False, 8192)
+    assert Config(put_timeout=3).put_timeout == 3  # what the code says wins
+    assert cfg.replace(buffer_bytes=1 << 20).put_timeout == 7.0  # replace keeps the rest
+    assert cfg.replace(put_timeout=2).put_timeout == 2
+    assert Config.from_env({}).put_timeout == 30.0  # an explicit environment, not the process's
+    monkeypatch.setenv("RLINK_PUT_TIMEOUT", "soon")
+    with pytest.raises(ConfigError, match="RLINK_PUT_TIMEOUT='soon' is not a float"):
+        Config(frame_bytes=8192)
 
 
 def test_config_precedence(monkeypatch):

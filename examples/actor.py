@@ -1,7 +1,7 @@
 """Actor: steps CartPole with the learner's newest policy and streams trajectories to it.
 
     python examples/actor.py --address 127.0.0.1:8443        # start as many as you like
-    python examples/actor.py --address learner-host:8443 --token-file ~/.rlink.token   # across hosts
+    python examples/actor.py --address learner-host:8443 --token-file ~/.rlink-token   # across hosts
 
 It may start before the learner (it waits for it) and exits on its own, with one line saying
 why, once the learner finishes.
@@ -14,8 +14,7 @@ import sys
 import numpy as np
 import torch
 
-from rlink_ucx import Actor, Closed, RLinkError
-from rlink_ucx.config import read_token_file
+from rlink_ucx import Actor, Closed, RLinkError, read_token_file
 from rlink_ucx.demo.actor import make_envs
 from rlink_ucx.demo.policy import ActorCritic
 

@@ -1,17 +1,17 @@
 """Learner: trains PPO on trajectories streamed by actor.py processes, publishes the policy.
 
     python examples/learner.py --address 127.0.0.1:8443   # then start actors (same user: no token to type)
-    rlink token --file ~/.rlink.token                      # across hosts: copy the file to each host
-    python examples/learner.py --address 0.0.0.0:8443 --token-file ~/.rlink.token
+    rlink token --file ~/.rlink-token                      # across hosts: copy the file to each host
+    python examples/learner.py --address 0.0.0.0:8443 --token-file ~/.rlink-token
 """
 
 import argparse
 import collections
+import socket
 
 import numpy as np
 
-from rlink_ucx import Config, Learner, RLinkDataset
-from rlink_ucx.config import read_token_file
+from rlink_ucx import Config, Learner, RLinkDataset, read_token_file
 from rlink_ucx.demo.policy import ActorCritic
 from rlink_ucx.demo.ppo import PPO, PPOConfig
 
@@ -30,7 +30,12 @@ config = Config(buffer_bytes=64 << 10, actor_window_bytes=16 << 10, frame_bytes=
 token = read_token_file(args.token_file) if args.token_file else None  # never on argv: `ps` shows it
 with Learner(args.address, token=token, config=config) as learner:
     learner.publish(model)  # version 1: actors wait for it before they start
-    print(f"learner on {learner.address}; start actors with: python examples/actor.py --address {learner.address}")
+    host = learner.address.rsplit(":", 1)[0]
+    if host in ("0.0.0.0", "[::]"):  # listening on every interface: other hosts use this host's name
+        host = socket.gethostname()
+    token_flag = f" --token-file {args.token_file}" if args.token_file else ""
+    print(f"learner on {learner.address}; start actors with: "
+          f"python examples/actor.py --address {host}:{learner.port}{token_flag}")
     dataset = RLinkDataset(learner, batch_size=args.batch, device=args.device)
     returns = collections.deque(maxlen=100)
     for update, batch in enumerate(dataset):  # batches are already on args.device

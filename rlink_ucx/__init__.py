@@ -12,7 +12,7 @@ from typing import Any
 from ._version import __version__
 from .actor import Actor
 from .batch import Batch
-from .config import Config
+from .config import Config, read_token_file
 from .errors import (
     AuthError,
     Backpressure,
@@ -50,6 +50,7 @@ __all__ = [
     "Superseded",
     "TimeoutError",
     "__version__",
+    "read_token_file",
 ]
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())

@@ -32,7 +32,8 @@ class Actor:
     Args:
         address: the learner's ``host:port`` (``[::1]:8443`` for IPv6; a ``tcp://``, ``ucx://``,
             ``shm://`` or ``rlink://`` prefix names the transport).
-        token: shared secret, at least 16 bytes (default ``RLINK_TOKEN`` / ``RLINK_TOKEN_FILE``).
+        token: shared secret, at least 16 bytes, surrounding whitespace ignored (default
+            ``RLINK_TOKEN`` / ``RLINK_TOKEN_FILE``; :func:`rlink_ucx.read_token_file` reads such a file).
             With none, an actor connecting to a loopback address uses the token its learner
             generated (the file only this user can read, see ``Config.token_dir``), read anew
             at each connection attempt; for other addresses a token must be given.
@@ -180,6 +181,10 @@ class Actor:
         """Append a chunk of steps: every field has a leading time/batch dimension of equal
         size (a vectorized env's step, or an unroll). Values convert as in :meth:`put`.
         ``priority``: one per step (an array of the chunk's length) or one for all (a scalar)."""
+        if not isinstance(steps, Mapping):
+            raise TypeError(f"put_many takes a mapping of field name -> array with a leading time/batch axis "
+                            f"({{'obs': obs[n, ...], ...}}), not a {type(steps).__name__}: call put() for each "
+                            "step, or stack them: {k: np.stack([s[k] for s in steps]) for k in steps[0]}")
         if priority is not None:
             if hasattr(priority, "detach"):  # a torch tensor, maybe on a GPU
                 priority = priority.detach().cpu().numpy()

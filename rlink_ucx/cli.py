@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import logging
 import multiprocessing as mp
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
 from ._version import __version__
@@ -16,7 +21,7 @@ from .transport import TRANSPORT_HELP, TRANSPORTS
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .transport import choose, shm, ucx_available, ucx_probe
+    from .transport import UCX_INSTALL, choose, shm, ucx_available, ucx_probe
 
     ucx = ucx_available()
     transports = ucx_probe.transports() if ucx else {}
@@ -44,7 +49,7 @@ def _info(args: argparse.Namespace) -> int:
         for name, devices in report["ucx_transports"].items():
             print(f"  {name:<10} {', '.join(devices)}")
     else:
-        print("UCX: ucxx not installed (pip install 'rlink-ucx[cu12]'); the tcp data plane is used")
+        print(f"UCX: ucxx not installed, so the tcp and shm data planes are used; for the ucx plane: {UCX_INSTALL}")
     print(f"CUDA: {cuda}")
     print(f"transport='auto' picks, for an actor on another host: {picked} ({reason})")
     print(f"                         for an actor on this host: {local} ({local_reason})")
@@ -139,8 +144,9 @@ def _learner(args: argparse.Namespace) -> int:
     from .learner import Learner
 
     token = read_token_file(args.token_file) if args.token_file else None
-    with Learner(args.address, token=token, transport=args.transport, metrics_port=args.metrics_port,
-                 metrics_host=args.metrics_host, insecure=args.insecure) as learner:  # fmt: skip
+    with _sigterm_exits(), Learner(args.address, token=token, transport=args.transport,
+                                   metrics_port=args.metrics_port, metrics_host=args.metrics_host,
+                                   insecure=args.insecure) as learner:  # fmt: skip
         print(f"listening on {learner.address}", flush=True)
         if learner.token_file is not None:
             print(f"token for this user's local actors: {learner.token_file}", flush=True)
@@ -160,6 +166,35 @@ def _learner(args: argparse.Namespace) -> int:
                 logging.getLogger("rlink").info("actors=%d steps=%d bytes=%d buffered=%d", s["connected_actors"],
                                                 s["total"]["steps"], s["total"]["bytes"], s["buffer"]["buffered_bytes"])
     return 0
+
+
+@contextlib.contextmanager
+def _sigterm_exits() -> Iterator[None]:
+    """Meanwhile SIGTERM (``kill``, ``docker stop``, systemd) ends the command as Ctrl-C does,
+    with exit status 143: ``with`` blocks close, so a learner tells its actors and removes the
+    token file it generated. A second SIGTERM does not interrupt that."""
+    if threading.current_thread() is not threading.main_thread():  # cli.main() called from a thread
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` shows each option's default, where there is one to show (not None or off)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
 
 
 def _token(args: argparse.Namespace) -> int:
@@ -191,20 +226,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--version", action="version", version=__version__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (connections, data planes)")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("info", help="library, UCX and CUDA versions; which data plane auto picks")
+    add = functools.partial(sub.add_parser, formatter_class=_HelpWithDefaults)  # --help shows the defaults
+    p = add("info", help="library, UCX and CUDA versions; which data plane auto picks")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p = sub.add_parser("doctor", help="check UCX, RDMA, CUDA, /dev/shm, limits and tokens (and a learner); advise")
+    p = add("doctor", help="check UCX, RDMA, CUDA, /dev/shm, limits and tokens (and a learner); advise")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
     p.add_argument("--learner", default=None, metavar="HOST:PORT",
                    help="also connect to this learner as an actor would: reachability, auth, data plane, connect time")
     p.add_argument("--actors", type=int, default=16, help="actors you expect (sizes the /dev/shm and file checks)")
     p.add_argument("--attempts", type=int, default=3, help="connections to the learner to time")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds each connection to the learner may take")
-    p = sub.add_parser("smoke", help="stream steps from actor processes to a learner and verify them")
+    p = add("smoke", help="stream steps from actor processes to a learner and verify them")
     p.add_argument("--actors", type=int, default=2, help="actor processes")
     p.add_argument("--steps", type=int, default=50_000, help="steps per actor")
     p.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help=TRANSPORT_HELP)
-    p = sub.add_parser("learner", help="run a standalone learner that drains and logs")
+    p = add("learner", help="run a standalone learner that drains and logs")
     p.add_argument("--address", default="127.0.0.1:8443",
                    help="host:port to listen on (port 0: any free port; a non-loopback host needs a token)")
     p.add_argument("--token", default=None, metavar="-",
@@ -216,13 +252,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="no authentication: any local process may connect (loopback addresses only)")
     p.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help=TRANSPORT_HELP)
     p.add_argument("--batch-size", type=int, default=256, help="steps per batch the learner drains")
-    p.add_argument("--seconds", type=float, default=0, help="stop after this long (0 = run until Ctrl-C)")
+    p.add_argument("--seconds", type=float, default=0, help="stop after this long (0: run until Ctrl-C or SIGTERM)")
     p.add_argument("--log-every", type=float, default=5.0, help="seconds between stats lines")
     p.add_argument("--metrics-port", type=int, default=None,
                    help="serve Prometheus metrics on this port (0: any free port; off when not given)")
     p.add_argument("--metrics-host", default="127.0.0.1",
-                   help="address of the metrics endpoint (default loopback; it has no authentication)")
-    p = sub.add_parser("token", help="print a new random token (or write it to a new 0600 file)")
+                   help="address of the metrics endpoint (it has no authentication: keep it on loopback)")
+    p = add("token", help="print a new random token (or write it to a new 0600 file)")
     p.add_argument("--file", default=None, metavar="PATH", help="write it to this new file (mode 0600) instead")
     sub.add_parser("bench", help="rlink vs the physical limits and its peers (see `rlink bench --help`)", add_help=False)
     sub.add_parser("demo", help="train PPO on CartPole with actor processes (see `rlink demo --help`)", add_help=False)

@@ -13,7 +13,7 @@ from .session import token_file
 from .session.learner_counters import FetchTimings
 from .session.learner_metrics import MetricsServer, require_prometheus, sample
 from .session.learner_server import LearnerServer
-from .transport import check_transport
+from .transport import UCX_INSTALL, check_transport, ucx_available, ucx_failure
 from .transport.address import format_address, is_loopback, parse_endpoint
 from .transport.loop import IOThread
 from .wire.codec import Schema
@@ -30,8 +30,9 @@ class Learner:
         address: ``host:port`` to listen on (``[::1]:8443`` for IPv6; a ``tcp://``, ``ucx://``,
             ``shm://`` or ``rlink://`` prefix names the transport). Port 0 picks a free port;
             read the real one from :attr:`address`. Binding a non-loopback host requires a token.
-        token: shared secret for the mutual HMAC handshake, at least 16 bytes (default:
-            ``RLINK_TOKEN`` or the 0600 file named by ``RLINK_TOKEN_FILE``). With none, the
+        token: shared secret for the mutual HMAC handshake, at least 16 bytes, surrounding
+            whitespace ignored (default: ``RLINK_TOKEN`` or the 0600 file named by
+            ``RLINK_TOKEN_FILE``; :func:`rlink_ucx.read_token_file` reads such a file). With none, the
             learner generates a strong one and writes it where only its user can read it
             (:attr:`token_file`, see ``Config.token_dir``): the same user's actors that connect
             to a loopback address find it there; other users cannot.
@@ -61,7 +62,8 @@ class Learner:
         ConfigError: bad address/transport, a non-loopback bind without a token, metrics
             asked for without prometheus_client, or a metrics port that cannot be bound; a
             token shorter than 16 bytes, a token with ``insecure=True``, or no private
-            directory for the generated token; ``transport="ucx"`` where UCX does not start.
+            directory for the generated token; ``transport="ucx"`` where ucxx is not installed or
+            UCX does not start.
     """
 
     def __init__(self, address: str = "127.0.0.1:8443", *, token: str | bytes | None = None,
@@ -71,12 +73,19 @@ class Learner:
         self.config = resolve(config)
         check_transport(transport)
         host, port, transport = parse_endpoint(address, transport)  # the address first: a typo is a typo
+        if transport == "ucx" and not ucx_available():  # else it would start, then refuse every actor
+            why = ucx_failure()
+            raise ConfigError(f"transport='ucx', but UCX already failed to start in this process: {why}" if why else
+                              f"transport='ucx', but ucxx is not installed: {UCX_INSTALL} (or use transport='auto')")
         self._token = resolve_token(token)
         if self._token is None and not is_loopback(host):
+            only_loopback = (f"insecure=True (--insecure) works on loopback addresses only, not {host!r}; "
+                             if insecure else "")  # fmt: skip
             raise ConfigError(
-                f"refusing to listen on non-loopback address {host!r} without a token: pass token=... "
-                "or set RLINK_TOKEN / RLINK_TOKEN_FILE (the data would otherwise be open to the network; "
-                "make a token with `rlink token`)"
+                f"refusing to listen on non-loopback address {host!r} without a token (the data would otherwise be "
+                f"open to the network): {only_loopback}give one with token=... (Python), --token-file PATH "
+                "(rlink learner) or RLINK_TOKEN_FILE=PATH / RLINK_TOKEN in the environment; make a token file "
+                "with `rlink token --file PATH`"
             )
         if insecure and self._token is not None:
             raise ConfigError("insecure=True turns authentication off, but a token was given (token=, RLINK_TOKEN "

@@ -23,7 +23,7 @@ from typing import Any
 
 from ..config import Config, resolve_token
 from ..errors import ConfigError
-from ..transport import ucx_probe
+from ..transport import UCX_INSTALL, ucx_probe
 from ..transport.ucx_setup import UcxUnavailable, load_ucxx, make_worker
 from . import token_file
 from .learner_admission import FDS_PER_ACTOR, FDS_SPARE, listen_backlog
@@ -60,7 +60,7 @@ def check_ucxx(config: Config) -> Check:
         fast_hardware = bool(_rdma_devices()) or any(Path("/dev").glob("nvidia[0-9]*"))
         return Check("ucxx", "warn" if fast_hardware else "ok",
                      "ucxx is not installed: the tcp and shm planes work, the ucx plane does not",
-                     "for RDMA, NVLink or cuda_ipc: pip install 'rlink-ucx[cu12]' (or [cu13])",
+                     f"for RDMA, NVLink or cuda_ipc: {UCX_INSTALL}",
                      {"installed": False, "importable": False})  # fmt: skip
     try:
         load_ucxx()  # as the planes import it (quiet about the variables ucxx sets itself)
@@ -68,7 +68,7 @@ def check_ucxx(config: Config) -> Check:
     except Exception as exc:  # noqa: BLE001 - any failure of a broken install is the finding
         exc = exc.__cause__ or exc  # load_ucxx's own ImportError says only "pip install"
         return Check("ucxx", "fail", f"ucxx is installed but does not import: {type(exc).__name__}: {exc}",
-                     "reinstall the ucxx wheel matching your CUDA major version (ucxx-cu12 or ucxx-cu13)",
+                     f"reinstall ucxx with the extra for this machine: {UCX_INSTALL}",
                      {"installed": True, "importable": False, "error": str(exc)})  # fmt: skip
     version = getattr(ucxx, "__version__", None)
     ucx = ucx_probe.version()

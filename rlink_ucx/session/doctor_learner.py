@@ -95,6 +95,7 @@ def render(checks: list[Check], out: TextIO | None = None, *, as_json: bool = Fa
         return
     try:
         from rich.console import Console
+        from rich.markup import escape
         from rich.table import Table
     except ImportError:
         _plain(checks, out)
@@ -104,7 +105,8 @@ def render(checks: list[Check], out: TextIO | None = None, *, as_json: bool = Fa
     for column in ("check", "status", "finding", "advice"):
         table.add_column(column, overflow="fold")
     for c in checks:
-        table.add_row(c.name, f"[{colour[c.status]}]{c.status}[/]", c.summary, c.advice)
+        # Findings and advice are plain text: "rlink-ucx[cu12]" is not markup.
+        table.add_row(escape(c.name), f"[{colour[c.status]}]{c.status}[/]", escape(c.summary), escape(c.advice))
     console = Console(file=out, width=max(120, Console(file=out).width))
     console.print(table)
     console.print(f"overall: {worst(checks)}")

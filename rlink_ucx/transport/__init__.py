@@ -10,6 +10,8 @@ from ..errors import ConfigError
 TRANSPORTS = ("auto", "tcp", "ucx", "shm")
 TRANSPORT_HELP = ("data plane: auto picks per actor (shm on the learner's host, ucx where UCX has RDMA or "
                   "CUDA transports, tcp otherwise); tcp, ucx or shm force one")
+# How to get the ucx plane (pyproject.toml's extras): ucxx alone on CPU machines, ucxx and cupy on GPU ones.
+UCX_INSTALL = "pip install 'rlink-ucx[ucx]' (CPU) or 'rlink-ucx[cu12]' / 'rlink-ucx[cu13]' (CUDA 12 / 13)"
 
 
 def check_transport(name: str) -> str:
@@ -70,8 +72,8 @@ def choose(learner_wants: str, actor_wants: str, *, learner_ucx: bool, actor_ucx
     if wants == {"ucx"}:
         if not both_ucx:
             side = "learner" if not learner_ucx else "actor"
-            return "", (f"ucx requested but the {side} offers none (ucxx is not installed there: pip install "
-                        f"'rlink-ucx[cu12]'; or UCX did not start there: see its log)")
+            return "", (f"ucx requested but the {side} offers none (ucxx is not installed there: {UCX_INSTALL}; "
+                        "or UCX did not start there: see its log)")
         return "ucx", "requested"
     # auto. Over plain TCP (no RDMA, no shared memory, no CUDA) UCX is slower than a raw socket
     # on the machines we measured (docs/benchmarks.md), so auto only picks it where it can use

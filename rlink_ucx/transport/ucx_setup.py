@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RLinkError
 from ..wire.frame import FRAME_HEADER_BYTES
+from . import UCX_INSTALL
 
 if TYPE_CHECKING:
     from ..config import Config
@@ -70,7 +71,7 @@ def load_ucxx() -> tuple[Any, Any]:
         import ucxx._lib.libucxx as libucxx
         from ucxx._lib.arr import Array
     except ImportError as exc:  # pragma: no cover - checked by transport.choose first
-        raise ImportError('the ucx data plane needs ucxx: pip install "rlink-ucx[cu12]"') from exc
+        raise ImportError(f"the ucx data plane needs ucxx: {UCX_INSTALL}") from exc
     return libucxx, Array
 
 

@@ -139,6 +139,8 @@ def test_the_quickstart_scripts_run_to_the_end_and_exit_cleanly(tmp_path, token)
     if codes != [0, 0, 0]:  # every log in full (an assertion message would be cut short)
         pytest.fail(f"exit codes {codes}\n" + "\n".join(f"--- {name}\n{text}" for name, text in logs.items()))
     assert "solved: mean return" in logs["learner.log"], logs
+    start_actors = f"start actors with: python examples/actor.py --address {address}{' '.join(['', *secret])}\n"
+    assert start_actors in logs["learner.log"], logs["learner.log"]
     for name, text in logs.items():
         assert "Traceback" not in text, (name, text)
     for name in ("actor1.log", "actor2.log"):
@@ -190,3 +192,58 @@ def test_put_and_put_many_take_the_values_gymnasium_returns():
         batch = dataset.fetch(timeout=10)
         assert batch["obs"].tolist() == [[0.5, 1.5], [1.0, 1.0], [1.0, 1.0]]
         assert batch["reward"].tolist() == [1.0, 2.0, 3.0]
+
+
+@pytest.mark.timeout(60)
+def test_put_many_given_a_list_of_steps_says_it_takes_a_mapping_of_arrays():
+    with Learner("127.0.0.1:0", transport="tcp") as learner, Actor(learner.address, transport="tcp") as a:
+        step = {"obs": np.zeros(2, np.float32), "reward": 1.0}
+        for before in ([], [step]):  # before the schema is known, and after
+            for put in before:
+                a.put(put)
+            with pytest.raises(TypeError, match=r"put_many takes a mapping of field name -> array .* not a list"):
+                a.put_many([step, step, step])
+        a.put_many({k: np.stack([s[k] for s in [step, step]]) for k in step})  # what the message says
+        a.flush(10)
+        assert learner.stats()["total"]["steps"] == 3
+
+
+@pytest.mark.timeout(60)
+def test_a_token_read_with_its_newline_matches_rlink_token_file_on_the_other_side(tmp_path, monkeypatch):
+    path = tmp_path / "rlink-token"
+    subprocess.run([sys.executable, "-m", "rlink_ucx", "token", "--file", str(path)], check=True, cwd=ROOT,
+                   capture_output=True, timeout=60)  # fmt: skip
+    monkeypatch.delenv("RLINK_TOKEN", raising=False)
+    monkeypatch.setenv("RLINK_TOKEN_DIR", str(tmp_path / "no-generated-tokens"))
+    with Learner("127.0.0.1:0", transport="tcp", token=path.read_text()) as learner:  # with its newline
+        dataset = RLinkDataset(learner, batch_size=2)
+        monkeypatch.setenv("RLINK_TOKEN_FILE", str(path))  # the actor's side strips the file's newline
+        with Actor(learner.address, transport="tcp") as actor:
+            actor.put_many({"x": np.arange(2, dtype=np.int64)})
+            actor.flush(10)
+        assert dataset.fetch(timeout=10)["x"].tolist() == [0, 1]
+
+
+@pytest.mark.timeout(120)
+def test_the_example_learner_on_a_wildcard_address_prints_an_actor_command_other_hosts_can_use(tmp_path):
+    path = tmp_path / "rlink-token"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    subprocess.run([sys.executable, "-m", "rlink_ucx", "token", "--file", str(path)], check=True, cwd=ROOT,
+                   env=env, capture_output=True, timeout=60)  # fmt: skip
+    learner = subprocess.Popen([sys.executable, "examples/learner.py", "--address", "0.0.0.0:0", "--token-file",
+                                str(path)], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                               text=True)  # fmt: skip
+    try:
+        lines = []
+        for line in learner.stdout:
+            lines.append(line)
+            if "start actors with" in line:
+                break
+    finally:
+        learner.kill()
+        learner.wait(30)
+    command = lines[-1].split("start actors with: ", 1)[1].split()
+    assert command[:3] == ["python", "examples/actor.py", "--address"], lines
+    host, port = command[3].rsplit(":", 1)
+    assert host == socket.gethostname() and int(port) > 0, lines
+    assert command[4:] == ["--token-file", str(path)], lines

@@ -102,3 +102,20 @@ def test_short_token_fails_and_an_open_token_directory_warns(tmp_path, monkeypat
                                                (["warn", "fail", "ok"], "fail"), ([], "ok")])  # fmt: skip
 def test_worst_status(statuses, expected):
     assert doctor.worst([doctor.Check(str(i), s, "") for i, s in enumerate(statuses)]) == expected
+
+
+@pytest.mark.timeout(30)
+def test_without_ucxx_the_advice_names_the_cpu_and_cuda_extras_and_the_table_shows_them(monkeypatch):
+    import importlib.util
+    import io
+
+    from rlink_ucx.session import doctor_learner
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name, *a: None if name == "ucxx" else real(name, *a))
+    check = doctor.check_ucxx(Config())
+    assert check.data["installed"] is False
+    assert "pip install 'rlink-ucx[ucx]' (CPU) or 'rlink-ucx[cu12]' / 'rlink-ucx[cu13]'" in check.advice
+    out = io.StringIO()  # rich, where installed, must show brackets as text, not take them for markup
+    doctor_learner.render([doctor.Check("ucxx", "ok", "[ucx] extra", "pip install 'rlink-ucx[cu12]'")], out)
+    assert "[ucx] extra" in out.getvalue() and "pip install 'rlink-ucx[cu12]'" in out.getvalue(), out.getvalue()

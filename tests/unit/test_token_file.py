@@ -188,3 +188,31 @@ def test_at_the_per_peer_cap_an_old_handshake_goes_and_a_young_one_stays():
     cancelled, admission = asyncio.run(scenario())
     assert cancelled == [True, False, False, True]
     assert admission.shed_per_peer == 2 and admission.in_flight == 2
+
+
+@pytest.mark.timeout(30)
+def test_a_given_token_ignores_surrounding_whitespace_like_a_token_file(clean_env, tmp_path):
+    path = tmp_path / "token"
+    token_file.write_new(str(path), "a-brand-new-token-of-some-length")  # as `rlink token --file`: a newline after
+    read_raw = path.read_text()  # open(path).read(), as a newcomer would
+    assert read_raw.endswith("\n")
+    clean_env.setenv("RLINK_TOKEN_FILE", str(path))
+    from_file = resolve_token(None)  # the other side's RLINK_TOKEN_FILE
+    assert from_file == b"a-brand-new-token-of-some-length"
+    assert resolve_token(read_raw) == resolve_token(read_raw.encode()) == from_file
+    clean_env.delenv("RLINK_TOKEN_FILE")
+    clean_env.setenv("RLINK_TOKEN", " a-brand-new-token-of-some-length\n")
+    assert resolve_token(None) == from_file
+    with pytest.raises(ConfigError, match="is 5 bytes long"):  # the length rule counts what is left
+        resolve_token("  short        \n")
+
+
+@pytest.mark.timeout(30)
+def test_a_token_file_path_with_a_literal_tilde_is_expanded(clean_env, tmp_path):
+    clean_env.setenv("HOME", str(tmp_path))
+    token_file.write_new(str(tmp_path / ".rlink-token"), "a-brand-new-token-of-some-length")
+    clean_env.setenv("RLINK_TOKEN_FILE", "~/.rlink-token")  # as compose, k8s or systemd pass it: unexpanded
+    assert resolve_token(None) == b"a-brand-new-token-of-some-length"
+    assert read_token_file("~/.rlink-token") == b"a-brand-new-token-of-some-length"
+    with pytest.raises(ConfigError, match=f"cannot read the token file {tmp_path}/missing"):
+        read_token_file("~/missing")

@@ -58,3 +58,10 @@ def test_same_host_auto_prefers_ucx_only_for_cuda_transports(monkeypatch):
     monkeypatch.setattr(ucx_probe, "transports", lambda: {"tcp": ["lo"], "cuda_ipc": ["cuda"]})
     picked, reason = choose("auto", "auto", learner_ucx=True, actor_ucx=True, same_host=True, shm=True)
     assert picked == "ucx" and "cuda_ipc" in reason
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_for_missing_ucx_gives_the_install_command_for_cpu_and_cuda():
+    transport, why = choose("ucx", "auto", learner_ucx=False, actor_ucx=True)
+    assert transport == "" and "the learner offers none" in why
+    assert "pip install 'rlink-ucx[ucx]' (CPU) or 'rlink-ucx[cu12]' / 'rlink-ucx[cu13]'" in why

@@ -6,7 +6,9 @@ flight and batches the consumer has not released yet). Grants go round robin, ea
 starting one actor further round the list, so one flooding actor cannot starve the others.
 Credit promised while fewer actors were connected is taken back from the actors that hold more
 than the new fair window, busy or not; idle actors give theirs back too once the ring has
-nothing left to give.
+nothing left to give. A session that does not give revoked credit back (by ``Returned`` or by
+the frames it had in flight) within ``heartbeat_timeout + frame_timeout`` is ended as a protocol
+error, and its credit goes to the others (``LearnerSession._check_revoke``, on the heartbeat).
 """
 
 from __future__ import annotations

@@ -94,6 +94,12 @@ class LearnerSession:
         self.low_water = 0  # wake the loop for more credit once credit falls to this
         self.last_frame = time.monotonic()  # when a frame last completed (idle actors give credit back)
         self.revoking = False  # a Revoke is outstanding
+        # Since when the session owes revoked credit (None: it owes none): from the first Revoke
+        # until it has answered (Returned) and holds no more than ``owed_keep`` steps (frames it
+        # sent before it read the Revoke have landed), or the learner granted it more. Past
+        # revoke_deadline() the session is ended: credit it sits on is credit others wait for.
+        self.owed_since: float | None = None
+        self.owed_keep = 0
         self.subscribed = False  # wants every published version
         self.weights_shared = False  # on the learner's host: reads versions from its shared memory
         self.cuda_device: int | None = None  # where it receives weights (NCCL needs distinct GPUs)
@@ -146,6 +152,7 @@ class LearnerSession:
                 raise ProtocolError(f"actor returned {steps} steps of credit but holds {self.credit}")
             self.credit -= steps
         self.revoking = False
+        self._owes()  # settled, unless frames it sent before reading the Revoke are still on their way
         if self.ring is not None and steps:
             self.ring.revoke(steps)
         self.server.grant_credits()
@@ -157,10 +164,44 @@ class LearnerSession:
     def revoke_credit(self, keep: int) -> None:
         """Ask the actor to give back its credit beyond ``keep`` steps: more actors connected
         since it was granted, or it went idle, and others need the ring space."""
-        if self.revoking or self.state != "open" or self.credit <= keep:
-            return
+        if self.revoking or self._owes() or self.state != "open" or self.credit <= keep:
+            return  # one unmet Revoke at a time: its deadline runs (an honest actor has nothing more to return)
         self.revoking = True
+        self.owed_since, self.owed_keep = time.monotonic(), keep
         self.control.send(_wire.Revoke(self.credit - keep))
+
+    def _owes(self) -> bool:
+        """Still owes revoked credit: no Returned yet, or more than it was asked to keep (the
+        frames in flight when it answered have not all landed). Clears the debt once met."""
+        if self.owed_since is not None and not self.revoking and self.credit <= self.owed_keep:
+            self.owed_since = None
+        return self.owed_since is not None
+
+    def revoke_deadline(self) -> float:
+        """How long a session may owe revoked credit: ``heartbeat_timeout`` (within which a live
+        peer's control reader answers) plus ``frame_timeout`` (the frame it may be sending
+        meanwhile, which the learner bounds by that anyway). An honest actor answers a Revoke
+        as soon as its I/O loop reads it, and the learner grants it nothing while it owes."""
+        return self.server.config.heartbeat_timeout + self.server.config.frame_timeout
+
+    def _check_revoke(self, now: float, late: float) -> bool:
+        """End the session if it has owed revoked credit for longer than ``revoke_deadline``
+        (heartbeat tick; ``late``: the learner's own pause, not the actor's fault). Returns
+        whether it was ended."""
+        if not self._owes():
+            return False
+        assert self.owed_since is not None
+        self.owed_since = min(now, self.owed_since + late)
+        deadline = self.revoke_deadline()
+        if now - self.owed_since <= deadline:
+            return False
+        answer = "no Returned" if self.revoking else "Returned, but the frames it owed did not come"
+        reason = (f"kept revoked credit past {deadline:.3g}s (heartbeat_timeout + frame_timeout): holds "
+                  f"{self.credit} steps, was asked to keep {self.owed_keep} ({answer})")  # fmt: skip
+        self.stats.protocol_errors += 1
+        self.control.send(_wire.Error("protocol", reason))
+        self.close(f"protocol error: {reason}", lost=True)  # logged; its credit goes back to the ring
+        return True
 
     def heartbeat(self, now: float, late: float = 0.0) -> None:
         """Called periodically on the loop: keep the peer alive and detect a silent one.
@@ -174,6 +215,8 @@ class LearnerSession:
         if started is not None and now - started > self.server.config.frame_timeout:
             self.close(f"a frame from actor {self.actor_id} stalled mid-transfer", lost=True)
             return
+        if self._check_revoke(now, late):
+            return
         if now - self.control.last_send >= self.server.config.heartbeat_interval:  # only after silence
             self.control.send(_wire.Heartbeat())
 
@@ -186,6 +229,7 @@ class LearnerSession:
         with self._lock:
             self.credit += steps
             self.low_water = low_water
+        self.owed_since = None  # never while a Revoke is outstanding: this is its entitlement now
         self.control.send(_wire.Credit(steps, self.next_seq or 0))
 
     # --- FrameSink ------------------------------------------------------------------------------

@@ -78,6 +78,7 @@ class Handshake:
         self._learner_answered()
         self.control = conn
         token, source = self._login_token(challenge.auth)
+        self.proved_token = token  # the session's keys derive from it (None: the learner does not authenticate)
         nonce = _auth.new_nonce()
         mac = _auth.actor_proof(token, challenge.nonce, nonce) if token is not None else b""
         conn.send(_wire.Login(_wire.PROTOCOL_VERSION, nonce, mac))

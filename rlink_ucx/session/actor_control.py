@@ -99,14 +99,11 @@ class ControlReader:
 
     def _session_token(self) -> bytes | None:
         """The token this session's handshake proved: the given one, else the learner's
-        generated one (looked up as the handshake did); None for a learner that does not
-        authenticate (accepted only with ``insecure=True``)."""
-        if self.token is not None:
-            return self.token
-        try:
-            return self._login_token(True)[0]
-        except AuthError:
-            return None
+        generated one; None for a learner that does not authenticate (accepted only with
+        ``insecure=True``). Not looked up again: for an insecure learner on loopback, a token
+        file left on its port by an earlier learner made every data connection's proof wrong,
+        and the actor retried until its connect_timeout."""
+        return self.proved_token
 
     def weights_key(self) -> bytes:
         """This session's weights key (``wire.keys.session_key``), from the token; for a learner

@@ -38,6 +38,7 @@ class ActorConnection(Handshake, ControlReader, Reconnect, Outbox):
                  insecure: bool = False):  # fmt: skip
         self.host, self.port = host, port
         self.token = token  # None: the learner's generated token, looked up at each attempt
+        self.proved_token: bytes | None = None  # what the last handshake proved (None: an insecure learner)
         self.insecure = insecure  # accept a learner that does not authenticate
         self.transport_wanted = transport
         self.actor_id = actor_id

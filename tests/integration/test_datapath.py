@@ -246,6 +246,26 @@ def test_tokens_mutual_auth():
             knowingly.flush(10)
 
 
+@pytest.mark.timeout(60)
+def test_an_insecure_actor_ignores_a_token_file_left_on_its_learners_port(tmp_path):
+    # A learner killed earlier left its generated token for this port; the insecure learner now
+    # there has none. The actor used to derive its data connection's proof from that stale
+    # file, which the learner refused, and retried until connect_timeout (a flaky test here).
+    token_dir = tmp_path / "tokens"
+    token_dir.mkdir(mode=0o700)
+    config = rlink_ucx.Config(token_dir=str(token_dir), connect_timeout=15)
+    with Learner("127.0.0.1:0", insecure=True, config=config) as learner:
+        stale = token_dir / f"{learner.port}.token"
+        stale.write_text("left-by-a-learner-killed-on-this-port")
+        stale.chmod(0o600)
+        dataset = RLinkDataset(learner, batch_size=3)
+        with Actor(learner.address, insecure=True, config=config) as actor:
+            actor.put_many({"x": np.arange(3)})
+            actor.flush(10)
+        assert dataset.fetch(timeout=10)["x"].tolist() == [0, 1, 2]
+        assert learner.stats()["auth_failures"] == 0
+
+
 @pytest.mark.timeout(30)
 def test_non_loopback_bind_without_token_refuses():
     with pytest.raises(rlink_ucx.ConfigError, match="without a token"):

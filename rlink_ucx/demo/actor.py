@@ -8,6 +8,22 @@ from typing import Any
 import numpy as np
 
 
+class StopFlag:
+    """Tells actor processes to finish: a byte of shared memory, read and written without a lock.
+    (A multiprocessing.Event takes a lock in ``is_set``: an actor SIGKILLed while holding it,
+    as ``--kill-one-actor-after`` does, left every other actor and the learner's ``set`` blocked
+    for good.) Pass it to ``Process`` at creation."""
+
+    def __init__(self, ctx: Any):
+        self._flag = ctx.RawValue("b", 0)
+
+    def set(self) -> None:
+        self._flag.value = 1
+
+    def is_set(self) -> bool:
+        return bool(self._flag.value)
+
+
 def make_envs(env_id: str, n_envs: int) -> Any:
     import gymnasium as gym
 

@@ -80,7 +80,7 @@ def trajectory_bytes(obs_dim: int, act_dim: int, discrete: bool, unroll: int) ->
 def main(argv: list[str] | None = None) -> int:
     import torch
 
-    from .actor import make_envs, run_actor
+    from .actor import StopFlag, make_envs, run_actor
     from .policy import ActorCritic, space_spec
     from .ppo import PPO, PPOConfig
     from .progress import Progress
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     learner.publish(model)
 
     ctx = mp.get_context("spawn")
-    stop, reports = ctx.Event(), ctx.Queue()
+    stop, reports = StopFlag(ctx), ctx.Queue()
     procs = [ctx.Process(target=run_actor, name=f"rlink-demo-actor-{i}",
                          args=(learner.address, token, args.transport, args.env, args.envs_per_actor, args.unroll,
                                args.seed + 1000 * (i + 1), stop, reports))

@@ -97,14 +97,6 @@ class ControlReader:
                     self.free.append(frame)
             self.changed.notify_all()
 
-    def _session_token(self) -> bytes | None:
-        """The token this session's handshake proved: the given one, else the learner's
-        generated one; None for a learner that does not authenticate (accepted only with
-        ``insecure=True``). Not looked up again: for an insecure learner on loopback, a token
-        file left on its port by an earlier learner made every data connection's proof wrong,
-        and the actor retried until its connect_timeout."""
-        return self.proved_token
-
     def weights_key(self) -> bytes:
         """This session's weights key (``wire.keys.session_key``), from the token; for a learner
         that does not authenticate, from the ticket alone (which protects nothing)."""
@@ -114,7 +106,7 @@ class ControlReader:
         cached = self._weights_key
         if cached is not None and cached[0] == welcome.ticket:  # a restarted learner reuses session ids
             return cached[1]
-        key = _keys.session_key(self._session_token(), welcome.ticket, welcome.session)
+        key = _keys.session_key(self.proved_token, welcome.ticket, welcome.session)
         self._weights_key = (welcome.ticket, key)
         return key
 
@@ -123,7 +115,7 @@ class ControlReader:
         key, that it attached it: something without the token that took the data connection
         cannot make the actor stream to it. (A ucx plane's Ready comes with the Welcome.)"""
         proof, self._attach_proof = self._attach_proof, None
-        if ready.transport not in ("tcp", "shm") or self._session_token() is None or self.welcome is None:
+        if ready.transport not in ("tcp", "shm") or self.proved_token is None or self.welcome is None:
             return
         expected = _keys.attach_proof(self.weights_key(), self.welcome.session, ready.transport)
         if proof is None or not hmac.compare_digest(expected, proof):

@@ -38,7 +38,11 @@ class ActorConnection(Handshake, ControlReader, Reconnect, Outbox):
                  insecure: bool = False):  # fmt: skip
         self.host, self.port = host, port
         self.token = token  # None: the learner's generated token, looked up at each attempt
-        self.proved_token: bytes | None = None  # what the last handshake proved (None: an insecure learner)
+        # The token the last handshake proved (None: a learner that does not authenticate): the
+        # session's keys derive from it. Never looked up again: for an insecure learner on
+        # loopback, a token file left on its port by a killed learner made every data
+        # connection's proof wrong, and the actor retried until its connect_timeout.
+        self.proved_token: bytes | None = None
         self.insecure = insecure  # accept a learner that does not authenticate
         self.transport_wanted = transport
         self.actor_id = actor_id

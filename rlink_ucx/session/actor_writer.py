@@ -81,7 +81,7 @@ class StepWriter:
         reply = self._io.call(self._conn.propose(schema), self.config.connect_timeout, "schema negotiation")
         if isinstance(reply, _wire.Reject):
             raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")
-        capacity = max(1, min(reply.max_steps, self.config.frame_bytes // max(schema.step_bytes, 1)))
+        capacity = max(1, min(reply.max_steps, schema.frame_steps(self.config.frame_bytes)))
         self._conn.schema, self._conn.schema_id = schema, reply.schema_id
         self._conn.max_frame_steps = reply.max_steps  # no wire frame may carry more
         self._conn.free = [self._new_frame_buffer(schema, capacity) for _ in range(self.config.frame_buffers)]

@@ -368,7 +368,7 @@ class LearnerServer:
                 raise SchemaMismatch(
                     f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
                 )
-            smallest_ring = 2 * frame_steps(schema, self.config) * schema.step_bytes  # two frames at least
+            smallest_ring = 2 * schema.frame_steps(self.config.frame_bytes) * schema.step_bytes  # two frames at least
             if smallest_ring > self.config.buffer_bytes:
                 raise SchemaMismatch(f"one step is {schema.step_bytes} bytes: the receive ring must hold two frames, "
                                      f"{smallest_ring} bytes, over buffer_bytes={self.config.buffer_bytes}")  # fmt: skip
@@ -432,14 +432,9 @@ class LearnerServer:
         return report(self)
 
 
-def frame_steps(schema: Schema, config: Config) -> int:
-    """The most steps of ``schema`` one frame may carry."""
-    return max(1, config.frame_bytes // max(schema.step_bytes, 1))
-
-
 def _new_ring(schema: Schema, config: Config, batch_steps: int | None, pinned: bool, reserve: Reserve | None) -> StepRing:
     """The receive ring for ``schema``: in the memory reserved at start, unless it must be pinned."""
-    max_steps = frame_steps(schema, config)
+    max_steps = schema.frame_steps(config.frame_bytes)
     ring = StepRing(schema, config.buffer_bytes, max_steps, chunk_steps=batch_steps, pin_memory=pinned,
                     reserve=None if pinned else reserve)  # fmt: skip
     if reserve is not None and pinned:

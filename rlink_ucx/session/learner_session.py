@@ -181,7 +181,7 @@ class LearnerSession:
         """How long a session may owe revoked credit: ``heartbeat_timeout`` (within which a live
         peer's control reader answers) plus ``frame_timeout`` (the frame it may be sending
         meanwhile, which the learner bounds by that anyway). An honest actor answers a Revoke
-        as soon as its I/O loop reads it, and the learner grants it nothing while it owes."""
+        as soon as its I/O loop reads it, and the learner grants it nothing until it answers."""
         return self.server.config.heartbeat_timeout + self.server.config.frame_timeout
 
     def _check_revoke(self, now: float, late: float) -> bool:

@@ -83,6 +83,10 @@ class Schema:
     def step_bytes(self) -> int:
         return sum(f.step_bytes for f in self.fields)
 
+    def frame_steps(self, frame_bytes: int) -> int:
+        """Steps of this schema in a frame of ``frame_bytes`` (``Config.frame_bytes``), at least one."""
+        return max(1, frame_bytes // max(self.step_bytes, 1))
+
     @property
     def fingerprint(self) -> str:
         text = ";".join(f"{f.name}:{f.describe()}" for f in self.fields)

@@ -12,7 +12,7 @@ from typing import Any
 from ._version import __version__
 from .actor import Actor
 from .batch import Batch
-from .config import Config, read_token_file
+from .config import Config
 from .errors import (
     AuthError,
     Backpressure,
@@ -27,6 +27,7 @@ from .errors import (
     TimeoutError,
 )
 from .learner import Learner
+from .session.tokens import read_token_file
 from .wire.codec import FieldSpec, Schema
 
 __all__ = [

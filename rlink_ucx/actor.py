@@ -10,11 +10,12 @@ from typing import Any
 
 import numpy as np
 
-from .config import Config, resolve, resolve_token
+from .config import Config, resolve
 from .errors import ConfigError
-from .session.actor_link import ActorConnection
-from .session.actor_writer import StepWriter
-from .store.table import PRIORITY_FIELD
+from .session.actor.link import ActorConnection
+from .session.actor.writer import StepWriter
+from .session.tokens import resolve_token
+from .store.replay.table import PRIORITY_FIELD
 from .transport import check_transport
 from .transport.address import parse_endpoint
 from .transport.loop import release_io, shared_io

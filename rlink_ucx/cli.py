@@ -71,7 +71,8 @@ def _doctor(args: argparse.Namespace) -> int:
     """Check this machine (and a running learner with --learner); exit 1 when a check fails."""
     from .actor import Actor
     from .config import Config
-    from .session import doctor, doctor_learner
+    from .doctor import checks as doctor
+    from .doctor import remote as doctor_learner
 
     checks = doctor.system_checks(Config.from_env(), actors=args.actors)
     if args.learner:
@@ -138,10 +139,10 @@ def _smoke(args: argparse.Namespace) -> int:
 
 def _learner(args: argparse.Namespace) -> int:
     """A standalone learner that drains steps and logs stats (for smoke tests across hosts)."""
-    from .config import read_token_file
     from .dataset import RLinkDataset
     from .errors import TimeoutError as RLinkTimeout
     from .learner import Learner
+    from .session.tokens import read_token_file
 
     token = read_token_file(args.token_file) if args.token_file else None
     with _sigterm_exits(), Learner(args.address, token=token, transport=args.transport,
@@ -199,7 +200,7 @@ class _HelpWithDefaults(argparse.ArgumentDefaultsHelpFormatter):
 
 def _token(args: argparse.Namespace) -> int:
     """Print a new random token, or write it to a new 0600 file."""
-    from .session.token_file import new_token, write_new
+    from .session.tokens import new_token, write_new
 
     token = new_token()
     if not args.file:

@@ -7,12 +7,13 @@ import time
 import weakref
 from typing import Any
 
-from .config import Config, resolve, resolve_token
+from .config import Config, resolve
 from .errors import Closed, ConfigError
-from .session import token_file
-from .session.learner_counters import FetchTimings
-from .session.learner_metrics import MetricsServer, require_prometheus, sample
-from .session.learner_server import LearnerServer
+from .observe.counters import FetchTimings
+from .observe.metrics import MetricsServer, require_prometheus, sample
+from .session import tokens
+from .session.learner.server import LearnerServer
+from .session.tokens import resolve_token
 from .transport import UCX_INSTALL, check_transport, ucx_available, ucx_failure
 from .transport.address import format_address, is_loopback, parse_endpoint
 from .transport.loop import IOThread
@@ -92,7 +93,7 @@ class Learner:
                               "or RLINK_TOKEN_FILE): drop one of them")  # fmt: skip
         generated = self._token is None and not insecure
         if generated:  # written for the same user's local actors once the port is bound
-            self._token = token_file.new_token().encode()
+            self._token = tokens.new_token().encode()
         declared = Schema.from_spec(schema) if isinstance(schema, dict) else schema
         if metrics_port is not None:  # before anything starts: nothing to undo
             if not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:

@@ -12,11 +12,11 @@ from torch.utils.data import IterableDataset, get_worker_info
 from .batch import Batch
 from .errors import Closed, ConfigError, SchemaMismatch
 from .learner import Learner
-from .store.checkpoint import CheckpointError, read_manifest, restore, save
-from .store.inserter import Inserter
-from .store.limiter import RateLimiter
-from .store.replay_core import ReplayCore, stored_schema
-from .store.sample_ahead import SampleAhead
+from .store.replay.checkpoint import CheckpointError, read_manifest, restore, save
+from .store.replay.core import ReplayCore, stored_schema
+from .store.replay.inserter import Inserter
+from .store.replay.limiter import RateLimiter
+from .store.replay.sample_ahead import SampleAhead
 
 __all__ = ["CheckpointError", "ReplayDataset"]
 

@@ -23,9 +23,9 @@ import msgspec
 
 from rlink_ucx import Config
 from rlink_ucx.errors import AuthError, PeerLost, ProtocolError, SchemaMismatch
-from rlink_ucx.session.learner_attach import attach_data_connection
-from rlink_ucx.session.learner_server import LearnerServer
-from rlink_ucx.session.learner_session import LearnerSession
+from rlink_ucx.session.learner.attach import attach_data_connection
+from rlink_ucx.session.learner.server import LearnerServer
+from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.transport import hostname, shm
 from rlink_ucx.transport.control import ControlConnection
 from rlink_ucx.wire import auth as _auth

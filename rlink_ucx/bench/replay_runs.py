@@ -87,7 +87,7 @@ def bench_uniform(capacity: int, seconds: float, device: str = "cpu", storage: s
     per_s = n / (time.perf_counter() - started)
     step_bytes = 84 * 84 * 4 + 8 + 4 + 1
     replay.close()
-    from ..store import split_gather
+    from ..store.replay import split_gather
 
     return {"capacity": capacity, "batch": B, "device": str(replay.device), "storage": storage, "prefetch": replay.prefetch,
             "split_gather": split_gather.enabled and storage == "host", "batches_per_s": round(per_s, 1), "items_per_s": round(per_s * B),

@@ -1,7 +1,5 @@
-"""The control channel, both sides of it.
-
-Learner side (``learner_*``): the listener and handshakes, one ``LearnerSession`` per actor
-(schema, credits, heartbeats, frame validation), fair credit grants, and the stats report.
-Actor side (``actor_*``): the connection to the learner (handshake, control reader,
-reconnect and resume, the frame outbox), and the writer that coalesces steps into frames.
-"""
+"""The control channel. ``actor/`` is the actor's connection to its learner (handshake, control
+reader, reconnect and resume, the frame outbox, and the step writer); ``learner/`` is the
+learner's listener, one session per actor (schema, credits, heartbeats, frame validation) and
+fair credit grants. The two sides never import each other; ``tokens`` is what both share: the
+token a learner generates and the same user's actors find."""

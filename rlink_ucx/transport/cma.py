@@ -22,8 +22,8 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
-import select
 import secrets
+import select
 import sys
 from typing import Any
 

@@ -112,7 +112,7 @@ def test_checkpoints_of_gpu_tables_round_trip(tmp_path, saved, loaded):
 @pytest.mark.timeout(60)
 def test_a_table_too_large_for_the_gpu_is_a_config_error():
     from rlink_ucx import ConfigError
-    from rlink_ucx.store.device_table import DeviceTable
+    from rlink_ucx.store.replay.device_table import DeviceTable
     from rlink_ucx.wire.codec import Schema
 
     free, _ = torch.cuda.mem_get_info()

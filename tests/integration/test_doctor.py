@@ -17,8 +17,8 @@ import pytest
 
 from rlink_ucx import Learner
 from rlink_ucx.config import Config
-from rlink_ucx.session import doctor, doctor_learner
-from rlink_ucx.session.learner_admission import FDS_PER_ACTOR, FDS_SPARE, listen_backlog
+from rlink_ucx.doctor import checks as doctor, remote as doctor_learner
+from rlink_ucx.session.learner.admission import FDS_PER_ACTOR, FDS_SPARE, listen_backlog
 
 NAMES = {"ucxx", "ucx_transports", "rdma", "cuda", "nccl", "shm", "nofile", "somaxconn", "token"}
 

@@ -53,7 +53,7 @@ def _connect(host: str, port: int, source: str | None = None) -> _Client:
 def test_1100_idle_sockets_do_not_lock_a_real_actor_out(caplog):
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (max(soft, min(hard, 8192)), hard))
-    caplog.set_level(logging.WARNING, logger="rlink_ucx.session.learner_admission")
+    caplog.set_level(logging.WARNING, logger="rlink_ucx.session.learner.admission")
     config = Config(max_connections=2)  # few actor slots; every other cap at its default
     with Learner("127.0.0.1:0", transport="tcp", config=config) as learner:
         host, port = learner.address.rsplit(":", 1)
@@ -78,7 +78,7 @@ def test_1100_idle_sockets_do_not_lock_a_real_actor_out(caplog):
     assert connect_s < 5, f"the actor waited {connect_s:.1f}s behind idle sockets"
     assert stats["handshakes_in_flight"] <= config.max_handshakes_per_peer, stats
     assert stats["shed_handshakes_per_peer"] >= 1100 - config.max_handshakes_per_peer, stats
-    warnings = [r for r in caplog.records if r.name == "rlink_ucx.session.learner_admission"]
+    warnings = [r for r in caplog.records if r.name == "rlink_ucx.session.learner.admission"]
     assert 1 <= len(warnings) <= 3, [r.getMessage() for r in warnings]  # logged, rate-limited
 
 

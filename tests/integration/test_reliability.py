@@ -820,7 +820,7 @@ def test_a_ucx_actor_whose_session_ends_mid_send_reconnects_at_once(monkeypatch)
     # actor's payload send never completes. The actor used to spin in it until frame_timeout
     # (30 s here) with its I/O loop blocked, unable to read the learner's EOF.
     from rlink_ucx import errors as _errors
-    from rlink_ucx.session import learner_session as _session
+    from rlink_ucx.session.learner import session as _session
 
     real_begin, refused = _session.LearnerSession.begin, []
 

@@ -162,7 +162,7 @@ def test_save_while_actors_put_then_load_and_continue_loses_nothing(tmp_path):
 def test_large_steps_taken_whole_from_the_ring_arrive_bit_for_bit_and_survive_a_reload(tmp_path):
     """Atari-sized steps fill whole ring chunks, which a host table takes without copying
     (BlockTable): every held byte, the priorities, and a close/save/load on the same learner."""
-    from rlink_ucx.store.block_table import BlockTable
+    from rlink_ucx.store.replay.block_table import BlockTable
 
     n = 2500
     config = Config(buffer_bytes=16 << 20)  # a ring of 768 steps: small next to the table

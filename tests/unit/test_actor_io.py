@@ -11,7 +11,7 @@ import pytest
 
 from rlink_ucx import Config
 from rlink_ucx.errors import PeerLost
-from rlink_ucx.session.actor_control import ControlReader
+from rlink_ucx.session.actor.control import ControlReader
 from rlink_ucx.wire import messages as _wire
 
 pytestmark = pytest.mark.timeout(30)
@@ -117,7 +117,7 @@ def test_our_own_heartbeat_follows_a_silence_and_the_learners_is_answered_at_onc
 def test_the_outbox_packs_frame_headers_exactly_as_the_wire_module_does():
     # The outbox packs headers itself (no dataclass per frame): any change to the header's
     # layout in wire.frame must be made there too, or this fails.
-    from rlink_ucx.session.actor_outbox import pack_header
+    from rlink_ucx.session.actor.outbox import pack_header
     from rlink_ucx.wire.frame import FrameHeader
 
     values = (7, 12_345, 3, 2**63 - 5, 2**40 + 17, 9, 12_345 * 29, 1_700_000_000_123_456)

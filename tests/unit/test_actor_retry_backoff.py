@@ -11,7 +11,7 @@ import pytest
 
 from rlink_ucx import Config
 from rlink_ucx.errors import ConnectError, PeerLost
-from rlink_ucx.session.actor_reconnect import REFUSED_BACKOFF, Reconnect
+from rlink_ucx.session.actor.reconnect import REFUSED_BACKOFF, Reconnect
 
 
 class Attempts(Reconnect):

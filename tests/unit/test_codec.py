@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rlink_ucx import ProtocolError, Schema, SchemaMismatch
-from rlink_ucx.session.actor_link import FrameBuffer
+from rlink_ucx.session.actor.link import FrameBuffer
 from rlink_ucx.store.gather import BatchAssembler
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire.codec import FieldSpec, as_host_array, infer_schema

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import SchemaMismatch
-from rlink_ucx.session.actor_fields import Field, check_chunk, check_value
+from rlink_ucx.session.actor.fields import Field, check_chunk, check_value
 from rlink_ucx.wire.codec import Schema
 
 SCHEMA = Schema.from_spec({"obs": ("float32", (3,)), "action": ("int32", ()), "reward": ("float32", ()),

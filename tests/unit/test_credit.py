@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from rlink_ucx import Config
-from rlink_ucx.session.learner_credit import CreditGranter
+from rlink_ucx.session.learner.credit import CreditGranter
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire.codec import Schema
 

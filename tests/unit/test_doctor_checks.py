@@ -8,7 +8,7 @@ import os
 import pytest
 
 from rlink_ucx.config import Config
-from rlink_ucx.session import doctor
+from rlink_ucx.doctor import checks as doctor
 
 
 def fake_rdma(root, state: str):
@@ -109,7 +109,7 @@ def test_without_ucxx_the_advice_names_the_cpu_and_cuda_extras_and_the_table_sho
     import importlib.util
     import io
 
-    from rlink_ucx.session import doctor_learner
+    from rlink_ucx.doctor import remote as doctor_learner
 
     real = importlib.util.find_spec
     monkeypatch.setattr(doctor.importlib.util, "find_spec", lambda name, *a: None if name == "ucxx" else real(name, *a))

@@ -78,7 +78,7 @@ def test_an_actor_that_fails_to_start_leaves_no_io_thread_behind(monkeypatch):
     """A refused token, or a connection that cannot even be built, must not keep the shared
     I/O thread alive for the rest of the process (it leaked into later tests once)."""
     from rlink_ucx import Actor, ConfigError
-    from rlink_ucx.session import actor_link
+    from rlink_ucx.session.actor import link as actor_link
     from rlink_ucx.transport import loop
 
     monkeypatch.setattr(loop, "_shared", None)

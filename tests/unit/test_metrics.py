@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import ConfigError, Learner
-from rlink_ucx.session.learner_counters import LATENCY_BOUNDS, ActorTotals, Buckets, FetchTimings, cumulative
+from rlink_ucx.observe.counters import LATENCY_BOUNDS, ActorTotals, Buckets, FetchTimings, cumulative
 
 prometheus_client = pytest.importorskip("prometheus_client")
 
@@ -124,7 +124,7 @@ def fake_sample(actors: int) -> dict:
 def test_families_expose_bounded_actor_series_and_the_values_given():
     from prometheus_client.parser import text_string_to_metric_families
 
-    from rlink_ucx.session.learner_metrics import families
+    from rlink_ucx.observe.metrics import families
 
     class Fixed(prometheus_client.registry.Collector):
         def collect(self):
@@ -175,7 +175,7 @@ def test_metrics_port_must_be_a_port_number(port):
 
 
 def test_the_staleness_histogram_stays_bounded_and_its_mean_and_max_stay_exact():
-    from rlink_ucx.session.learner_report import StalenessHistogram
+    from rlink_ucx.observe.report import StalenessHistogram
 
     hist = StalenessHistogram()
     hist.record({5: 1, 5000: 2, -3000: 1})

@@ -12,10 +12,10 @@ import pytest
 import torch
 
 from rlink_ucx import ReplayDataset
-from rlink_ucx.store import replay_core
-from rlink_ucx.store.block_table import BlockTable, _forget_unlent
+from rlink_ucx.store.replay import core as replay_core
+from rlink_ucx.store.replay.block_table import BlockTable, _forget_unlent
 from rlink_ucx.store.ring import StepRing
-from rlink_ucx.store.table import ReplayTable
+from rlink_ucx.store.replay.table import ReplayTable
 from tests.unit.replay_helpers import PRIO_SCHEMA, SCHEMA, FakeLearner, feed, new_ring, steps, stream, wait_for
 
 FRAMES = [8, 3, 8, 5, 8, 8, 1, 8, 8, 8, 2]  # sizes that do and do not fill chunks of 16
@@ -143,7 +143,7 @@ def test_checkpoint_round_trip_and_taking_chunks_after_a_load(tmp_path):
 
 @pytest.mark.timeout(30)
 def test_a_gone_table_gives_back_all_but_the_blocks_the_ring_has():
-    from rlink_ucx.store.storage import host_storage
+    from rlink_ucx.store.replay.storage import host_storage
 
     block, sb = 4, 4096  # blocks of 16 KiB: whole pages
     rows = host_storage(8 * block * sb).reshape(8 * block, sb)

@@ -171,7 +171,7 @@ def test_a_checkpoint_of_another_schema_is_refused_now_or_when_the_actors_schema
 
 @pytest.mark.timeout(60)
 def test_a_replaced_checkpoint_is_removed_in_the_background_and_the_new_one_is_whole(tmp_path):
-    from rlink_ucx.store.checkpoint import wait_removals
+    from rlink_ucx.store.replay.checkpoint import wait_removals
 
     with make("uniform", capacity=100) as r:
         fill(r, 1, 0, 40)
@@ -188,7 +188,7 @@ def test_a_replaced_checkpoint_is_removed_in_the_background_and_the_new_one_is_w
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("storage", ["host", "device"])
 def test_many_small_chunks_that_split_rows_round_trip(tmp_path, monkeypatch, storage):
-    from rlink_ucx.store import checkpoint
+    from rlink_ucx.store.replay import checkpoint
 
     # Chunks far smaller than a field and not a multiple of a row: every boundary case of the
     # chunked hash + write (and the page-cache advice behind it) and of the chunked read.

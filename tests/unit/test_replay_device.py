@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from rlink_ucx import ConfigError, ReplayDataset
-from rlink_ucx.store.device_table import DeviceTable
-from rlink_ucx.store.table import ReplayTable
+from rlink_ucx.store.replay.device_table import DeviceTable
+from rlink_ucx.store.replay.table import ReplayTable
 from tests.unit.replay_helpers import PRIO_SCHEMA, FakeLearner, new_ring, put, wait_for
 
 

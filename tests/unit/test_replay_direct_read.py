@@ -11,11 +11,11 @@ import pytest
 
 from rlink_ucx import ReplayDataset
 from rlink_ucx.replay import CheckpointError
-from rlink_ucx.store import direct_read, replay_core, storage
-from rlink_ucx.store.block_table import BlockTable
-from rlink_ucx.store.direct_read import DirectReader
+from rlink_ucx.store.replay import core as replay_core, direct_read, storage
+from rlink_ucx.store.replay.block_table import BlockTable
+from rlink_ucx.store.replay.direct_read import DirectReader
 from rlink_ucx.store.ring import StepRing
-from rlink_ucx.store.storage import GUARD_AFTER, GUARD_BEFORE, host_storage, populated
+from rlink_ucx.store.replay.storage import GUARD_AFTER, GUARD_BEFORE, host_storage, populated
 from rlink_ucx.wire.codec import Schema
 from tests.unit.replay_helpers import FakeLearner, feed, wait_for
 

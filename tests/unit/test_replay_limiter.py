@@ -10,7 +10,7 @@ import pytest
 
 from rlink_ucx import ConfigError, ReplayDataset
 from rlink_ucx import TimeoutError as RLinkTimeout
-from rlink_ucx.store.limiter import RateLimiter
+from rlink_ucx.store.replay.limiter import RateLimiter
 from tests.unit.replay_helpers import FakeLearner, new_ring, put, wait_for
 
 

@@ -16,8 +16,8 @@ import pytest
 
 from rlink_ucx import Closed, ConfigError, ReplayDataset
 from rlink_ucx import TimeoutError as RLinkTimeout
-from rlink_ucx.store import replay_core
-from rlink_ucx.store.block_table import BlockTable
+from rlink_ucx.store.replay import core as replay_core
+from rlink_ucx.store.replay.block_table import BlockTable
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire.codec import Schema
 from tests.unit.replay_helpers import SCHEMA, FakeLearner, feed, new_ring, put, steps, stream, wait_for

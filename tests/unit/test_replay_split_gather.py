@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from rlink_ucx import ReplayDataset
-from rlink_ucx.store import split_gather
-from rlink_ucx.store.split_gather import gather_rows
-from rlink_ucx.store.table import ReplayTable
+from rlink_ucx.store.replay import split_gather
+from rlink_ucx.store.replay.split_gather import gather_rows
+from rlink_ucx.store.replay.table import ReplayTable
 from rlink_ucx.wire.codec import Schema
 from tests.unit.replay_helpers import FakeLearner, feed, new_ring, wait_for
 

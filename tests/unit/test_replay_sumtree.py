@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from rlink_ucx.store.sumtree import SumTree
+from rlink_ucx.store.replay.sumtree import SumTree
 
 
 @pytest.mark.timeout(30)

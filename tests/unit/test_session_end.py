@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlink_ucx.errors import ProtocolError
-from rlink_ucx.session.learner_session import LearnerSession
+from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.wire import messages as _wire
 
 
@@ -44,7 +44,7 @@ def test_a_failure_after_the_session_ended_is_ignored(caplog):
     session, control = _session(ended)
     session.close("no message from actor 7 for 1.5s", lost=True)
     caplog.clear()
-    caplog.set_level(logging.DEBUG, logger="rlink_ucx.session.learner_session")
+    caplog.set_level(logging.DEBUG, logger="rlink_ucx.session.learner.session")
     session.fail(ProtocolError("session is closed"))  # the header of a frame already on its way
     assert session.stats.protocol_errors == 0 and control.sent == []
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
@@ -58,7 +58,7 @@ def test_a_receiver_stopping_after_the_learner_shut_down_raises_nothing():
     import asyncio
 
     from rlink_ucx.config import Config
-    from rlink_ucx.session.learner_credit import CreditGranter
+    from rlink_ucx.session.learner.credit import CreditGranter
 
     loop = asyncio.new_event_loop()
     loop.close()

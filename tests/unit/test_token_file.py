@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from rlink_ucx import Config, ConfigError
-from rlink_ucx.config import check_token, read_token_file, resolve_token
-from rlink_ucx.session import token_file
-from rlink_ucx.session.learner_admission import Admission, peer_key
+from rlink_ucx.session import tokens as token_file
+from rlink_ucx.session.tokens import check_token, read_token_file, resolve_token
+from rlink_ucx.session.learner.admission import Admission, peer_key
 
 NOBODY = 65534
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")

@@ -6,7 +6,7 @@ import types
 import pytest
 
 from rlink_ucx import Config, ConfigError, ProtocolError
-from rlink_ucx.session.learner_session import LearnerSession
+from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import messages as _wire

@@ -1,0 +1,212 @@
+"""The learner's optional Prometheus endpoint.
+
+A custom collector reads the learner's own counters when Prometheus scrapes (on the learner's
+I/O loop, like ``stats()``), so the data path pays nothing per frame; each learner has its own
+registry and HTTP server thread, so several learners in one process never collide.
+``prometheus_client`` is imported only when a learner asks for metrics.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import socket
+import socketserver
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from ..errors import ConfigError, RLinkError
+from ..transport.address import format_address, is_loopback
+from .counters import LATENCY_BOUNDS, PUBLISH_BOUNDS, STALENESS_BOUNDS, FetchTimings, cumulative
+
+log = logging.getLogger(__name__)
+
+
+def require_prometheus() -> None:
+    """Raise :class:`ConfigError` naming the extra to install if prometheus_client is missing."""
+    if importlib.util.find_spec("prometheus_client") is None:
+        raise ConfigError('learner metrics need prometheus_client: pip install "rlink-ucx[metrics]"')
+
+
+def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
+    """Every number the endpoint serves, read from a ``LearnerServer`` (on its I/O loop)."""
+    open_sessions = [s for s in server.sessions.values() if s.state == "open"]
+    per_actor, total = server.totals.read((s.actor_id, s.stats) for s in server.sessions.values())
+    ring = server.ring
+    weights = server.publisher.snapshot_stats()
+    out: dict[str, Any] = {
+        "connected_actors": len(open_sessions),
+        "handshakes_in_flight": server.admission.in_flight,
+        "shed_handshakes": server.admission.shed,
+        "shed_handshakes_per_peer": server.admission.shed_per_peer,
+        "preauth_timeouts": server.admission.timed_out,
+        "auth_failures": server.auth_failures,
+        "rejected_connections": server.rejected_connections,
+        "reconnects": server.totals.reconnects,
+        "lost_sessions": server.totals.lost_sessions,
+        "per_actor": per_actor,
+        "total": total,
+        "torn_frames": ring.stats.torn_frames if ring else 0,
+        "stale_dropped": ring.stats.stale_dropped if ring else 0,
+        "buffer_used_bytes": ring.buffered_bytes if ring else 0,
+        "buffer_capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
+        "ready_steps": ring.ready_steps() if ring else 0,
+        "version": server.version,
+        "weights": {k: weights.get(k) or 0 for k in
+                    ("published", "fanouts", "fanout_failures", "pulls_served", "pull_bytes", "last_fanout_seconds")},
+        "staleness": cumulative(STALENESS_BOUNDS, dict(server.staleness.counts)),
+    }  # fmt: skip
+    if timings is not None:
+        out["latency"] = timings.latency.read()
+        out["put_latency"] = timings.put_latency.read()
+        out["fetch"] = timings.fetch.read()
+        out["publish"] = timings.publish.read()
+    return out
+
+
+_COUNTERS = (  # (name, help, key in sample()["total"] or sample())
+    ("rlink_frames_received", "Data frames received from actors.", "total.frames"),
+    ("rlink_steps_received", "Steps received from actors.", "total.steps"),
+    ("rlink_bytes_received", "Payload bytes received from actors.", "total.bytes"),
+    ("rlink_duplicate_steps", "Steps an actor resent after a reconnect that had already arrived (dropped).",
+     "total.duplicate_steps"),
+    ("rlink_lost_steps", "Steps a reconnecting actor could not resend (it kept no copy).", "total.lost_steps"),
+    ("rlink_protocol_errors", "Sessions dropped for breaking the protocol.", "total.protocol_errors"),
+    ("rlink_credit_exhausted", ("Frames after which the sending actor held no credit (its next put waits for "
+                                "a grant: the learner is not consuming fast enough)."), "total.credit_exhausted"),
+    ("rlink_torn_frames", "Frames whose sender vanished mid-transfer (never delivered).", "torn_frames"),
+    ("rlink_stale_steps_dropped", "Steps dropped for being older than the dataset's max_staleness.",
+     "stale_dropped"),
+    ("rlink_auth_failures", "Connections refused for a failed authentication.", "auth_failures"),
+    ("rlink_shed_handshakes", "Connections dropped or refused before authenticating (either cap).",
+     "shed_handshakes"),
+    ("rlink_shed_handshakes_per_peer", "Of those, by the per-address cap (max_handshakes_per_peer).",
+     "shed_handshakes_per_peer"),
+    ("rlink_preauth_timeouts", "Connections dropped for not authenticating within preauth_timeout.",
+     "preauth_timeouts"),
+    ("rlink_rejected_connections", "Actors turned away at max_connections.", "rejected_connections"),
+    ("rlink_reconnects", "Sessions that resumed an actor's stream after a reconnect.", "reconnects"),
+    ("rlink_lost_sessions", "Actor sessions that ended without a goodbye.", "lost_sessions"),
+    ("rlink_weights_published", "Versions published.", "weights.published"),
+    ("rlink_weights_fanouts", "Weight fan-outs finished.", "weights.fanouts"),
+    ("rlink_weights_fanout_failures", "Fan-out groups or broadcasts that failed (the actors pulled instead).",
+     "weights.fanout_failures"),
+    ("rlink_weights_pulls_served", "Weight pulls served.", "weights.pulls_served"),
+    ("rlink_weights_pull_bytes", "Bytes of weights served to pulls.", "weights.pull_bytes"),
+)  # fmt: skip
+_GAUGES = (
+    ("rlink_connected_actors", "Actors connected now.", "connected_actors"),
+    ("rlink_handshakes_in_flight", "Connections still handshaking.", "handshakes_in_flight"),
+    ("rlink_buffer_used_bytes", "Bytes held in the learner's receive ring.", "buffer_used_bytes"),
+    ("rlink_buffer_capacity_bytes", "Size of the learner's receive ring.", "buffer_capacity_bytes"),
+    ("rlink_ready_steps", "Steps ready for the dataset to fetch.", "ready_steps"),
+    ("rlink_policy_version", "The newest published policy version.", "version"),
+    ("rlink_weights_last_fanout_seconds", "How long the last weight fan-out took.", "weights.last_fanout_seconds"),
+)
+_BOUNDS = {"latency": LATENCY_BOUNDS, "put_latency": LATENCY_BOUNDS, "fetch": LATENCY_BOUNDS, "publish": PUBLISH_BOUNDS,
+           "staleness": STALENESS_BOUNDS}  # fmt: skip
+_HISTOGRAMS = (  # (name, help, key in sample() and _BOUNDS)
+    ("rlink_put_to_fetch_seconds", ("Per step: time from the actor's put (its frame's first step; the actor's "
+                                    "wall clock) to being handed out by RLinkDataset.fetch."), "put_latency"),
+    ("rlink_receive_to_fetch_seconds", ("Per step: time from landing in the learner's ring to being handed out "
+                                        "by RLinkDataset.fetch."), "latency"),
+    ("rlink_fetch_seconds", "Per batch: how long RLinkDataset.fetch took, waiting for steps included.", "fetch"),
+    ("rlink_publish_seconds", "Per Learner.publish call: how long it blocked the caller.", "publish"),
+    ("rlink_fetched_staleness", "Per fetched step: learner version minus the step's policy version.", "staleness"),
+)  # fmt: skip
+
+
+def _get(s: dict[str, Any], key: str) -> Any:
+    for part in key.split("."):
+        s = s[part]
+    return s
+
+
+def families(s: dict[str, Any]) -> Iterator[Any]:
+    """Prometheus metric families for one :func:`sample`."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
+
+    yield GaugeMetricFamily("rlink_up", "1 when the learner answered this scrape.", value=1)
+    for name, doc, key in _COUNTERS:
+        yield CounterMetricFamily(name, doc, value=_get(s, key))
+    for name, doc, key in _GAUGES:
+        yield GaugeMetricFamily(name, doc, value=_get(s, key))
+    for metric, what in (("steps", "Steps"), ("bytes", "Payload bytes"), ("frames", "Data frames")):
+        family = CounterMetricFamily(f"rlink_actor_{metric}_received",
+                                     f'{what} received per actor (the first actors seen; the rest as actor="other").',
+                                     labels=["actor"])  # fmt: skip
+        for label, row in sorted(s["per_actor"].items()):
+            family.add_metric([label], row[metric])
+        yield family
+    for name, doc, key in _HISTOGRAMS:
+        if key not in s:
+            continue
+        cum, total = s[key]
+        les = [repr(float(b)) for b in _BOUNDS[key]] + ["+Inf"]
+        yield HistogramMetricFamily(name, doc, buckets=list(zip(les, cum)), sum_value=total)
+
+
+class MetricsServer:
+    """The HTTP endpoint (``GET /metrics``) of one learner, on a thread of its own."""
+
+    def __init__(self, host: str, port: int, snapshot: Callable[[], dict[str, Any]]):
+        from prometheus_client import CollectorRegistry, make_wsgi_app
+        from prometheus_client.registry import Collector
+
+        class _LearnerCollector(Collector):
+            def collect(self) -> Iterator[Any]:
+                try:
+                    s = snapshot()
+                except RLinkError as exc:  # closing, or the loop is wedged: say so, do not fail the scrape
+                    log.debug("metrics scrape found no learner: %s", exc)
+                    from prometheus_client.core import GaugeMetricFamily
+
+                    yield GaugeMetricFamily("rlink_up", "1 when the learner answered this scrape.", value=0)
+                    return
+                yield from families(s)
+
+        self.registry = CollectorRegistry(auto_describe=False)  # private: learners never collide
+        self.registry.register(_LearnerCollector())
+        server_class = _Server6 if ":" in host else _Server
+        self._httpd = make_server(host, port, make_wsgi_app(self.registry), server_class, _QuietHandler)
+        bound = self._httpd.socket.getsockname()
+        self.address = format_address(bound[0], bound[1])
+        if not is_loopback(host):
+            log.warning("learner metrics served on non-loopback %s without authentication", self.address)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._serve, name="rlink-metrics", daemon=True)
+        self._thread.start()
+
+    def _serve(self) -> None:
+        # One blocking accept at a time, not serve_forever: its poll would wake the thread
+        # every poll_interval, and close() would wait up to one (0.5 s) for it to notice.
+        while not self._stopping:
+            self._httpd.handle_request()
+
+    def close(self, timeout: float) -> None:
+        """Stop serving and close the socket (idempotent)."""
+        if self._thread.is_alive():
+            self._stopping = True
+            host, port = self._httpd.socket.getsockname()[:2]
+            wake = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(host, host)
+            try:  # a connection of our own wakes the accept, and the loop sees the flag
+                socket.create_connection((wake, port), timeout=timeout).close()
+            except OSError:
+                log.debug("could not wake the metrics thread", exc_info=True)
+            self._thread.join(timeout)
+        self._httpd.server_close()
+
+
+class _Server(socketserver.ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a scrape in progress never holds up the learner's exit
+
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """Scrapes are not worth a line on stderr each."""

@@ -1,0 +1,442 @@
+"""The learner's network side, living on its I/O loop: listener, handshakes, sessions, credit."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import itertools
+import logging
+import os
+import secrets
+import socket
+import threading
+import time
+from typing import Any
+
+from ..._memory import Reserve
+from ...config import Config
+from ...errors import AuthError, ConfigError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
+from ...observe.counters import ActorTotals
+from ...observe.report import StalenessHistogram, describe_session, report
+from ...store.ring import StepRing
+from ...transport import choose, hostname, shm, ucx_available, ucx_failed, ucx_failure
+from ...transport.address import is_loopback
+from ...transport.control import ControlConnection
+from ...transport.loop import ticks
+from ...transport.ucx_setup import UcxUnavailable
+from ...weights.publisher import Publisher
+from ...wire import auth as _auth
+from ...wire import messages as _wire
+from ...wire.codec import Schema
+from .. import tokens
+from .admission import Admission, listen_backlog, raise_file_limit
+from .attach import attach_data_connection
+from .credit import CreditGranter
+from .session import LearnerSession
+
+log = logging.getLogger(__name__)
+
+
+class Refused(ProtocolError):
+    """A session the learner will never accept as asked (protocol version, data plane): the
+    actor is told so ("refused") and does not retry."""
+
+    kind = "refused"
+
+
+class Busy(ProtocolError):
+    """No room for another actor now (``max_connections``): the actor retries until its
+    ``connect_timeout``, and its error then says why."""
+
+    kind = "busy"
+
+
+class PreauthTimeout(TimeoutError):
+    """A new connection did not log in (or attach) within ``Config.preauth_timeout``."""
+
+
+class LearnerServer:
+    def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, config: Config,
+                 loop: asyncio.AbstractEventLoop, schema: Schema | None = None,
+                 publish_token: bool = False):  # fmt: skip
+        self.host, self.port = host, port
+        self.token = token
+        self.publish_token = publish_token  # a generated token: written for local actors once bound
+        self.token_path: Any = None  # where it was written
+        self.transport = transport
+        self.config = config
+        self.loop = loop
+        self.sessions: dict[int, LearnerSession] = {}
+        self.ended: list[dict[str, Any]] = []
+        self.last_unclean_end: float | None = None  # when a session last ended without a goodbye
+        self.schema = schema
+        self.ring: StepRing | None = None
+        self.ring_ready = threading.Event()
+        self.pin_memory = False
+        # The receive ring's memory, populated from now on so the first frames land in warm
+        # pages (rlink_ucx/_memory.py); handed to the ring when the schema is known.
+        self.reserve: Reserve | None = Reserve(config.buffer_bytes, "learner")
+        self.batch_steps: int | None = None  # the dataset's batch size: ring chunks match it
+        self.version = 0
+        self.rejected_connections = 0
+        self.auth_failures = 0
+        # Where each (actor id, incarnation) stopped: a reconnecting actor resumes there, and
+        # what it resends below it is recognised as a duplicate.
+        self.resume: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
+        self.incarnations: dict[int, int] = {}  # newest incarnation seen per actor id
+        self._ids = itertools.count(1)
+        self._auto_actor_ids = itertools.count(1)
+        self.credit = CreditGranter(self.sessions, config, loop)
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._listener: socket.socket | None = None
+        self.admission = Admission(config)
+        raise_file_limit(config)
+        self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
+        self._ucx_starting: asyncio.Future[Any] | None = None
+        self.learner_ucx = ucx_available() and transport != "tcp"
+        self.learner_shm = shm.available() and transport in ("auto", "shm")
+        if self.learner_ucx:
+            # Load ucxx now, before any session runs: loading its libraries holds the GIL (a
+            # cold first import took 0.4 s in CI), which would stall every session's heartbeats
+            # and credits if the first ucx actor set it off.
+            from ...transport.ucx import load_ucxx
+
+            load_ucxx()
+        self.publisher = Publisher(self)
+        self.staleness = StalenessHistogram()  # fed by RLinkDataset
+        self.totals = ActorTotals()  # ended sessions' counters, for the metrics endpoint
+
+    # --- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        """Bind, publish the token, start the UCX plane if asked for by name, then accept. On
+        failure the caller runs ``stop()``, which undoes whatever was done."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.create_server((self.host, self.port), family=family, backlog=listen_backlog(self.config),
+                                    reuse_port=False)  # fmt: skip
+        sock.setblocking(False)
+        self._listener = sock
+        self.port = sock.getsockname()[1]
+        if self.publish_token and self.token is not None:
+            # After the bind (port 0 is now the real port), before the first accept: an actor
+            # that connected early waits in the backlog, and finds the file once challenged.
+            try:
+                self.token_path = tokens.publish(self.config, self.port, self.token)
+            except BaseException:
+                sock.close()
+                self._listener = None
+                raise
+            log.info("learner token for local actors written to %s", self.token_path)
+        if self.transport == "ucx" and self.learner_ucx:  # asked for by name: fail here, not at the first actor
+            try:
+                await self._start_ucx_plane()
+            except (UcxUnavailable, PeerLost) as exc:
+                raise ConfigError(f"transport='ucx', but {exc}") from exc
+        self._spawn(self._accept_loop())
+        self._spawn(self._heartbeat_loop())
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        task = self.loop.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def withdraw_token(self) -> None:
+        """Remove the generated token's file (idempotent; any thread)."""
+        path, self.token_path = self.token_path, None
+        if path is not None and self.token is not None:
+            tokens.withdraw(path, self.token)
+
+    async def stop(self) -> None:
+        self.withdraw_token()
+        for session in list(self.sessions.values()):
+            session.control.send(_wire.Bye("learner closing"))
+            session.close("learner closing", lost=False)
+        if self._listener is not None:
+            self._listener.close()
+        for task in list(self._tasks):
+            task.cancel()
+        if self._ucx_starting is not None and self.ucx is None:
+            try:  # a plane still starting is closed once it is up, or its thread would linger
+                self.ucx = await self._ucx_starting
+            except Exception:  # noqa: BLE001 - it failed to start: nothing to close
+                pass
+        if self.ucx is not None:
+            await self.ucx.close()
+        if self.ring is not None:
+            self.ring.close()
+        if self.reserve is not None:
+            self.reserve.close()
+            self.reserve = None
+
+    # --- accepting ----------------------------------------------------------------------------
+    async def _accept_loop(self) -> None:
+        assert self._listener is not None
+        while True:
+            try:
+                sock, addr = await self.loop.sock_accept(self._listener)
+            except OSError as exc:  # EMFILE and friends: back off rather than spin
+                log.warning("accept failed: %s", exc)
+                await asyncio.sleep(0.1)
+                continue
+            conn = ControlConnection(sock, self.loop, f"{addr[0]}:{addr[1]}")
+            task = self._spawn(self._handle(conn))
+            # Also when the task is dropped before it ever ran (admission sheds the oldest).
+            task.add_done_callback(lambda _task, conn=conn: conn.handed_off or conn.close())
+            self.admission.admit(task, addr[0])
+
+    async def _handle(self, conn: ControlConnection) -> None:
+        peer = conn.peer
+        session: LearnerSession | None = None
+        try:
+            try:
+                async with asyncio.timeout(self.config.handshake_timeout):
+                    result = await self._handshake(conn)
+                self.admission.finished(asyncio.current_task())
+            except (asyncio.TimeoutError, TimeoutError) as exc:
+                # Not a rejection: a busy learner or a slow link; the actor may try again.
+                if isinstance(exc, PreauthTimeout):  # counted and logged (rate-limited) by admission
+                    conn.send(_wire.Error("timeout", str(exc)))
+                    return
+                log.info("handshake with %s did not finish within %ss", peer, self.config.handshake_timeout)
+                conn.send(_wire.Error("timeout", f"handshake did not finish within {self.config.handshake_timeout}s"))
+                return
+            if result is None:  # a data connection, now owned by its session
+                return
+            if isinstance(result, tuple):  # a weights pull
+                await self.publisher.serve_pull(conn, *result)
+                return
+            session = result
+            await session.serve()
+        except AuthError as exc:
+            self.auth_failures += 1
+            log.warning("refused %s: %s", peer, exc)
+            conn.send(_wire.Error("auth", str(exc)))
+        except Superseded as exc:
+            log.warning("refused %s: %s", peer, exc)
+            conn.send(_wire.Error("superseded", str(exc)))
+        except (ProtocolError, SchemaMismatch) as exc:
+            log.warning("dropped %s: %s", peer, exc)
+            conn.send(_wire.Error(getattr(exc, "kind", "protocol"), str(exc)[:500]))
+            if session is not None:
+                session.stats.protocol_errors += 1
+        except (PeerLost, OSError, RLinkError) as exc:
+            if session is not None:
+                session.close(str(exc), lost=True)
+        except asyncio.CancelledError:
+            raise
+        finally:
+            self.admission.finished(asyncio.current_task())
+            if session is not None:
+                session.close("control connection ended", lost=True)
+            elif not conn.handed_off:
+                conn.close()
+
+    async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[LearnerSession, int] | None:
+        nonce = _auth.new_nonce()
+        conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
+        limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
+        try:  # what follows is verified at once: only this wait is unauthenticated
+            async with asyncio.timeout(limit):
+                first = await conn.recv(self.config.max_preauth_bytes)
+        except TimeoutError:
+            self.admission.preauth_expired(conn.peer)
+            raise PreauthTimeout(f"no login within {limit}s (Config.preauth_timeout)") from None
+        if isinstance(first, _wire.Attach):
+            attach_data_connection(self.sessions, conn, first, nonce, self.config.tcp_congestion)
+            self.grant_credits()
+            return None
+        if isinstance(first, _wire.Pull):
+            return self.publisher.verify_pull(first, nonce), first.have
+        if not isinstance(first, _wire.Login):
+            raise ProtocolError(f"expected Login or Attach, got {type(first).__name__}")
+        if first.proto != _wire.PROTOCOL_VERSION:
+            raise Refused(f"actor speaks protocol {first.proto}; learner speaks {_wire.PROTOCOL_VERSION}")
+        if len(first.nonce) != _auth.NONCE_BYTES:
+            raise ProtocolError("bad nonce length")
+        if self.token is not None:
+            _auth.verify(_auth.actor_proof(self.token, nonce, first.nonce), first.mac, "actor")
+            self.admission.finished(asyncio.current_task())  # authenticated: no longer a pre-auth slot
+            conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
+        hello = await conn.recv(self.config.max_control_bytes)
+        if not isinstance(hello, _wire.Hello):
+            raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
+        if self.ucx is None and self._choose(hello)[0] == "ucx":
+            try:
+                await self._start_ucx_plane()
+            except UcxUnavailable as exc:  # this actor falls back to another plane, or is refused
+                self._ucx_unavailable(exc)
+        return self._open_session(conn, hello)
+
+    def _choose(self, hello: _wire.Hello) -> tuple[str, str]:
+        transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx,
+                                   same_host=hello.host == hostname(), shm=self.learner_shm and hello.shm)  # fmt: skip
+        failure = ucx_failure()
+        if failure is not None and (not transport or transport == "tcp") and "ucx" in reason:
+            # What choose() says of a learner without ucx ("not installed") is not why here.
+            reason = f"{'auto' if transport else 'ucx requested'}: the learner's ucx is off ({failure})"
+        return transport, reason
+
+    def _ucx_unavailable(self, exc: UcxUnavailable) -> None:
+        """UCX does not start in this process (its configuration, not the load): stop offering
+        it, say so once, and serve actors on the other planes."""
+        if not self.learner_ucx:  # another handshake waiting on the same start said it already
+            return
+        ucx_failed(str(exc))
+        self.learner_ucx = False
+        log.error("the ucx data plane is off for this learner: %s", exc)
+
+    def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
+        transport, reason = self._choose(hello)
+        if not transport:
+            raise Refused(f"no common data plane: {reason}")
+        if len(self.sessions) >= self.config.max_connections:
+            self.rejected_connections += 1
+            raise Busy(f"the learner already serves max_connections={self.config.max_connections} actors")
+        if hello.actor_id is not None:
+            actor_id = hello.actor_id
+            newest = self.incarnations.get(actor_id, -1)
+            if hello.incarnation < newest:
+                raise Superseded(f"actor id {actor_id}: incarnation {hello.incarnation} was superseded by {newest}")
+            self.incarnations[actor_id] = hello.incarnation
+            while len(self.incarnations) > 100_000:
+                self.incarnations.pop(next(iter(self.incarnations)))
+            for other in list(self.sessions.values()):
+                if other.actor_id == actor_id:
+                    # The same incarnation reconnecting (its old connection may not look dead
+                    # yet), or a restarted actor: either way the old session ends here, and
+                    # nothing more from its connections is accepted.
+                    why = "reconnected" if other.incarnation == hello.incarnation else f"replaced by incarnation {hello.incarnation}"
+                    other.close(why, lost=True)
+        else:
+            in_use = {s.actor_id for s in self.sessions.values()}
+            actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
+        ring = nonce = None  # created last: every path from here on closes it with the session
+        if transport == "shm":
+            try:
+                ring, nonce = shm.ShmRing.create(self.config.shm_ring_bytes)
+            except OSError as exc:
+                if reason == "requested":
+                    raise Refused(f"shm requested but the learner cannot create its ring: {exc}") from exc
+                transport, reason = "tcp", f"auto: the shared-memory ring could not be created ({exc})"
+        ucx_worker = self.ucx.current if transport == "ucx" else None  # read once: it may be recycled
+        ucx_address = ucx_worker.address if ucx_worker is not None else None
+        session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
+                                 secrets.token_bytes(32))  # fmt: skip
+        session.shm_ring = ring
+        resume = self.resume.pop((actor_id, hello.incarnation), None)
+        session.next_seq = resume  # None: the first frame says where this stream starts
+        session.resumed = resume is not None
+        self.totals.reconnects += session.resumed
+        self.sessions[session.id] = session
+        conn.send(_wire.Welcome(
+            session.id, actor_id, self.version, transport, reason, session.ticket, ucx_address,
+            self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
+            -1 if resume is None else resume,
+            None if ring is None else [os.getpid(), ring.fd, nonce, ring.size],
+        ))  # fmt: skip
+        log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
+        if ucx_worker is not None:
+            session.receiver = self.ucx.attach(session, actor_id, session.key, ucx_worker)
+            conn.send(_wire.Ready("ucx"))
+        return session
+
+    async def _start_ucx_plane(self) -> None:
+        """Start the UCX plane off the event loop: its worker takes a good part of a second to
+        come up, and the heartbeats and credits of running sessions must not wait for it."""
+        if self._ucx_starting is None:
+            from ...transport.ucx import UcxLearnerPlane
+
+            loopback = is_loopback(self.host)
+            self._ucx_starting = self.loop.run_in_executor(None, UcxLearnerPlane, self.loop, self.config, loopback,
+                                                         self.host)  # UCX listens where we do
+        starting = self._ucx_starting
+        try:
+            self.ucx = await asyncio.shield(starting)  # a cancelled handshake leaves it starting
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            if self._ucx_starting is starting:
+                self._ucx_starting = None  # the next ucx actor tries again
+            raise
+
+    # --- schema and credit ----------------------------------------------------------------------
+    def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]:
+        if self.schema is None or self.ring is None:
+            if self.schema is not None and self.schema != schema:
+                raise SchemaMismatch(self._mismatch(schema))
+            if schema.step_bytes > self.config.max_frame_bytes:
+                raise SchemaMismatch(
+                    f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
+                )
+            smallest_ring = 2 * schema.frame_steps(self.config.frame_bytes) * schema.step_bytes  # two frames at least
+            if smallest_ring > self.config.buffer_bytes:
+                raise SchemaMismatch(f"one step is {schema.step_bytes} bytes: the receive ring must hold two frames, "
+                                     f"{smallest_ring} bytes, over buffer_bytes={self.config.buffer_bytes}")  # fmt: skip
+            reserve, self.reserve = self.reserve, None
+            self.ring = _new_ring(schema, self.config, self.batch_steps, self.pin_memory, reserve)
+            self.schema = schema  # only now: a refused proposal must not become the learner's schema
+            self.credit.ring = self.ring
+            self.ring.on_space_freed = self.credit.space_freed
+            self.ring_ready.set()
+            log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())
+        elif schema != self.schema:
+            raise SchemaMismatch(self._mismatch(schema))
+        return 1, self.ring
+
+    def _mismatch(self, schema: Schema) -> str:
+        assert self.schema is not None
+        return (f"actor schema {schema.describe()} does not match the learner's {self.schema.describe()}: "
+                f"{self.schema.compare(schema)}")  # fmt: skip
+
+    def grant_credits(self) -> None:
+        self.credit.grant()
+
+    def credit_low(self) -> None:
+        self.credit.credit_low()
+
+    # --- liveness and bookkeeping -------------------------------------------------------------------
+    async def _heartbeat_loop(self) -> None:
+        async for late in ticks(self.config.heartbeat_interval):
+            now = time.monotonic()
+            for session in list(self.sessions.values()):
+                session.heartbeat(now, late)
+            self.credit.reclaim_idle(now)
+
+    def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
+        if self.sessions.pop(session.id, None) is None:
+            return
+        if session.next_seq is not None:
+            self.resume[(session.actor_id, session.incarnation)] = session.next_seq
+            while len(self.resume) > 10_000:
+                self.resume.popitem(last=False)
+        self.ended.append(describe_session(session))
+        self.totals.ended(session.actor_id, session.stats, lost=session.state == "lost")
+        del self.ended[:-1000]
+        if session.state != "closed":  # lost or moved: its actor may come back
+            self.last_unclean_end = time.monotonic()
+        if self.ring is not None:
+            self.ring.wake()
+        self.grant_credits()
+
+    def actors_done(self) -> bool:
+        """Every actor that connected has left and none is expected back: no session is open,
+        and the last one that ended without a goodbye did so over ``reconnect_timeout`` ago
+        (any thread)."""
+        if self.sessions or not self.ended:
+            return False
+        last = self.last_unclean_end
+        return last is None or time.monotonic() - last > self.config.reconnect_timeout
+
+    def snapshot(self) -> dict[str, Any]:
+        """The learner's stats (on the I/O loop)."""
+        return report(self)
+
+
+def _new_ring(schema: Schema, config: Config, batch_steps: int | None, pinned: bool, reserve: Reserve | None) -> StepRing:
+    """The receive ring for ``schema``: in the memory reserved at start, unless it must be pinned."""
+    max_steps = schema.frame_steps(config.frame_bytes)
+    ring = StepRing(schema, config.buffer_bytes, max_steps, chunk_steps=batch_steps, pin_memory=pinned,
+                    reserve=None if pinned else reserve)  # fmt: skip
+    if reserve is not None and pinned:
+        reserve.close()
+    return ring

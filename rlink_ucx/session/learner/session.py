@@ -1,0 +1,408 @@
+"""One actor's session on the learner: control messages, frame validation, credit, liveness."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from ...config import Config
+from ...errors import PeerLost, ProtocolError, SchemaMismatch
+from ...store.ring import Segment, StepRing
+from ...transport.base import DataPlaneRetired
+from ...transport.control import ControlConnection
+from ...transport.loop import call_soon_any_thread
+from ...weights.publisher import Publisher
+from ...wire import keys as _keys
+from ...wire import messages as _wire
+from ...wire.codec import Schema
+from ...wire.frame import FrameHeader
+
+if TYPE_CHECKING:
+    from ...transport.base import FrameReceiver
+    from ...transport.shm import ShmRing
+
+log = logging.getLogger(__name__)
+IDLE_SECONDS = 1.0  # an actor that sent no frame for this long is idle (its credit may be reclaimed)
+
+
+class Owner(Protocol):
+    """What a session needs from the learner that owns it (a ``LearnerServer``): sessions
+    call up through this, never through the server's class."""
+
+    config: Config
+    loop: asyncio.AbstractEventLoop
+    publisher: Publisher
+    token: bytes | None  # None when running insecure
+
+    def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]: ...
+
+    def grant_credits(self) -> None: ...
+
+    def credit_low(self) -> None: ...
+
+    def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None: ...
+
+
+@dataclass
+class SessionStats:
+    frames: int = 0
+    steps: int = 0
+    bytes: int = 0
+    torn_frames: int = 0
+    protocol_errors: int = 0
+    duplicate_steps: int = 0  # resent after a reconnect but already delivered: dropped
+    lost_steps: int = 0  # a resumed stream started past where it stopped (the actor kept no copy)
+    credit_exhausted: int = 0  # frames that used the actor's last credit (its next put waits for a grant)
+
+
+class LearnerSession:
+    """Implements the transport's FrameSink for one authenticated actor."""
+
+    def __init__(self, server: Owner, session_id: int, control: ControlConnection, hello: _wire.Hello,
+                 actor_id: int, transport: str, reason: str, ticket: bytes):  # fmt: skip
+        self.server = server
+        self.id = session_id
+        self.control = control
+        self.hello = hello
+        self.actor_id = actor_id
+        self.incarnation = hello.incarnation
+        self.transport = transport
+        self.transport_reason = reason
+        self.ticket = ticket
+        # The session's key, from the token and the ticket: it proves the data connection and
+        # keys the weights path. The ticket alone goes in clear in the Welcome.
+        self.key = _keys.session_key(server.token, ticket, session_id)
+        self.receiver: FrameReceiver | None = None
+        self.shm_ring: ShmRing | None = None  # an shm session's ring until its data connection attaches
+        self.schema_id: int | None = None
+        self.ring: StepRing | None = None
+        self.credit = 0  # steps granted to this actor and not yet used
+        self.next_seq: int | None = 0  # None until the first frame of a stream resumed elsewhere
+        self.resumed = False  # set by the server: next_seq is where an earlier session of this stream stopped
+        self.last_heard = time.monotonic()
+        self.state = "open"
+        self.error: str | None = None
+        self.stats = SessionStats()
+        self._frame: tuple[FrameHeader, Segment | None] | None = None  # None segment: a duplicate
+        self._landing: memoryview | None = None  # ucx frames that cross a ring chunk land here
+        self._scatter: list[list[memoryview]] | None = None  # ...and are copied here on commit
+        self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
+        self.low_water = 0  # wake the loop for more credit once credit falls to this
+        self.last_frame = time.monotonic()  # when a frame last completed (idle actors give credit back)
+        self.revoking = False  # a Revoke is outstanding
+        # Since when the session owes revoked credit (None: it owes none): from the first Revoke
+        # until it has answered (Returned) and holds no more than ``owed_keep`` steps (frames it
+        # sent before it read the Revoke have landed), or the learner granted it more. Past
+        # revoke_deadline() the session is ended: credit it sits on is credit others wait for.
+        self.owed_since: float | None = None
+        self.owed_keep = 0
+        self.subscribed = False  # wants every published version
+        self.weights_shared = False  # on the learner's host: reads versions from its shared memory
+        self.cuda_device: int | None = None  # where it receives weights (NCCL needs distinct GPUs)
+        self.weights_sent = 0  # newest version announced or broadcast to it
+        self.weights_acked = 0  # newest version it confirmed complete and verified
+        # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
+        self._lock = threading.Lock()
+
+    # --- control ----------------------------------------------------------------------------
+    async def serve(self) -> None:
+        max_bytes = self.server.config.max_control_bytes
+        while True:
+            msg = await self.control.recv(max_bytes)
+            self.last_heard = time.monotonic()
+            if isinstance(msg, _wire.Heartbeat):
+                continue
+            if isinstance(msg, _wire.Sync):
+                self.ack_wanted = msg.seq
+                self._after_frame()
+            elif isinstance(msg, _wire.Propose):
+                self._on_propose(msg)
+            elif isinstance(msg, _wire.Returned):
+                self._on_returned(msg.steps)
+            elif isinstance(msg, _wire.Got):
+                self.server.publisher.on_got(self, msg.version)
+            elif isinstance(msg, _wire.Subscribe):
+                self.server.publisher.on_subscribe(self, msg)
+            elif isinstance(msg, _wire.StoreRequest):  # the fan-out group's rendezvous, relayed
+                self.server.publisher.on_store(self, msg)
+            elif isinstance(msg, _wire.Bye):
+                self.close("actor said goodbye: " + msg.reason[:200], lost=False)
+                return
+            else:
+                raise ProtocolError(f"unexpected {type(msg).__name__} on an open session")
+
+    def _on_propose(self, msg: _wire.Propose) -> None:
+        schema = Schema.from_wire(msg.fields, max_fields=self.server.config.max_fields)
+        try:
+            schema_id, ring = self.server.negotiate_schema(schema)
+        except SchemaMismatch as exc:
+            self.control.send(_wire.Reject(str(exc)))
+            return
+        self.schema_id, self.ring = schema_id, ring
+        self.control.send(_wire.Accept(schema_id, ring.max_frame_steps))
+        self.server.grant_credits()
+
+    def _on_returned(self, steps: int) -> None:
+        with self._lock:
+            if not 0 <= steps <= self.credit:
+                raise ProtocolError(f"actor returned {steps} steps of credit but holds {self.credit}")
+            self.credit -= steps
+        self.revoking = False
+        self._owes()  # settled, unless frames it sent before reading the Revoke are still on their way
+        if self.ring is not None and steps:
+            self.ring.revoke(steps)
+        self.server.grant_credits()
+
+    def idle(self, now: float) -> bool:
+        """No frame for ``IDLE_SECONDS``: its credit is better spent on actors still sending."""
+        return now - self.last_frame > IDLE_SECONDS
+
+    def revoke_credit(self, keep: int) -> None:
+        """Ask the actor to give back its credit beyond ``keep`` steps: more actors connected
+        since it was granted, or it went idle, and others need the ring space."""
+        if self.revoking or self._owes() or self.state != "open" or self.credit <= keep:
+            return  # one unmet Revoke at a time: its deadline runs (an honest actor has nothing more to return)
+        self.revoking = True
+        self.owed_since, self.owed_keep = time.monotonic(), keep
+        self.control.send(_wire.Revoke(self.credit - keep))
+
+    def _owes(self) -> bool:
+        """Still owes revoked credit: no Returned yet, or more than it was asked to keep (the
+        frames in flight when it answered have not all landed). Clears the debt once met."""
+        if self.owed_since is not None and not self.revoking and self.credit <= self.owed_keep:
+            self.owed_since = None
+        return self.owed_since is not None
+
+    def revoke_deadline(self) -> float:
+        """How long a session may owe revoked credit: ``heartbeat_timeout`` (within which a live
+        peer's control reader answers) plus ``frame_timeout`` (the frame it may be sending
+        meanwhile, which the learner bounds by that anyway). An honest actor answers a Revoke
+        as soon as its I/O loop reads it, and the learner grants it nothing until it answers."""
+        return self.server.config.heartbeat_timeout + self.server.config.frame_timeout
+
+    def _check_revoke(self, now: float, late: float) -> bool:
+        """End the session if it has owed revoked credit for longer than ``revoke_deadline``
+        (heartbeat tick; ``late``: the learner's own pause, not the actor's fault). Returns
+        whether it was ended."""
+        if not self._owes():
+            return False
+        assert self.owed_since is not None
+        self.owed_since = min(now, self.owed_since + late)
+        deadline = self.revoke_deadline()
+        if now - self.owed_since <= deadline:
+            return False
+        answer = "no Returned" if self.revoking else "Returned, but the frames it owed did not come"
+        reason = (f"kept revoked credit past {deadline:.3g}s (heartbeat_timeout + frame_timeout): holds "
+                  f"{self.credit} steps, was asked to keep {self.owed_keep} ({answer})")  # fmt: skip
+        self.stats.protocol_errors += 1
+        self.control.send(_wire.Error("protocol", reason))
+        self.close(f"protocol error: {reason}", lost=True)  # logged; its credit goes back to the ring
+        return True
+
+    def heartbeat(self, now: float, late: float = 0.0) -> None:
+        """Called periodically on the loop: keep the peer alive and detect a silent one.
+        ``late``: how late this call came (the learner itself was paused; not the actor's fault)."""
+        timeout = self.server.config.heartbeat_timeout
+        self.last_heard = min(now, self.last_heard + late)
+        if now - self.last_heard > timeout:
+            self.close(f"no message from actor {self.actor_id} for {timeout:.3g}s", lost=True)
+            return
+        started = self.receiver.frame_started if self.receiver is not None else None
+        if started is not None and now - started > self.server.config.frame_timeout:
+            self.close(f"a frame from actor {self.actor_id} stalled mid-transfer", lost=True)
+            return
+        if self._check_revoke(now, late):
+            return
+        if now - self.control.last_send >= self.server.config.heartbeat_interval:  # only after silence
+            self.control.send(_wire.Heartbeat())
+
+    @property
+    def low_on_credit(self) -> bool:
+        """At or below the low-water mark: the only state in which grant_credits gives more."""
+        return self.credit <= self.low_water
+
+    def grant(self, steps: int, low_water: int) -> None:
+        with self._lock:
+            self.credit += steps
+            self.low_water = low_water
+        self.owed_since = None  # never while a Revoke is outstanding: this is its entitlement now
+        self.control.send(_wire.Credit(steps, self.next_seq or 0))
+
+    # --- FrameSink ------------------------------------------------------------------------------
+    def begin(self, header: bytes) -> list[memoryview]:
+        with self._lock:
+            return self._begin(header)
+
+    def _begin(self, header: bytes) -> list[memoryview]:
+        if self.state != "open":
+            raise ProtocolError("session is closed")
+        h = FrameHeader.unpack(header)
+        ring = self.ring
+        if self.schema_id is None or ring is None or h.schema_id != self.schema_id:
+            raise ProtocolError(f"frame names schema id {h.schema_id}, which this session did not negotiate")
+        if h.actor_id != self.actor_id or h.incarnation != self.incarnation:
+            raise ProtocolError(
+                f"frame claims actor {h.actor_id}/{h.incarnation}; session is {self.actor_id}/{self.incarnation}"
+            )
+        if not 0 < h.n_steps <= ring.max_frame_steps:
+            raise ProtocolError(f"frame of {h.n_steps} steps; limit {ring.max_frame_steps}")
+        if h.seq + h.n_steps >= 1 << 63:  # seqs are int64 in a batch (Batch.seq)
+            raise ProtocolError(f"frame seq {h.seq} + {h.n_steps} steps is beyond 2**63")
+        if h.payload_bytes != h.n_steps * ring.schema.step_bytes:
+            raise ProtocolError(f"payload {h.payload_bytes} bytes does not match {h.n_steps} steps of the schema")
+        if h.n_steps > self.credit:
+            raise ProtocolError(f"frame of {h.n_steps} steps exceeds the {self.credit} steps of credit granted")
+        resumed, self.resumed = self.resumed, False
+        if self.next_seq is None:  # a stream this learner never saw starts wherever it is
+            self.next_seq = h.seq
+        elif resumed and h.seq > self.next_seq:
+            # Resuming after a reconnect, past where the last session stopped: steps the actor
+            # could not keep for resending (counted, never silent).
+            self.stats.lost_steps += h.seq - self.next_seq
+            self.next_seq = h.seq
+        if h.seq + h.n_steps <= self.next_seq:  # resent, but already delivered: drop it
+            self.credit -= h.n_steps
+            ring.revoke(h.n_steps)
+            self._frame = (h, None)
+            return self._scratch(h.payload_bytes, h.n_steps, ring)
+        if h.seq != self.next_seq:
+            raise ProtocolError(f"frame seq {h.seq}, expected {self.next_seq}")
+        seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version, h.put_time_us * 1e-6)
+        self.credit -= h.n_steps
+        self.stats.credit_exhausted += not self.credit
+        self._frame = (h, seg)
+        views = ring.field_views(seg)
+        if self.transport == "ucx" and any(len(v) > 1 for v in views):
+            # UCX receives each field as one message into one buffer; a frame that wraps or
+            # crosses a chunk lands in a scratch buffer and is scattered into the ring on commit.
+            self._scatter = views
+            landing = self._landing_for(h.payload_bytes)
+            out, offset = [], 0
+            for field_views in views:
+                size = sum(len(v) for v in field_views)
+                out.append(landing[offset : offset + size])
+                offset += size
+            return out
+        return [v for field_views in views for v in field_views]
+
+    def _scratch(self, size: int, n_steps: int, ring: StepRing) -> list[memoryview]:
+        """Views the payload of a duplicate frame is received into and forgotten."""
+        landing, out, offset = self._landing_for(size), [], 0
+        for spec in ring.schema.fields:
+            out.append(landing[offset : offset + n_steps * spec.step_bytes])
+            offset += n_steps * spec.step_bytes
+        return out
+
+    def _landing_for(self, size: int) -> memoryview:
+        if self._landing is None or len(self._landing) < size:
+            self._landing = memoryview(bytearray(size))
+        return self._landing
+
+    def end_threadsafe(self) -> None:
+        """The frame is complete (any thread): commit now; wake the I/O loop only when a flush
+        waits for it or credit runs low, so a stream of frames costs no loop round trips."""
+        self._commit()
+        # Credit can only be topped up where the ring has room; otherwise the consumer's next
+        # release triggers the grant.
+        if (self.next_seq or 0) >= self.ack_wanted:
+            call_soon_any_thread(self.server.loop, self._after_frame)
+        elif self.low_on_credit:
+            self.server.credit_low()
+
+    def _commit(self) -> None:
+        with self._lock:
+            assert self._frame is not None and self.ring is not None
+            h, seg = self._frame
+            self._frame = None
+            if seg is None:
+                self.stats.duplicate_steps += h.n_steps
+                return
+            if self.state != "open":  # replaced by a reconnect meanwhile: its resume point is fixed
+                self._scatter = None
+                self.ring.abandon(seg)
+                return
+            if self._scatter is not None:
+                self._scatter_landing()
+            self.ring.commit(seg)
+            self.last_frame = time.monotonic()
+            self.next_seq = h.seq + h.n_steps
+            self.stats.frames += 1
+            self.stats.steps += h.n_steps
+            self.stats.bytes += h.payload_bytes
+            self.last_heard = time.monotonic()
+
+    def _scatter_landing(self) -> None:
+        assert self._landing is not None and self._scatter is not None
+        offset = 0
+        for field_views in self._scatter:
+            for view in field_views:
+                view[:] = self._landing[offset : offset + len(view)]
+                offset += len(view)
+        self._scatter = None
+
+    def _after_frame(self) -> None:
+        if self.state != "open":
+            return
+        if self.next_seq is not None and self.next_seq >= self.ack_wanted:
+            self.ack_wanted = 1 << 62
+            self.control.send(_wire.Ack(self.next_seq))
+        self.server.grant_credits()
+
+    def abandon(self) -> None:
+        """The receiver guarantees nothing more is written: a frame in progress is torn."""
+        with self._lock:
+            frame, self._frame = self._frame, None
+            # Drop the landing buffer (up to a frame's bytes) now: the session may sit in a
+            # reference cycle with its receiver until the garbage collector's next full pass.
+            self._scatter = self._landing = None
+        if frame is not None and frame[1] is not None and self.ring is not None:
+            self.ring.abandon(frame[1])
+            self.stats.torn_frames += 1
+
+    def fail_threadsafe(self, exc: BaseException) -> None:
+        call_soon_any_thread(self.server.loop, self.fail, exc)
+
+    def fail(self, exc: BaseException) -> None:
+        if self.state != "open":  # e.g. a frame already on its way when the session ended: not a fault
+            log.debug("actor %s session %s, already ended: %s", self.actor_id, self.id, exc)
+            return
+        if isinstance(exc, EOFError):
+            # A clean close between frames; the control channel (Bye or EOF) decides whether
+            # this was a goodbye or a crash.
+            log.debug("actor %s closed its data plane", self.actor_id)
+            return
+        if isinstance(exc, DataPlaneRetired):
+            self.close(str(exc), lost=False, moved=True)
+            return
+        if isinstance(exc, ProtocolError):
+            self.stats.protocol_errors += 1
+            log.warning("actor %s: protocol error on the data plane: %s", self.actor_id, exc)
+            self.control.send(_wire.Error("protocol", str(exc)[:500]))
+            self.close(f"protocol error: {exc}", lost=True)
+        else:
+            self.close(f"data connection lost: {exc}", lost=True)
+
+    # --- lifecycle --------------------------------------------------------------------------------
+    def close(self, reason: str, *, lost: bool, moved: bool = False) -> None:
+        """End the session: ``lost`` (a fault, reported as PeerLost), ``moved`` (the actor was
+        asked to reconnect elsewhere), or else closed (a goodbye, or the learner closing)."""
+        if self.state != "open":
+            return
+        with self._lock:  # after this, no frame commits: next_seq is where a reconnect resumes
+            self.state = "lost" if lost else "moved" if moved else "closed"
+            credit, self.credit = self.credit, 0
+        self.error = reason if lost else None
+        if self.ring is not None and credit:
+            self.ring.revoke(credit)
+        if self.receiver is not None:
+            self.receiver.close()  # the receiver calls abandon() once nothing more can land
+        if self.shm_ring is not None:
+            self.shm_ring.close()  # never attached
+            self.shm_ring = None
+        self.control.close()
+        (log.warning if lost else log.info)("actor %s session %s ended: %s", self.actor_id, self.id, reason)
+        self.server.session_ended(self, PeerLost(reason) if lost else None)

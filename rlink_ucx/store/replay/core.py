@@ -1,0 +1,434 @@
+"""The replay's state behind one lock: table, sampler and rate limiter; inserts and samples.
+
+Inserts happen in three moves so that a sample never waits for a whole copy: under the lock
+the oldest steps are evicted to make room (so no sampler can pick them), the step bytes are
+copied into the freed slots without the lock, and under the lock again the new ids become
+visible. A ``BlockTable`` (large steps, host memory) copies only what it cannot take whole:
+in the first move it maps whole ring chunks that are its own blocks to their steps and picks
+free blocks to put in the ring in their place, swapped in during the second.
+
+A sample picks ids and finds their rows under the lock, then copies the rows without it, into
+staging buffers reused only once no batch refers to them; so several threads may gather at
+once (``store/sample_ahead.py``). An insert that must evict waits until no gather is copying
+(an evicted row may be overwritten at once), and while it waits no new gather starts.
+With ``storage="device"`` the rows live on the device (``DeviceTable``) and a sample gathers
+them there; only the ids, weights and metadata go through host staging.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ...batch import Batch
+from ...errors import Closed, ConfigError, SchemaMismatch
+from ...errors import TimeoutError as RLinkTimeout
+from ...wire.codec import Schema, torch_dtype, typed_view
+from ..ring import Piece, StepRing
+from .block_table import BlockTable, spare_blocks
+from .device_table import DeviceTable
+from .limiter import RateLimiter
+from .pieces import chunk_groups, contiguous, streams
+from .samplers import UniformSampler, _checked, make_sampler
+from .split_gather import gather_rows
+from .table import PRIORITY_FIELD, ReplayTable
+
+__all__ = ["ReplayCore", "stored_schema"]
+
+_POOL = 4  # staging buffer sets kept for reuse
+ADOPT_MIN_BYTES = 1 << 20  # ring chunks at least this large are taken without copying (host tables)
+
+
+def stored_schema(stream: Schema) -> Schema:
+    """The fields a replay keeps of an actor stream: all but the reserved priority field."""
+    return Schema(tuple(f for f in stream.fields if f.name != PRIORITY_FIELD))
+
+
+class ReplayCore:
+    def __init__(self, *, capacity: int, batch_size: int, sampler: str, sequence_length: int | None,
+                 alpha: float, beta: float, limiter: RateLimiter, device: Any,
+                 version: Callable[[], int], seed: int | None = None, storage: str = "host"):  # fmt: skip
+        import torch
+
+        self.torch = torch
+        self.capacity = capacity
+        self.batch_size = batch_size
+        self.kind = sampler
+        self.sequence_length = sequence_length
+        self.alpha, self.beta = alpha, beta
+        self.limiter = limiter
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.pin = self.cuda or torch.cuda.is_available()
+        self.storage = storage  # "host": numpy rows (pinned where CUDA exists); "device": tensors on device
+        self.version = version
+        self.rng = np.random.default_rng(seed)
+        self.cond = threading.Condition()
+        self.table: ReplayTable | None = None
+        self.sampler: UniformSampler | None = None
+        self.error: BaseException | None = None
+        self.closed = False
+        self.ended = False  # the inserter stopped: nothing more will arrive
+        self.paused = 0  # saves in progress: no insert while > 0
+        self.inserting = False  # an insert is copying outside the lock
+        self._stream: tuple[list[int], int | None] | None = None  # ring field per stored field, priority field
+        self.adopt_min_bytes = ADOPT_MIN_BYTES
+        self.ring_geometry: tuple[int, int] | None = None  # the learner ring's (chunk_steps, capacity), once known
+        self._pool: list[_Staging] = []
+        self.pool_size = _POOL  # staging sets kept for reuse (more while sampling ahead)
+        self._dtypes: list[Any] = []
+        self.gathering = 0  # samples copying rows outside the lock
+        self.evicting = 0  # inserts waiting for those copies to finish before they evict
+
+    # --- setup ------------------------------------------------------------------------------------
+    def build(self, schema: Schema, touch: bool = True, ring: tuple[int, int] | None = None) -> None:
+        """Allocate the table for ``schema`` (the stored fields); lock held or not yet shared.
+        ``ring``: the learner ring's ``(chunk_steps, capacity)`` if known, for ``adopts``."""
+        ring = ring or self.ring_geometry
+        if self.storage == "device":
+            self.table = DeviceTable(schema, self.capacity, self.sequence_length, device=self.device, touch=touch)
+        elif ring is not None and self._adoptable(schema, *ring):
+            chunk, steps = ring
+            self.table = BlockTable(schema, self.capacity, self.sequence_length, block=chunk,
+                                    spare=spare_blocks(steps, chunk), touch=touch)  # fmt: skip
+        else:
+            self.table = ReplayTable(schema, self.capacity, self.sequence_length, pin=self.pin, touch=touch)
+        self.sampler = make_sampler(self.kind, self.table, self.rng, self.alpha, self.beta)
+        self._dtypes = [torch_dtype(f.dtype) for f in schema.fields]
+
+    def _adoptable(self, schema: Schema, chunk: int, ring_steps: int) -> bool:
+        """Whether a host table takes whole ring chunks without copying (``BlockTable``): large
+        steps (copying them is what costs), unpinned storage (the ring keeps some of its blocks
+        after the replay is gone), and a ring small next to the table (its blocks are extra)."""
+        return (not self.pin and chunk * schema.step_bytes >= self.adopt_min_bytes
+                and 4 * ring_steps <= self.capacity)  # fmt: skip
+
+    @property
+    def adopts(self) -> bool:
+        """Inserts take whole ring chunks into the table without copying them."""
+        return isinstance(self.table, BlockTable)
+
+    def attach(self, stream: Schema, ring: tuple[int, int] | None = None) -> None:
+        """The learner's stream schema is known: allocate, or check it against a loaded table.
+        ``ring``: its ring's ``(chunk_steps, capacity)``."""
+        stored = stored_schema(stream)
+        names = [f.name for f in stream.fields]
+        with self.cond:
+            if self.table is None:
+                self.build(stored, ring=ring)
+            elif self.table.schema != stored:
+                raise SchemaMismatch(f"the actors' schema {stored.describe()} does not match the replay's "
+                                     f"{self.table.schema.describe()}: {self.table.schema.compare(stored)}")  # fmt: skip
+            prio = names.index(PRIORITY_FIELD) if PRIORITY_FIELD in names else None
+            if prio is not None and stream.fields[prio].describe() != "float32[]":
+                raise SchemaMismatch(f"field {PRIORITY_FIELD!r} is reserved for priorities (float32, one per step)")
+            self._stream = ([names.index(f.name) for f in stored.fields], prio)
+            self.cond.notify_all()
+
+    def fail(self, exc: BaseException) -> None:
+        """The inserter died: every later sample raises ``exc``."""
+        with self.cond:
+            self.error = exc
+            self.cond.notify_all()
+
+    def close(self) -> None:
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+
+    def close_inserts(self) -> None:
+        """No step will come any more (the learner closed): a sample that must wait fails."""
+        with self.cond:
+            self.ended = True
+            self.cond.notify_all()
+
+    # --- inserting (the inserter thread) ----------------------------------------------------------
+    def wait_room(self) -> int | None:
+        """Block until a step may be inserted; returns how many (None: any number; 0: closing)."""
+        with self.cond:
+            while not self.closed:
+                room = self._room()
+                if room is None or room > 0:
+                    return room
+                self.cond.wait()
+            return 0
+
+    def _room(self) -> int | None:
+        if self.paused or self.table is None or self.sampler is None:
+            return 0
+        rooms = [r for r in (self.limiter.insert_room(self.table.held), self.sampler.insert_room()) if r is not None]
+        return min(rooms) if rooms else None
+
+    def insert(self, ring: StepRing, pieces: list[Piece]) -> None:
+        """Put the taken ``pieces`` into the table (the caller releases the ring space)."""
+        n = sum(p.count for p in pieces)
+        if not n:
+            return
+        table, sampler = self.table, self.sampler
+        assert table is not None and sampler is not None and self._stream is not None
+        fields, prio = self._stream
+        groups = chunk_groups(ring, pieces, fields, table) if isinstance(table, BlockTable) else None
+        with self.cond:
+            while True:
+                while self.paused:  # a save began after wait_room said yes: its snapshot comes first
+                    self.cond.wait()
+                if not (table.held + n > table.capacity and self.gathering):
+                    break
+                # Rows about to be evicted may be being copied into a batch: wait for those
+                # copies (and keep new ones from starting meanwhile, or they never all end),
+                # then look again: a save may have begun while we waited.
+                self.evicting += 1
+                try:
+                    while self.gathering:
+                        self.cond.wait()
+                finally:
+                    self.evicting -= 1
+            sampler.on_evict(table.evict_for(n))
+            start = table.inserted
+            if groups is not None:
+                assert isinstance(table, BlockTable)
+                # A whole chunk gets a free block of the table in its place in the ring; one that
+                # is a block of ours becomes its steps' rows only then (never left in the ring).
+                lends = [table.lend_block() if g.whole else None for g in groups]
+                plan = table.place(start, [(g.count, g.adopt if lend is not None else None)
+                                           for g, lend in zip(groups, lends)])  # fmt: skip
+            self.inserting = True
+        priorities = None
+        try:
+            # Read the priorities first: a chunk handed back to the ring below is no longer readable.
+            if prio is not None:
+                priorities = np.concatenate([ring.piece_bytes(prio, p).view(np.float32) for p in pieces])
+            if groups is None:
+                at = start
+                for span in contiguous(pieces, ring.chunk_steps):  # one copy per run of consecutive ring positions
+                    table.write(at, [ring.piece_bytes(i, span) for i in fields], span.count)
+                    at += span.count
+            else:
+                assert isinstance(table, BlockTable)
+                for group, runs, lend in zip(groups, plan, lends):
+                    if runs:
+                        spans = list(contiguous(group.pieces, ring.chunk_steps))
+                        table.copy_in(runs, [[ring.piece_bytes(i, s) for s in spans] for i in fields])
+                    if lend is not None and ring.lend_chunk(group.pieces, self._ring_chunk(table, lend, ring)) is None:
+                        raise RuntimeError("a whole ring chunk could not be swapped")  # chunk_groups checked it
+            at = start
+            for run in streams(pieces):  # one description per run of one actor's consecutive steps
+                table.describe(at, run.count, run.actor_id, run.seq, run.version)
+                at += run.count
+        finally:
+            table.finish_writes()
+            with self.cond:
+                self.inserting = False
+                table.publish(n)
+                ids = np.arange(start, start + n, dtype=np.int64)
+                sampler.on_insert(ids, priorities)
+                self.limiter.inserted += n
+                self.cond.notify_all()
+
+    def _ring_chunk(self, table: BlockTable, block: int, ring: StepRing) -> list[np.ndarray]:
+        """The free ``block`` as a ring chunk: its rows per stored field, in the stream's field
+        order, and a small buffer of its own for the priority field (not stored as a field)."""
+        assert self._stream is not None
+        fields, prio = self._stream
+        views = table.block_views(block)
+        chunk: list[np.ndarray] = [np.empty(0, dtype=np.uint8)] * len(ring.schema.fields)
+        for i, view in zip(fields, views):
+            chunk[i] = view
+        if prio is not None:
+            chunk[prio] = np.empty(ring.chunk_steps * ring.schema.fields[prio].step_bytes, dtype=np.uint8)
+        return chunk
+
+    # --- sampling ---------------------------------------------------------------------------------
+    def sample(self, timeout: float, split: bool = True) -> Batch:
+        """One batch. ``split``: a large host gather may be shared with the split-gather helper
+        (threads sampling ahead pass False: they gather side by side instead)."""
+        deadline = time.monotonic() + timeout
+        with self.cond:
+            while True:
+                if self.error is not None:
+                    raise _again(self.error)
+                if self.closed:
+                    raise Closed("the replay is closed")
+                table, sampler = self.table, self.sampler
+                got = None
+                if (table is not None and sampler is not None and not self.evicting
+                        and self.limiter.can_sample(self.batch_size, table.held)):  # fmt: skip
+                    got = sampler.sample(self.batch_size)
+                if got is not None:
+                    break
+                if self.ended:
+                    raise Closed("the learner is closed: no more steps will arrive, " + self._why_waiting(None))
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise self.timed_out(timeout)
+                self.cond.wait(left)
+            self.limiter.sampled += self.batch_size
+            self.cond.notify_all()  # the inserter may be waiting for room in the band
+            draw = self._draw(*got)
+            if draw.rows is None:  # a device table gathered under the lock
+                try:
+                    return self._batch(draw)
+                finally:
+                    draw.staging.claimed = False
+            self.gathering += 1
+        try:
+            gather_rows(list(zip(draw.table.rows, draw.staging.fields)), draw.rows, split)
+            return self._batch(draw)
+        finally:
+            with self.cond:
+                self.gathering -= 1
+                draw.staging.claimed = False  # the batch's tensors hold it now (or nobody does)
+                if self.evicting and not self.gathering:
+                    self.cond.notify_all()
+
+    def timed_out(self, timeout: float) -> RLinkTimeout:
+        """The error of a sample that waited ``timeout`` seconds in vain, saying why."""
+        return RLinkTimeout(f"sample timed out after {timeout:.3g}s: " + self._why_waiting(timeout))
+
+    def _why_waiting(self, timeout: float | None) -> str:
+        held = self.table.held if self.table is not None else 0
+        what = f"{held} steps held"
+        if self.table is None:
+            return what + " (no actor has sent a schema yet)"
+        if held < self.limiter.min_size:
+            return what + f", min_size is {self.limiter.min_size}"
+        if self.limiter.samples_per_insert is not None and not self.limiter.can_sample(self.batch_size, held):
+            return what + " (the samples_per_insert rate limiter waits for inserts)"
+        return what + f" (not enough items for a batch of {self.batch_size})"
+
+    def _staging(self, rows: int) -> _Staging:
+        """A free staging set for ``rows`` rows, claimed (lock held)."""
+        for staging in self._pool:
+            if staging.rows == rows and not staging.in_use():
+                staging.claimed = True
+                return staging
+        assert self.table is not None
+        fields = not (self.table.on_device and self.cuda)  # a CUDA gather makes its own tensors
+        staging = _Staging(self.table, rows, self.batch_size, self.pin, fields)
+        staging.claimed = True
+        if len(self._pool) < self.pool_size:
+            self._pool.append(staging)
+        return staging
+
+    def _draw(self, ids: np.ndarray, weights: np.ndarray) -> _Draw:
+        """Everything of the batch of ``ids`` but the host rows' bytes (lock held): its staging,
+        metadata, and the storage rows to copy; a device table gathers here."""
+        table = self.table
+        assert table is not None
+        every = table.window_ids(ids) if self.sequence_length else ids
+        staging = self._staging(every.size)
+        draw = _Draw(table, staging, len(ids))
+        if isinstance(table, DeviceTable):
+            draw.tensors = table.gather_device(every, staging.fields, staging.slots)
+        else:
+            draw.rows = table.storage_rows(every)
+        version, actor_id, seq = table.meta(every.ravel())
+        meta = staging.meta
+        meta[0], meta[1], meta[2] = version, actor_id, seq
+        np.subtract(self.version(), meta[0], out=meta[3])
+        staging.index[:] = ids
+        staging.weight[:] = weights
+        return draw
+
+    def _batch(self, draw: _Draw) -> Batch:
+        torch, table, staging = self.torch, draw.table, draw.staging
+        rows = draw.tensors if draw.rows is None else [torch.from_numpy(host) for host in staging.fields]
+        lead = (draw.items, table.window) if self.sequence_length else (draw.items,)
+        fields = {
+            spec.name: typed_view(raw, dtype, *lead, *spec.shape)
+            for spec, raw, dtype in zip(table.schema.fields, rows, self._dtypes)
+        }
+        m = torch.from_numpy(staging.meta).view(4, *lead)
+        index, weight = torch.from_numpy(staging.index), torch.from_numpy(staging.weight)
+        if self.cuda:
+            if not table.on_device:
+                fields = {k: v.to(self.device, non_blocking=True) for k, v in fields.items()}
+            m, index, weight = (x.to(self.device, non_blocking=True) for x in (m, index, weight))
+            staging.copied = torch.cuda.Event()
+            staging.copied.record(torch.cuda.current_stream(self.device))
+        return Batch(fields, version=m[0], actor_id=m[1], seq=m[2], staleness=m[3], index=index, weight=weight)
+
+    def update_priorities(self, index: Any, priorities: Any) -> None:
+        ids = _numpy(index).astype(np.int64, copy=False).reshape(-1)
+        p = _checked(_numpy(priorities), ids.size)
+        with self.cond:
+            if self.sampler is not None:
+                self.sampler.update(ids, p)
+
+    # --- pausing for a checkpoint ---------------------------------------------------------------
+    def pause(self) -> None:
+        """Stop inserts (they wait, and so do the actors) and wait for one in flight."""
+        with self.cond:
+            self.paused += 1
+            while self.inserting:
+                self.cond.wait()
+
+    def resume(self) -> None:
+        with self.cond:
+            self.paused -= 1
+            self.cond.notify_all()
+
+
+class _Draw:
+    """A batch being made: its table, staging and item count; the storage rows still to copy
+    (host tables) or the gathered tensors (device tables)."""
+
+    def __init__(self, table: ReplayTable, staging: _Staging, items: int):
+        self.table = table
+        self.staging = staging
+        self.items = items
+        self.rows: np.ndarray | None = None
+        self.tensors: list[Any] = []
+
+
+class _Staging:
+    """Host buffers for one batch; torch tensors made from them keep them referenced."""
+
+    def __init__(self, table: ReplayTable, rows: int, batch_size: int, pin: bool, fields: bool = True):
+        self.rows = rows
+        self.claimed = False  # handed to a sample that has not made its tensors yet
+        self.fields = [_empty((rows, spec.step_bytes), np.uint8, pin) for spec in table.schema.fields] if fields else []
+        self.slots = _empty((rows,), np.int64, pin)  # slot numbers, for a device gather's index
+        self.meta = _empty((4, rows), np.int64, pin)
+        self.index = _empty((batch_size,), np.int64, pin)
+        self.weight = _empty((batch_size,), np.float32, pin)
+        self.copied: Any = None  # the CUDA event of the copy to the device
+
+    def in_use(self) -> bool:
+        if self.claimed or (self.copied is not None and not self.copied.query()):
+            return True
+        # 4 = this object's slot, the tuple, the loop variable and getrefcount's argument.
+        return any(sys.getrefcount(a) > 4 for a in (*self.fields, self.slots, self.meta, self.index, self.weight))
+
+
+def _empty(shape: tuple[int, ...], dtype: Any, pin: bool) -> np.ndarray:
+    if pin:
+        import torch
+
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy().view(dtype).reshape(shape)
+    return np.empty(shape, dtype=dtype)
+
+
+def _again(exc: BaseException) -> BaseException:
+    """A fresh error of the inserter's type for this caller, with the original as its cause."""
+    try:
+        again = type(exc)(f"the replay stopped receiving: {exc}")
+    except Exception:  # noqa: BLE001 - a type that takes other arguments: say it plainly
+        again = Closed(f"the replay stopped receiving: {exc!r}")
+    again.__cause__ = exc
+    return again
+
+
+def _numpy(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):  # a torch tensor, maybe on a GPU
+        return x.detach().cpu().numpy()
+    try:
+        return np.asarray(x)
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"expected an array or tensor, got {type(x).__name__}") from exc

@@ -32,7 +32,7 @@ from ..wire import keys as _keys
 from ..wire import messages as _wire
 from .group import formation_timeout, new_group, wait_all
 from .rendezvous import KeyValue, LocalStore, answer, relay_store
-from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, state_dict_of
+from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
 
 
 class Member(Protocol):
@@ -82,6 +82,7 @@ class Publisher:
         self._publish_lock = threading.Lock()  # one snapshot at a time
         self._cv = threading.Condition()  # guards latest/_fanned; signals acks
         self._fanned = 0  # newest version whose fan-out has ended
+        self._burned = 0  # newest version whose publish failed after its fan-out could start
         self._thread: threading.Thread | None = None
         self._closed = False
         self._group: Any = None
@@ -98,19 +99,38 @@ class Publisher:
 
     # --- training thread ----------------------------------------------------------------------
     def publish(self, obj: Any, *, wait: bool, timeout: float | None) -> int:
-        state = state_dict_of(obj)
+        """Snapshot ``obj`` as the next version and start its fan-out. A value that cannot be
+        published raises before anything changes (``stats["last_error"]`` says what failed);
+        the next good publish fans out at once."""
         with self._publish_lock:
             if self._closed:
                 raise Closed("the learner is closed")
-            version = self.server.version + 1
-            snap = begin_snapshot(state, version, self.config.weights_bucket_bytes, self._pool)
+            # A version whose copy failed half-way may have reached the fan-out: never reuse its number.
+            version = max(self.server.version, self._burned) + 1
+            try:
+                state = state_dict_of(obj)
+                snap = begin_snapshot(state, version, self.config.weights_bucket_bytes, self._pool)
+                srcs = sources(snap, state)
+            except Exception as exc:
+                self.stats["last_error"] = f"publish refused: {exc!r}"[:500]
+                raise
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rlink-publisher", daemon=True)
                 self._thread.start()
             with self._cv:  # the fan-out starts now and sends each bucket as soon as it is copied
-                self.pending = snap
+                previous, self.pending = self.pending, snap
                 self._cv.notify_all()
-            fill(snap, state)
+            try:
+                fill(snap, srcs)
+            except BaseException as exc:
+                snap.abandon(exc)
+                with self._cv:
+                    if self.pending is snap:
+                        self.pending = previous
+                    self._burned = version
+                    self.stats["last_error"] = f"publish of version {version} failed: {exc!r}"[:500]
+                    self._cv.notify_all()
+                raise
             with self._cv:
                 self.latest = snap
                 self.server.version = version

@@ -69,7 +69,7 @@ class Snapshot:
     becomes readable bucket by bucket, so the fan-out can send bucket 0 while later ones are
     still being copied; it is *sealed* once every bucket's tag is computed."""
 
-    __slots__ = ("_cv", "device", "flat", "host", "key", "manifest", "ready", "sealed", "shared", "tags")
+    __slots__ = ("_cv", "device", "failed", "flat", "host", "key", "manifest", "ready", "sealed", "shared", "tags")
 
     def __init__(self, manifest: Manifest, flat: Any, device: str, *, sealed: bool = True,
                  key: VersionKey | None = None, tags: list[bytes] | None = None):  # fmt: skip
@@ -82,6 +82,7 @@ class Snapshot:
             self.tags = self.key.tags(flat, manifest.buckets(), manifest.version)
         self.sealed = sealed  # every bucket copied and tagged
         self.ready = len(manifest.buckets()) if sealed else 0  # buckets copied so far
+        self.failed: BaseException | None = None  # why writing it stopped half-way (abandon)
         self._cv = threading.Condition()
 
     @property
@@ -99,8 +100,16 @@ class Snapshot:
     def wait_ready(self, buckets: int, timeout: float) -> None:
         """Until the first ``buckets`` buckets are copied (``len(buckets())`` + 1: sealed)."""
         with self._cv:
-            if not self._cv.wait_for(lambda: self.ready >= buckets or self.sealed, timeout):
+            if not self._cv.wait_for(lambda: self.ready >= buckets or self.sealed or self.failed, timeout):
                 raise RLinkError(f"weights version {self.version}: snapshot not written within {timeout:.3g}s")
+            if self.failed is not None and not self.sealed and self.ready < buckets:
+                raise RLinkError(f"weights version {self.version}: its publish failed: {self.failed!r}")
+
+    def abandon(self, exc: BaseException) -> None:
+        """Writing stopped half-way: whoever waits for a bucket not written raises at once."""
+        with self._cv:
+            self.failed = exc
+            self._cv.notify_all()
 
     def verify(self, index: int | None = None) -> None:
         """Check one bucket (or all) against its tag; ProtocolError names a bucket that differs."""
@@ -186,10 +195,24 @@ def begin_snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, po
     return snap
 
 
-def fill(snap: Snapshot, state: Mapping[str, Any]) -> None:
-    """Copy ``state`` into ``snap`` in bucket-sized pieces, releasing each bucket to the fan-out
-    as soon as it is copied; then tag every bucket (while the first ones are on their way) and
-    seal the snapshot."""
+def sources(snap: Snapshot, state: Mapping[str, Any]) -> list[Any]:
+    """Every entry of ``state`` as a flat byte view ready to copy into ``snap``. All that can
+    fail on a bad value (a meta tensor, an object that is no tensor) fails here, before the
+    snapshot is announced to the fan-out."""
+    on_device = not isinstance(snap.flat, np.ndarray)
+    out = []
+    for t in state.values():
+        if on_device:
+            out.append(t.detach().contiguous().reshape(-1).view(snap.flat.dtype))
+        else:
+            out.append(_np(t.cpu()).reshape(-1).view(np.uint8))  # reshape copies only a non-contiguous tensor
+    return out
+
+
+def fill(snap: Snapshot, srcs: list[Any]) -> None:
+    """Copy the views from :func:`sources` into ``snap`` in bucket-sized pieces, releasing each
+    bucket to the fan-out as soon as it is copied; then tag every bucket (while the first ones
+    are on their way) and seal the snapshot."""
     buckets = snap.manifest.buckets()
     on_device = not isinstance(snap.flat, np.ndarray)
     released = 0
@@ -209,11 +232,7 @@ def fill(snap: Snapshot, state: Mapping[str, Any]) -> None:
                 snap.ready = released = n
                 snap._cv.notify_all()
 
-    for e, t in zip(snap.manifest.entries, state.values()):
-        if on_device:
-            src = t.detach().contiguous().reshape(-1).view(snap.flat.dtype)
-        else:
-            src = _np(t.cpu()).reshape(-1).view(np.uint8)  # reshape copies only a non-contiguous tensor
+    for e, src in zip(snap.manifest.entries, srcs):
         at = 0
         while at < len(src):
             stop = min(len(src), (e.offset + at) // snap.manifest.bucket_bytes * snap.manifest.bucket_bytes
@@ -232,5 +251,5 @@ def fill(snap: Snapshot, state: Mapping[str, Any]) -> None:
 def snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:
     """Copy ``state`` into a flat buffer (so training may go on at once) and tag it."""
     snap = begin_snapshot(state, version, bucket_bytes, pool)
-    fill(snap, state)
+    fill(snap, sources(snap, state))
     return snap

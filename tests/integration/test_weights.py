@@ -155,3 +155,69 @@ def test_staleness_is_counted_and_old_steps_are_dropped(max_staleness):
     assert staleness["histogram"] == expected
     assert staleness["dropped"] == (0 if max_staleness is None else 200)
     assert staleness["max"] == max(expected)
+
+
+@pytest.mark.timeout(180)
+def test_a_publish_that_raises_changes_nothing_and_the_next_good_one_fans_out_at_once():
+    # A value publish() cannot take (a numpy array where a tensor was expected, a meta tensor,
+    # no mapping at all) used to leave a half-made version pending: later good publishes were
+    # numbered but never reached an actor.
+    import torch
+
+    bad_values = [
+        {"w": np.ones(3, np.float32), **model_state(9)},
+        {"meta": torch.empty(4, device="meta"), **model_state(9)},
+        [1, 2, 3],
+    ]
+    with Learner("127.0.0.1:0", transport="tcp", config=Config(weights_timeout=30)) as learner:
+        procs, results, leave = start_followers(learner, 2, until=3)
+        for v in (1, 2):
+            assert learner.publish(model_state(v), wait=True, timeout=60) == v
+        before = learner.stats()["weights"]
+        for bad in bad_values:
+            with pytest.raises((TypeError, AttributeError, NotImplementedError, RuntimeError)):
+                learner.publish(bad)
+            assert learner.version == 2
+            error = learner.stats()["weights"]["last_error"]
+            assert error is not None and error.startswith("publish refused"), error
+        after_bad = learner.stats()["weights"]
+        assert after_bad["published"] == before["published"] == 2 and after_bad["fanouts"] == before["fanouts"]
+        started = time.monotonic()
+        assert learner.publish(model_state(3), wait=True, timeout=60) == 3
+        took = time.monotonic() - started
+        reports = [results.get(timeout=60) for _ in procs]
+        leave.set()
+        assert join_all(procs) == [0, 0]
+        stats = learner.stats()["weights"]
+    assert took < 20, f"the good publish after bad ones took {took:.1f}s to fan out"
+    for r in reports:
+        assert r["seen"][-1] == 3 and r["state"] == as_bytes(model_state(3)), r["seen"]
+    assert stats["published"] == 3 and stats["fanout_failures"] == 0, stats
+
+
+@pytest.mark.timeout(180)
+def test_a_publish_whose_copy_fails_half_way_is_abandoned_and_its_number_never_reused(monkeypatch):
+    from rlink_ucx.weights import publisher, snapshot
+
+    real_fill = snapshot.fill
+
+    def fill_then_fail(snap, srcs):
+        with snap._cv:  # the first bucket is out to the fan-out, then the copy dies
+            snap.ready = 1
+            snap._cv.notify_all()
+        raise RuntimeError("device lost mid-copy")
+
+    with Learner("127.0.0.1:0", transport="tcp", config=Config(weights_timeout=30, weights_bucket_bytes=1024)) as learner:
+        procs, results, leave = start_followers(learner, 1, until=3)
+        assert learner.publish(model_state(1), wait=True, timeout=60) == 1
+        monkeypatch.setattr(publisher, "fill", fill_then_fail)
+        with pytest.raises(RuntimeError, match="mid-copy"):
+            learner.publish(model_state(2))
+        assert learner.version == 1
+        assert "publish of version 2 failed" in learner.stats()["weights"]["last_error"]
+        monkeypatch.setattr(publisher, "fill", real_fill)
+        assert learner.publish(model_state(3), wait=True, timeout=60) == 3  # 2 may be half-known: skipped
+        reports = [results.get(timeout=60) for _ in procs]
+        leave.set()
+        assert join_all(procs) == [0]
+    assert reports[0]["seen"] == [1, 3] and reports[0]["state"] == as_bytes(model_state(3)), reports[0]["seen"]

@@ -1,19 +1,23 @@
 """The token a learner generates when it is given none, kept where only its user can read it.
 
 One file per listening port, ``<dir>/<port>.token`` (mode 0600), in a directory of mode 0700
-owned by the user: ``Config.token_dir``, else ``$XDG_RUNTIME_DIR/rlink`` (where that variable
-names a directory of this user closed to others), else ``/tmp/rlink-<uid>``. Every directory is
-checked before it is trusted (a real directory, not a link, owned by this user, closed to group
-and others): another user can neither read a token nor plant one, and one who pre-created
-``/tmp/rlink-<uid>`` gets a refusal, never a token. The same user's actors on this host read the
-file at each connection attempt, so a restarted learner's new token is picked up.
+owned by the user: ``Config.token_dir`` when set; else the first of ``$XDG_RUNTIME_DIR/rlink``
+(where that variable names a directory of this user closed to others), ``<tmp>/rlink-<uid>``
+(``<tmp>`` is ``$TMPDIR`` or ``/tmp``) and ``~/.cache/rlink/tokens`` that is private to the user
+or can be made so. Every directory is checked before it is trusted (a real directory, not a
+link, owned by this user, closed to group and others): another user can neither read a token
+nor plant one, and one who pre-created ``/tmp/rlink-<uid>`` only pushes the token to the next
+place. The same user's actors on this host look in the same places, in the same order, at each
+connection attempt, so a restarted learner's new token is picked up.
 """
 
 from __future__ import annotations
 
 import os
+import logging
 import secrets
 import stat
+import tempfile
 from pathlib import Path
 
 from ..config import Config
@@ -54,7 +58,8 @@ def read_token_file(path: str) -> bytes:
         with open(path, "rb") as fh:
             raw = fh.read(64 * 1024).strip()
     except OSError as exc:
-        raise ConfigError(f"cannot read the token file {path}: {exc.strerror or exc}") from exc
+        hint = f"; make one with `rlink token --file {path}`" if isinstance(exc, FileNotFoundError) else ""
+        raise ConfigError(f"cannot read the token file {path}: {exc.strerror or exc}{hint}") from exc
     return check_token(raw, f"the token in {path}")
 
 
@@ -76,6 +81,8 @@ def resolve_token(token: str | bytes | None) -> bytes | None:
     return None
 
 
+log = logging.getLogger(__name__)
+
 TOKEN_BYTES = 32  # of randomness; urlsafe base64 makes it 43 characters
 
 
@@ -84,18 +91,40 @@ def new_token() -> str:
     return secrets.token_urlsafe(TOKEN_BYTES)
 
 
-def token_dir(config: Config) -> Path:
-    """The directory for generated tokens (not created or checked here)."""
+def token_dirs(config: Config) -> list[Path]:
+    """Where generated tokens may live, in the order a learner and its actors try them."""
     if config.token_dir:
-        return Path(config.token_dir)
+        return [Path(config.token_dir)]
+    out = []
     xdg = os.environ.get("XDG_RUNTIME_DIR", "")
     if xdg and os.path.isabs(xdg) and _private(Path(xdg)) is None:
-        return Path(xdg) / "rlink"
-    return Path("/tmp") / f"rlink-{os.geteuid()}"
+        out.append(Path(xdg) / "rlink")
+    out.append(Path(tempfile.gettempdir()) / f"rlink-{os.geteuid()}")
+    home = Path(os.path.expanduser("~"))
+    if home.is_absolute() and _owned(home):  # a shared or foreign HOME would not keep a secret
+        out.append(home / ".cache" / "rlink" / "tokens")
+    return out
+
+
+def token_dir(config: Config) -> Path:
+    """The directory a learner keeps its generated token in: the first of :func:`token_dirs`
+    that is private to this user or does not exist yet (not created or checked here)."""
+    candidates = token_dirs(config)
+    for directory in candidates:
+        if not os.path.lexists(directory) or _private(directory) is None:
+            return directory
+    return candidates[0]
 
 
 def token_path(config: Config, port: int) -> Path:
     return token_dir(config) / f"{port}.token"
+
+
+def _owned(path: Path) -> bool:
+    try:
+        return os.stat(path).st_uid == os.geteuid()
+    except OSError:
+        return False
 
 
 def _private(path: Path, *, is_dir: bool = True) -> str | None:
@@ -139,8 +168,15 @@ def publish(config: Config, port: int, token: bytes) -> Path:
     Raises:
         ConfigError: the directory cannot be made private to this user, or written.
     """
-    directory = token_dir(config)
-    _ensure_dir(directory)
+    candidates = token_dirs(config)
+    for i, directory in enumerate(candidates):
+        try:
+            _ensure_dir(directory)
+            break
+        except ConfigError as exc:
+            if i == len(candidates) - 1:
+                raise
+            log.warning("%s; keeping the token in %s instead", exc, candidates[i + 1])
     path = directory / f"{port}.token"
     tmp = directory / f".{port}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
@@ -159,8 +195,18 @@ def publish(config: Config, port: int, token: bytes) -> Path:
 
 def find(config: Config, port: int) -> tuple[bytes | None, str]:
     """The token a learner of this user published for ``port``, and where it came from; or
-    None and why there is none (missing, or a file or directory that is not private)."""
-    directory = token_dir(config)
+    None and why there is none (missing, or a file or directory that is not private). Looks in
+    the places :func:`publish` writes to, in its order."""
+    reasons = []
+    for directory in token_dirs(config):
+        token, where = _find_in(directory, port)
+        if token is not None:
+            return token, where
+        reasons.append(where)
+    return None, "; ".join(reasons)
+
+
+def _find_in(directory: Path, port: int) -> tuple[bytes | None, str]:
     why = _private(directory)
     if why is not None:
         return None, why
@@ -198,10 +244,16 @@ def withdraw(path: Path, token: bytes) -> None:
 def write_new(path: str, token: str) -> None:
     """Create ``path`` holding ``token``, mode 0600 (``rlink token --file``); never overwrites.
 
+    Missing parent directories are made, closed to group and others (``~/.rlink/token``).
+
     Raises:
         ConfigError: the file exists or cannot be created.
     """
+    path = os.path.expanduser(path)
+    parent = os.path.dirname(path)
     try:
+        if parent and not os.path.isdir(parent):
+            os.makedirs(parent, 0o700)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     except FileExistsError:
         raise ConfigError(f"{path} exists: remove it first (a token file is never overwritten)") from None

@@ -216,3 +216,13 @@ def test_a_token_file_path_with_a_literal_tilde_is_expanded(clean_env, tmp_path)
     assert read_token_file("~/.rlink-token") == b"a-brand-new-token-of-some-length"
     with pytest.raises(ConfigError, match=f"cannot read the token file {tmp_path}/missing"):
         read_token_file("~/missing")
+
+
+def test_rlink_token_file_makes_missing_private_parents_and_a_missing_file_says_how_to_make_one(clean_env, tmp_path):
+    clean_env.setenv("HOME", str(tmp_path))
+    token_file.write_new("~/.rlink/token", "a-brand-new-token-of-some-length")
+    assert stat.S_IMODE((tmp_path / ".rlink").stat().st_mode) == 0o700
+    assert stat.S_IMODE((tmp_path / ".rlink" / "token").stat().st_mode) == 0o600
+    assert read_token_file("~/.rlink/token") == b"a-brand-new-token-of-some-length"
+    with pytest.raises(ConfigError, match=r"make one with `rlink token --file .*/elsewhere/token`"):
+        read_token_file(str(tmp_path / "elsewhere" / "token"))

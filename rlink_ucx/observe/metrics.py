@@ -9,10 +9,12 @@ registry and HTTP server thread, so several learners in one process never collid
 from __future__ import annotations
 
 import importlib.util
+import io
 import logging
 import socket
 import socketserver
 import threading
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -199,14 +201,87 @@ class MetricsServer:
         self._httpd.server_close()
 
 
+# Loopback is reachable by every local user, so the endpoint bounds what any client can hold:
+# a few requests at a time (a scraper needs one), each read within a few seconds whatever the
+# pace of its bytes. Without them one slow client per open file brought the learner to its
+# file limit, and honest actors could no longer connect.
+MAX_SCRAPES = 8
+REQUEST_SECONDS = 5.0
+
+
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in progress never holds up the learner's exit
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self._slots = threading.BoundedSemaphore(MAX_SCRAPES)
+        self.refused = 0  # connections closed at once: every slot was taken
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            self.refused += 1
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 class _Server6(_Server):
     address_family = socket.AF_INET6
 
 
+class _DeadlineSocket(io.RawIOBase):
+    """Reads from a socket until a deadline for the whole request, not per ``recv``."""
+
+    def __init__(self, sock: socket.socket, deadline: float):
+        self._sock, self._deadline = sock, deadline
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("metrics request not received in time")
+        self._sock.settimeout(left)
+        return self._sock.recv_into(buffer)
+
+
+class _Writer(io.RawIOBase):
+    """Writes the answer with a fresh timeout: the request's deadline may be nearly spent."""
+
+    def __init__(self, sock: socket.socket):
+        self._sock = sock
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        self._sock.settimeout(REQUEST_SECONDS)
+        self._sock.sendall(data)
+        return len(memoryview(data))
+
+
 class _QuietHandler(WSGIRequestHandler):
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_DeadlineSocket(self.connection, time.monotonic() + REQUEST_SECONDS))
+        self.wfile = _Writer(self.connection)
+
+    def handle(self) -> None:
+        try:
+            super().handle()
+        except OSError:  # the client was too slow or went away: nothing to answer
+            self.close_connection = True
+
     def log_message(self, format: str, *args: Any) -> None:
         """Scrapes are not worth a line on stderr each."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -228,3 +229,55 @@ def test_cli_learner_serves_metrics():
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+_SLOW_CLIENTS = r"""
+import socket, sys, time
+port, n = int(sys.argv[1]), int(sys.argv[2])
+held = []
+for _ in range(n):
+    try:
+        s = socket.create_connection(("127.0.0.1", port), timeout=5)
+        s.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n")  # never finished
+        held.append(s)
+    except OSError:
+        pass
+print(len(held), flush=True)
+time.sleep(float(sys.argv[3]))
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_another_user_holding_partial_requests_cannot_exhaust_the_learners_files():
+    # Another uid opens 300 connections to the metrics port and never finishes a request.
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", metrics_port=0) as learner:
+        port = int(learner.metrics_address.rsplit(":", 1)[1])
+        before = len(os.listdir("/proc/self/fd"))
+        slow = subprocess.Popen(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "/usr/bin/python3",
+                                 "-c", _SLOW_CLIENTS, str(port), "300", "30"],
+                                stdout=subprocess.PIPE, text=True)  # fmt: skip
+        try:
+            assert int(slow.stdout.readline()) >= 200  # they got through the listen backlog
+            held = len(os.listdir("/proc/self/fd")) - before
+            assert held <= 8 + 4, f"{held} descriptors held for a slow client"
+            # Within the request deadline the slots free up and an honest scrape is answered.
+            assert wait_until(lambda: _scrapes(learner.metrics_address), 15)
+            results, leave = SPAWN.Queue(), SPAWN.Event()
+            proc = SPAWN.Process(target=counting_actor, args=(learner.address, 1, 50, results, leave))
+            proc.start()
+            dataset = RLinkDataset(learner, batch_size=50)
+            assert sorted(dataset.fetch(timeout=60).seq.tolist()) == list(range(50))
+            leave.set()
+            proc.join(30)
+            assert proc.exitcode == 0
+        finally:
+            slow.kill()
+            slow.wait()
+
+
+def _scrapes(address: str) -> bool:
+    try:
+        return value(scrape(address), "rlink_up") == 1
+    except OSError:
+        return False

@@ -64,3 +64,8 @@ class Closed(RLinkError):
 
 class TimeoutError(RLinkError, builtins.TimeoutError):  # noqa: A001 - deliberate shadow
     """A blocking call ran past its timeout."""
+
+
+class CheckpointError(ConfigError):
+    """A replay checkpoint is missing, truncated, corrupted, of another format, or asks for
+    more than this machine holds."""

@@ -207,3 +207,66 @@ def test_many_small_chunks_that_split_rows_round_trip(tmp_path, monkeypatch, sto
         for k in before:
             np.testing.assert_array_equal(before[k], after[k])
         np.testing.assert_array_equal(q._core.sampler.leaves(), leaves)
+
+
+def _rewrite(path: str, name: str, array: np.ndarray) -> None:
+    """What anyone who can write the directory can do: new data and a matching checksum."""
+    import io
+
+    import xxhash
+
+    buf = io.BytesIO()
+    np.lib.format.write_array(buf, array, version=(2, 0))
+    data = buf.getvalue()
+    with open(f"{path}/{name}", "wb") as fh:
+        fh.write(data)
+    manifest = json.loads(open(f"{path}/manifest.json").read())
+    manifest["files"][name] = {"bytes": len(data), "xxh3_128": xxhash.xxh3_128(data).hexdigest()}
+    with open(f"{path}/manifest.json", "w") as fh:
+        json.dump(manifest, fh)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -1.0])
+def test_priorities_that_are_not_finite_and_non_negative_are_refused_even_with_a_matching_checksum(tmp_path, bad):
+    path = saved(tmp_path)
+    leaves = np.load(f"{path}/priority.npy")
+    leaves[3] = bad
+    _rewrite(path, "priority.npy", leaves)
+    with pytest.raises(CheckpointError, match="NaN, infinite or negative priorities"):
+        ReplayDataset.load(path, FakeLearner(new_ring()))
+
+
+@pytest.mark.timeout(60)
+def test_a_manifest_asking_for_more_memory_than_the_machine_has_is_refused_before_allocating(tmp_path):
+    import tracemalloc
+
+    path = saved(tmp_path)
+    manifest = json.loads(open(f"{path}/manifest.json").read())
+    manifest["settings"]["capacity"] = manifest["capacity"] = 3_000_000_000
+    with open(f"{path}/manifest.json", "w") as fh:
+        json.dump(manifest, fh)
+    tracemalloc.start()
+    try:
+        with pytest.raises(CheckpointError, match=r"capacity 3000000000 needs .* GiB, more than this machine"):
+            ReplayDataset.load(path, FakeLearner(new_ring()))
+        assert tracemalloc.get_traced_memory()[1] < 64 << 20
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.timeout(60)
+def test_a_deeply_nested_or_huge_manifest_is_a_checkpoint_error(tmp_path):
+    path = saved(tmp_path)
+    (tmp_path / "ok" / "manifest.json").write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(CheckpointError, match="cannot be read"):
+        ReplayDataset.load(path, FakeLearner(new_ring()))
+    (tmp_path / "ok" / "manifest.json").write_text(" " * (17 << 20) + "{}")
+    with pytest.raises(CheckpointError, match="over"):
+        ReplayDataset.load(path, FakeLearner(new_ring()))
+
+
+def test_checkpoint_error_is_exported_from_the_package():
+    import rlink_ucx
+
+    assert rlink_ucx.CheckpointError is CheckpointError and "CheckpointError" in rlink_ucx.__all__

@@ -14,9 +14,12 @@ is removed by a background thread, which the next save and the interpreter's exi
 ``load`` reads each field with ``O_DIRECT`` straight into the new table (``direct_read.py``;
 through the page cache where that is refused) while helper threads populate the table's pages
 ahead of the reads (``storage.py``). It refuses a manifest of another format, a file whose
-size, header or checksum differs (a truncated or corrupted checkpoint) with
-:class:`CheckpointError`, and a table of another schema than the learner's with
-``SchemaMismatch``.
+size, header or checksum differs (a truncated or corrupted checkpoint), a manifest that asks
+for a table larger than the machine's available memory, and priorities that are not finite
+and non-negative, with :class:`CheckpointError`; a table of another schema than the learner's
+with ``SchemaMismatch``. The checksums find corruption, not tampering: anyone who can write
+the directory can rewrite a file and its checksum, so a checkpoint is as trusted as the
+directory it is kept in.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
-from ...errors import ConfigError
+from ...errors import CheckpointError, ConfigError
 from ...wire.codec import DTYPES, Schema
 from .core import ReplayCore
 from .direct_read import DirectReader
@@ -49,10 +52,6 @@ _READ_CHUNK = 8 << 20  # bytes per read + hash
 _BEHIND = 4  # written chunks kept in the page cache before their (by then clean) pages are dropped
 CHECKSUM = "xxh3_128"  # of each whole file, as `xxh128sum` prints it
 _removals: list[threading.Thread] = []  # replaced checkpoints being removed
-
-
-class CheckpointError(ConfigError):
-    """A replay checkpoint is missing, truncated, corrupted or of another format."""
 
 
 def save(core: ReplayCore, path: str | os.PathLike[str], settings: dict[str, Any]) -> dict[str, Any]:
@@ -187,10 +186,14 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The checked manifest of the checkpoint at ``path``."""
     file = Path(path) / "manifest.json"
     try:
-        manifest = json.loads(file.read_text())
+        with open(file, "rb") as fh:
+            text = fh.read(_MAX_MANIFEST + 1)
+        if len(text) > _MAX_MANIFEST:
+            raise ValueError(f"over {_MAX_MANIFEST} bytes")
+        manifest = json.loads(text)
     except FileNotFoundError as exc:
         raise CheckpointError(f"{path} is not a replay checkpoint (no manifest.json)") from exc
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:  # RecursionError: nesting deeper than any manifest's
         raise CheckpointError(f"{file} cannot be read: {exc}") from exc
     if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
         raise CheckpointError(f"{file} is not an rlink replay manifest")
@@ -201,9 +204,34 @@ def read_manifest(path: str | os.PathLike[str]) -> dict[str, Any]:
         Schema.from_wire(manifest["schema"])
         for key in ("capacity", "settings", "table", "sampler", "limiter", "files"):
             manifest[key]  # a missing key is a KeyError, reported below
+        schema = Schema.from_wire(manifest["schema"])
+        capacity = int(manifest["settings"]["capacity"])
     except Exception as exc:  # any malformed manifest is one error for the caller
         raise CheckpointError(f"{file} is malformed: {exc!r}") from exc
+    # The table is allocated before any file is read: a manifest must not make it larger than
+    # this machine can hold (a checksum is no MAC; see the module docstring).
+    need = capacity * (schema.step_bytes + _ROW_OVERHEAD)
+    available = _available_memory()
+    if capacity < 1 or (available is not None and need > available):
+        raise CheckpointError(f"{file}: a table of capacity {capacity} needs {need / 2**30:.2f} GiB, more than this "
+                              f"machine has available ({(available or 0) / 2**30:.2f} GiB)")  # fmt: skip
     return manifest
+
+
+_MAX_MANIFEST = 16 << 20  # bytes; a real manifest is a few KiB
+_ROW_OVERHEAD = 5 * 8 + 8  # per step: actor id, seq, version, prev, back, and a priority
+
+
+def _available_memory() -> int | None:
+    """``MemAvailable`` from /proc/meminfo in bytes; None where there is no such file."""
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError):
+        pass
+    return None
 
 
 def restore(core: ReplayCore, path: str | os.PathLike[str], manifest: dict[str, Any]) -> None:
@@ -227,7 +255,12 @@ def restore(core: ReplayCore, path: str | os.PathLike[str], manifest: dict[str, 
         if "priority.npy" in manifest["files"]:
             leaves = np.empty(table.held, dtype=np.float64)
             _read(path, "priority.npy", manifest, leaves.dtype, leaves.shape, _pieces(leaves))
-    except (KeyError, TypeError, ValueError) as exc:
+            if not (np.isfinite(leaves).all() and (leaves >= 0).all()):
+                raise CheckpointError(f"{path}: priority.npy holds NaN, infinite or negative priorities")
+        max_priority = float(manifest["sampler"].get("max_priority", 1.0))
+        if not (np.isfinite(max_priority) and max_priority > 0):
+            raise CheckpointError(f"{path}: the sampler's max_priority {max_priority!r} is not a positive number")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
         if isinstance(exc, CheckpointError):
             raise
         raise CheckpointError(f"{path} is malformed: {exc!r}") from exc

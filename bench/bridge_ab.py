@@ -21,7 +21,7 @@ import tempfile
 import time
 import uuid
 
-from rlink_ucx.bench.throughput import SIZES, TOTAL_BYTES, print_medians
+from throughput import SIZES, TOTAL_BYTES, print_medians  # bench/throughput.py, beside this script
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ADDRESS = ("10.78.0.1", "10.78.0.2")

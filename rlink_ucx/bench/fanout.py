@@ -78,7 +78,7 @@ class PlainBroadcast:
         started = time.monotonic()
         self.group.broadcast(self.flat.cpu(), 0).wait()  # .cpu() is free for a host tensor
         ends = [self.results.get(timeout=60)[1] for _ in range(self.subscribers)]
-        return max(ends) - started
+        return float(max(ends) - started)
 
     def close(self) -> None:
         for p in self.procs:
@@ -161,5 +161,5 @@ def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 
         # exposed to the machine's drift than the ratio of the medians.
         "paired_ratio": statistics.median(r / p for r, p in zip(times["rlink-publish"], times["plain-broadcast"])),
         "detail": detail,
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }

@@ -17,6 +17,7 @@ Usage: python bench/throughput.py [--sizes 1K,64K,1M,16M] [--reps 3] [--json out
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
@@ -24,6 +25,8 @@ import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 
@@ -40,7 +43,7 @@ def _raw_sender(port: int, size: int, count: int, congestion: str | None) -> Non
     if congestion:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, congestion.encode())
     payload = np.random.randint(0, 255, size, dtype=np.uint8)
-    view = memoryview(payload)
+    view = payload.data
     for _ in range(count):
         sock.sendall(view)
     sock.recv(1)  # wait for the receiver to finish before closing
@@ -92,7 +95,7 @@ def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int,
 
     with Actor(address, transport=transport) as actor:
         if kind == "bytes":
-            step = {"x": np.random.randint(0, 255, size, dtype=np.uint8)}
+            step: dict[str, Any] = {"x": np.random.randint(0, 255, size, dtype=np.uint8)}
             if device != "cpu":  # the actor's steps live on the GPU too
                 import torch
 
@@ -104,7 +107,7 @@ def _rlink_actor(address: str, transport: str, kind: str, size: int, count: int,
             for i in range(count):
                 actor.put({"obs": obs, "action": i, "reward": 1.0, "done": False})
         else:  # cartpole-put_many: a vectorized env's `chunk` sub-envs at once
-            steps = {
+            steps: dict[str, np.ndarray] = {
                 "obs": np.zeros((chunk, 4), np.float32),
                 "action": np.zeros(chunk, np.int64),
                 "reward": np.ones(chunk, np.float32),
@@ -145,7 +148,7 @@ def rlink(transport: str, kind: str, size: int, count: int, step_bytes: int, dev
         return moved * (step_bytes if kind == "bytes" else 1) / elapsed
 
 
-def median_of(fn, reps: int) -> tuple[float, float, float]:
+def median_of(fn: Callable[[], float], reps: int) -> tuple[float, float, float]:
     values = [fn() for _ in range(reps)]
     return statistics.median(values), min(values), max(values)
 
@@ -187,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
     for kind in filter(None, args.kinds.split(",")):
         for transport in transports:
-            res = median_of(lambda: rlink(transport, kind, 0, args.steps, 29, chunk=args.chunk), args.reps)
+            res = median_of(functools.partial(rlink, transport, kind, 0, args.steps, 29, chunk=args.chunk), args.reps)
             rows.append({"workload": kind, "chunk": args.chunk if kind == "cartpole-put_many" else 1,
                          "system": f"rlink-{transport}", "unit": "steps/s",
                          "median": res[0], "min": res[1], "max": res[2], "ratio": None})

@@ -76,7 +76,7 @@ SYSTEMS: dict[str, System] = {
     "rlink-ucx": System("rlink-ucx", "rlink", "ucx", "rlink", ("ucxx",), _rlink("ucx"), (1, 4)),
     "rlink-shm": System("rlink-shm", "rlink", "shm", "rlink", (), _rlink("shm"), (1, 4)),
     "raw-ucxx": System("raw-ucxx", "raw-ucxx", "ucx", "peers", ("ucxx",), _peer("peer_ucxx", "run_raw_ucxx", actors=True),
-                       (1, 4), "peer_ucxx"),
+                       (1, 4), harness="peer_ucxx"),
     "pyzmq-copy": System("pyzmq-copy", "pyzmq-copy", "tcp", "peers", ("zmq",), _peer("peer_zmq", "run_zmq", True),
                          harness="peer_zmq"),
     "pyzmq-zerocopy": System("pyzmq-zerocopy", "pyzmq-zerocopy", "tcp", "peers", ("zmq",),

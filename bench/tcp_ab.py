@@ -16,11 +16,12 @@ import os
 import subprocess
 import sys
 
-from rlink_ucx.bench.throughput import SIZES, TOTAL_BYTES, print_medians, raw_socket
+from throughput import SIZES, TOTAL_BYTES, print_medians, raw_socket  # bench/throughput.py, beside this script
+
 from rlink_ucx.transport.sockopts import LOOPBACK_CONGESTION
 
 _RUN_ONE = (
-    "import sys; from rlink_ucx.bench.throughput import rlink; "
+    "import sys; sys.path.insert(0, {here!r}); from throughput import rlink; "
     "print(rlink('tcp', 'bytes', {size}, {count}, {size}) / 1e9)"
 )
 
@@ -28,7 +29,7 @@ _RUN_ONE = (
 def rlink_tcp(size: int, count: int, settings: str) -> float:
     """GB/s of one rlink-tcp run in a fresh process with ``settings`` ("K=V K=V") applied."""
     env = dict(os.environ, **dict(kv.split("=", 1) for kv in settings.split()))
-    code = _RUN_ONE.format(size=size, count=count)
+    code = _RUN_ONE.format(here=os.path.dirname(os.path.abspath(__file__)), size=size, count=count)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, check=True)
     return float(out.stdout.strip().splitlines()[-1])
 

@@ -139,7 +139,7 @@ def ucx_worker(host: bool) -> tuple[Any, Any, Any, Any]:
 # --- the sender (spawned) -----------------------------------------------------------------------
 def _sender(address: bytes, host: bool, device: str, alloc: str, window: int, timeout: float, conn: Any) -> None:
     try:
-        from rlink_ucx.bench.peer_ucxx import ucx_wait  # the harness's progress loop
+        from peer_ucxx import ucx_wait  # the raw-ucxx row's progress loop (bench/peer_ucxx.py)
 
         buffers = Buffers(host, device, alloc)
         u, Array, _context, worker = ucx_worker(host)

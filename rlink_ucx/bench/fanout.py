@@ -15,18 +15,15 @@ the copy is inside its time; the actors stay on the host in both systems.
 The state dict is ``tensors`` float32 tensors adding up to ``size_mb`` MiB. Repetitions alternate
 between the two systems, so drift on a noisy machine hits both alike; medians are reported.
 
-Usage: python bench/fanout.py [--size-mb 100] [--subscribers 3] [--reps 5] [--device cuda:0]
-       [--no-shared-memory] [--json out.json]
+The ``fanout`` rows of ``rlink bench`` call :func:`run`; ``python bench/fanout.py`` is its
+command line (device, tensor count, shared memory or not, JSON).
 """
 
 from __future__ import annotations
 
-import argparse
 import datetime
-import json
 import multiprocessing as mp
 import statistics
-import sys
 import time
 from typing import Any
 
@@ -81,7 +78,7 @@ class PlainBroadcast:
         started = time.monotonic()
         self.group.broadcast(self.flat.cpu(), 0).wait()  # .cpu() is free for a host tensor
         ends = [self.results.get(timeout=60)[1] for _ in range(self.subscribers)]
-        return max(ends) - started
+        return float(max(ends) - started)
 
     def close(self) -> None:
         for p in self.procs:
@@ -164,32 +161,5 @@ def run(size_mb: int = 100, subscribers: int = 3, reps: int = 5, tensors: int = 
         # exposed to the machine's drift than the ratio of the medians.
         "paired_ratio": statistics.median(r / p for r, p in zip(times["rlink-publish"], times["plain-broadcast"])),
         "detail": detail,
-        "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size-mb", type=int, default=100)
-    parser.add_argument("--subscribers", type=int, default=3)
-    parser.add_argument("--reps", type=int, default=5)
-    parser.add_argument("--tensors", type=int, default=25)
-    parser.add_argument("--device", default="cpu", help='where the published state dict lives, e.g. "cuda:0"')
-    parser.add_argument("--no-shared-memory", action="store_true",
-                        help="the actors join a gloo broadcast instead of reading the learner's shared memory")
-    parser.add_argument("--json", help="write the result here")
-    args = parser.parse_args(argv)
-    out = run(args.size_mb, args.subscribers, args.reps, args.tensors, args.device, not args.no_shared_memory)
-    for name, values in out["seconds"].items():
-        print(f"{name:16s} median {statistics.median(values) * 1e3:8.1f} ms   "
-              f"min {min(values) * 1e3:8.1f}   max {max(values) * 1e3:8.1f}")  # fmt: skip
-    print(f"rlink / plain = {out['ratio']:.2f} (ratio of medians), {out['paired_ratio']:.2f} (median of paired "
-          "ratios); target <= 1.25")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -72,7 +72,7 @@ def _sender_main(cls_path: str, info: Any, workload: Workload, seconds: float, t
         if sender is not None:
             try:
                 sender.close()
-            except Exception:  # noqa: BLE001 - best effort at exit
+            except Exception:  # noqa: BLE001, S110 - best effort at exit
                 pass
     if failed:
         raise SystemExit(1)  # the exit code tells the receiver too (the queue is flushed first)

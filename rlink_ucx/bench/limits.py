@@ -49,7 +49,7 @@ def run_memcpy(workload: Workload, timing: Timing) -> dict[str, Any]:
 
 
 def _views(t_ns: np.ndarray, arrays: dict[str, np.ndarray]) -> list[memoryview]:
-    return [memoryview(flat_bytes(t_ns))] + [memoryview(flat_bytes(a)) for a in arrays.values()]
+    return [flat_bytes(t_ns).data] + [flat_bytes(a).data for a in arrays.values()]
 
 
 class RawSocketSender(Sender):

@@ -1,7 +1,6 @@
 """Replay benchmarks: sampling rates, insert rate against RLinkDataset, checkpoint speed vs disk.
 
     rlink bench --suite replay [--only uniform,prioritized,insert,checkpoint] [--quick] [--json [PATH]]
-    (also python bench/replay.py ...)
 
 - ``uniform``: ``ReplayDataset.sample()`` of B=256 Atari-sized steps (obs uint8 84x84x4 +
   action, reward, done) from a full table of ``--atari-capacity`` steps: batches/s and items/s,
@@ -17,8 +16,8 @@
   each read where the kernel allows it (root), and the report says whether it was. Also an
   ``O_DIRECT`` write and read of that size: the device without the page cache.
 
-``--reverb PYTHON`` runs ``reverb_side.py`` (next to this file) with an interpreter that has
-dm-reverb, right after the uniform run, and reports the ratio.
+``--reverb PYTHON`` runs ``bench/reverb_side.py`` (a source checkout's; the wheel leaves it out)
+with an interpreter that has dm-reverb, right after the uniform run, and reports the ratio.
 """
 
 from __future__ import annotations
@@ -32,10 +31,13 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from .common import SOURCE_ROOT
+from .peers import CHECKOUT
 from .replay_disk import bench_checkpoint
 from .replay_runs import B, bench_insert, bench_prioritized, bench_uniform
 
 MEASURES = ("uniform", "prioritized", "insert", "checkpoint")
+REVERB_SIDE = Path(SOURCE_ROOT, "bench", "reverb_side.py")  # runs in Reverb's interpreter, not this one
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:
@@ -58,8 +60,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                              "[default: the replay's own choice, 2 here]")  # fmt: skip
     parser.add_argument("--storage", choices=["host", "device"], default="host",
                         help="uniform / checkpoint: the table in host memory or on --device [host]")  # fmt: skip
-    parser.add_argument("--reverb", metavar="PYTHON", help="an interpreter with dm-reverb: run reverb_side.py "
-                        "with it right after the uniform run and report the ratio")  # fmt: skip
+    parser.add_argument("--reverb", metavar="PYTHON", help="an interpreter with dm-reverb: run bench/reverb_side.py "
+                        "(source checkout) with it right after the uniform run and report the ratio")  # fmt: skip
     parser.add_argument(
         "--json", nargs="?", const="-", default=None, help="write the report as JSON (to PATH or stdout)"
     )
@@ -68,6 +70,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
             atari_capacity=2000, capacity=100_000, ckpt_gb=0.2, seconds=1.0, reps=1, prioritized_reps=300
         )
     args = parser.parse_args(argv)
+    if args.reverb and not REVERB_SIDE.is_file():
+        parser.error(f"--reverb: {REVERB_SIDE.relative_to(SOURCE_ROOT)} is not in the installed wheel: {CHECKOUT}")
     args.only = [m.strip() for m in args.only.split(",") if m.strip()]
     bad = [m for m in args.only if m not in MEASURES]
     if bad or not args.only:
@@ -116,11 +120,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def reverb(python: str, capacity: int, seconds: float) -> dict[str, Any]:
-    """Reverb's rates on the same table, from ``reverb_side.py`` run by ``python``."""
-    script = Path(__file__).with_name("reverb_side.py")
-    done = subprocess.run([python, str(script), "--capacity", str(capacity), "--seconds", str(seconds)],
+    """Reverb's rates on the same table, from ``bench/reverb_side.py`` run by ``python``."""
+    done = subprocess.run([python, str(REVERB_SIDE), "--capacity", str(capacity), "--seconds", str(seconds)],
                           capture_output=True, text=True, timeout=600, check=True)  # fmt: skip
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
 
 
 def log(line: str) -> None:

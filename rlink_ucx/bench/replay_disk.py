@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from .replay_runs import ATARI, B, Source
+from .replay_runs import ATARI, B, source
 
 
 def _drop_caches() -> bool:
@@ -39,7 +39,7 @@ def _plain_write(path: Path, nbytes: int, chunk: np.ndarray) -> float:
     t = time.perf_counter()
     full, rest = divmod(nbytes, chunk.size)
     with open(path, "wb", buffering=0) as f:
-        f.writelines([memoryview(chunk)] * full + [memoryview(chunk)[:rest]])
+        f.writelines([chunk.data] * full + [chunk.data[:rest]])
         os.fsync(f.fileno())
     return nbytes / (time.perf_counter() - t) / 1e9
 
@@ -48,7 +48,7 @@ def _plain_read(path: Path, nbytes: int) -> float:
     buf = np.empty(64 << 20, dtype=np.uint8)
     t = time.perf_counter()
     with open(path, "rb", buffering=0) as f:
-        while f.readinto(memoryview(buf)):
+        while f.readinto(buf.data):
             pass
     return nbytes / (time.perf_counter() - t) / 1e9
 
@@ -90,7 +90,7 @@ def filled_replay(gb: float, storage: str = "host", device: str = "cpu") -> tupl
 
     schema = Schema.from_spec(ATARI)
     capacity = max(B, int(gb * 1e9) // schema.step_bytes // 1024 * 1024)
-    replay = ReplayDataset(Source(StepRing(schema, 1 << 20, 8)), capacity=capacity, batch_size=B,
+    replay = ReplayDataset(source(StepRing(schema, 1 << 20, 8)), capacity=capacity, batch_size=B,
                            sampler="prioritized", storage=storage, device=device)  # fmt: skip
     deadline = time.monotonic() + 60
     while replay._core.table is None:
@@ -98,15 +98,18 @@ def filled_replay(gb: float, storage: str = "host", device: str = "cpu") -> tupl
             raise RuntimeError("the replay's table was not allocated within 60 s")
         time.sleep(0.01)
     core = replay._core
+    table, sampler = core.table, core.sampler
+    if table is None or sampler is None:  # made together with the table, awaited above
+        raise RuntimeError("the replay's table or sampler is missing")
     with core.cond:  # the table's bytes are what is measured, not how they arrived
         tile = torch.from_numpy(np.random.default_rng(0).integers(0, 255, 1 << 24, dtype=np.uint8))
-        for rows in core.table.rows:  # numpy arrays (host storage) or tensors (device storage)
+        for rows in table.rows:  # numpy arrays (host storage) or tensors (device storage)
             flat = rows.reshape(-1) if isinstance(rows, torch.Tensor) else torch.from_numpy(rows.reshape(-1))
             for lo in range(0, flat.numel(), tile.numel()):
                 part = flat[lo : lo + tile.numel()]
                 part.copy_(tile[: part.numel()])
-        core.table.publish(capacity)
-        core.sampler.on_insert(np.arange(capacity), None)
+        table.publish(capacity)
+        sampler.on_insert(np.arange(capacity), None)
         core.limiter.inserted = capacity
     return replay, capacity * schema.step_bytes
 
@@ -140,7 +143,7 @@ def bench_checkpoint(gb: float, where: str, reps: int, storage: str = "host", de
                     runs["disk_read"].append(_plain_read(root / "plain", nbytes))
                 else:
                     t = time.perf_counter()
-                    loaded = ReplayDataset.load(root / "ckpt", Source(StepRing(Schema.from_spec(ATARI), 1 << 20, 8)),
+                    loaded = ReplayDataset.load(root / "ckpt", source(StepRing(Schema.from_spec(ATARI), 1 << 20, 8)),
                                                 storage=storage, device=device)  # fmt: skip
                     runs["load"].append(nbytes / (time.perf_counter() - t) / 1e9)
                     if len(loaded) != len(replay):

@@ -10,12 +10,16 @@ import multiprocessing as mp
 import statistics
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
-ATARI = {"obs": ("uint8", (84, 84, 4)), "action": ("int64", ()), "reward": ("float32", ()), "done": ("bool", ())}
-SMALL = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ()), "done": ("bool", ())}
+if TYPE_CHECKING:
+    from ..learner import Learner
+
+Spec = dict[str, tuple[str, tuple[int, ...]]]  # field -> (dtype, shape), as Schema.from_spec takes
+ATARI: Spec = {"obs": ("uint8", (84, 84, 4)), "action": ("int64", ()), "reward": ("float32", ()), "done": ("bool", ())}
+SMALL: Spec = {"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ()), "done": ("bool", ())}
 B = 256
 
 
@@ -34,7 +38,12 @@ class Source:
         pass  # the ring is made before the replay here, with chunks of a batch (as a learner's)
 
 
-def fill(spec: dict, capacity: int, **kw: Any) -> Any:
+def source(ring: Any) -> Learner:
+    """A :class:`Source` where ReplayDataset takes a Learner (it reads only what Source has)."""
+    return cast("Learner", Source(ring))
+
+
+def fill(spec: Spec, capacity: int, **kw: Any) -> Any:
     """A ReplayDataset holding ``capacity`` steps of ``spec``, fed through a real StepRing."""
     from ..replay import ReplayDataset
     from ..store.ring import StepRing
@@ -43,7 +52,7 @@ def fill(spec: dict, capacity: int, **kw: Any) -> Any:
     schema = Schema.from_spec(spec)
     frame = max(1, (1 << 20) // schema.step_bytes)
     ring = StepRing(schema, 64 << 20, frame, chunk_steps=B)  # as the learner makes it for a replay
-    replay = ReplayDataset(Source(ring), capacity=capacity, batch_size=B, **kw)
+    replay = ReplayDataset(source(ring), capacity=capacity, batch_size=B, **kw)
     payload = [np.random.default_rng(0).integers(0, 255, frame * f.step_bytes, dtype=np.uint8) for f in schema.fields]
     seq = 0
     while seq < capacity:
@@ -55,7 +64,7 @@ def fill(spec: dict, capacity: int, **kw: Any) -> Any:
         for data, views in zip(payload, ring.field_views(seg)):
             at = 0
             for v in views:
-                v[:] = data[at : at + len(v)]
+                v[:] = data[at : at + len(v)].data
                 at += len(v)
         ring.commit(seg)
         seq += n
@@ -118,7 +127,7 @@ def bench_prioritized(capacity: int, reps: int) -> dict[str, Any]:
 
 
 # --- insert rate: replay vs RLinkDataset on the same actor stream ------------------------------------
-def _streamer(address: str, spec: dict, chunk: int, stop: Any) -> None:
+def _streamer(address: str, spec: Spec, chunk: int, stop: Any) -> None:
     from ..actor import Actor
     from ..errors import Closed
 
@@ -132,7 +141,7 @@ def _streamer(address: str, spec: dict, chunk: int, stop: Any) -> None:
         pass
 
 
-def _insert_run(kind: str, spec: dict, chunk: int, seconds: float) -> float:
+def _insert_run(kind: str, spec: Spec, chunk: int, seconds: float) -> float:
     from ..dataset import RLinkDataset
     from ..errors import RLinkError
     from ..learner import Learner
@@ -142,18 +151,18 @@ def _insert_run(kind: str, spec: dict, chunk: int, seconds: float) -> float:
     stop = ctx.Event()
     with Learner("127.0.0.1:0") as learner:
         if kind == "replay":
-            ds = ReplayDataset(learner, capacity=200_000 if spec is SMALL else 20_000, batch_size=B)
+            replay = ReplayDataset(learner, capacity=200_000 if spec is SMALL else 20_000, batch_size=B)
 
             def count() -> int:
-                return ds.inserted
+                return replay.inserted
         else:
-            ds = RLinkDataset(learner, batch_size=B)
+            dataset = RLinkDataset(learner, batch_size=B)
             got = [0]
 
             def consume() -> None:
                 try:
                     while True:
-                        ds.fetch(timeout=30)
+                        dataset.fetch(timeout=30)
                         got[0] += B
                 except RLinkError:  # the learner closed: the run is over
                     return
@@ -174,7 +183,7 @@ def _insert_run(kind: str, spec: dict, chunk: int, seconds: float) -> float:
         rate = (count() - n0) / (time.perf_counter() - t0)
         stop.set()
         if kind == "replay":
-            ds.close()
+            replay.close()
     proc.join(30)
     if proc.is_alive():
         proc.kill()

@@ -132,7 +132,7 @@ def plot(records: list[dict[str, Any]], path: str) -> None:
     ok = [r for r in records if r.get("gbps") and not r.get("skipped") and not r.get("error")]
     fig, (left, right) = plt.subplots(1, 2, figsize=(14, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     sized = [r for r in ok if r["workload"] in ("1KiB", "4KiB", "16KiB", "64KiB", "1MiB", "16MiB")]
-    colors = plt.get_cmap("tab20").colors
+    colors = plt.get_cmap("tab20")(range(20))  # its 20 colours, as RGBA rows
     every = list(dict.fromkeys(_label(r) for r in ok))
     color = {label: colors[(2 * i) % 20 + (2 * i) // 20] for i, label in enumerate(every)}
     for label in dict.fromkeys(_label(r) for r in sized):
@@ -182,7 +182,7 @@ def loadavg() -> str:
 def machine() -> dict[str, Any]:
     info: dict[str, Any] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                             "platform": platform.platform(),
-                            "when": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+                            "when": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
                             "loadavg": loadavg()}
     try:
         with open("/proc/cpuinfo") as fh:
@@ -191,7 +191,7 @@ def machine() -> dict[str, Any]:
         pass
     try:
         rev = subprocess.run(["git", "-C", SOURCE_ROOT, "describe", "--always", "--dirty"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()  # fmt: skip
+                             timeout=10, check=False).stdout.strip()  # fmt: skip
         if rev:
             info["git"] = rev
     except (OSError, subprocess.SubprocessError):

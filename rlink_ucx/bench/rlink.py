@@ -76,7 +76,7 @@ class RlinkReceiver(Receiver):
         self.overrides, self.batch = rlink_config(workload, actors)
         self.transport = transport
         self.timeout = timeout
-        self.learner = Learner("127.0.0.1:0", transport=transport, config=Config.from_env(**self.overrides))
+        self.learner = Learner("127.0.0.1:0", transport=transport, config=Config.from_env(None, **self.overrides))
         self.dataset = RLinkDataset(self.learner, batch_size=self.batch)
         self.seen: set[int] = set()
         # One latency per sender call's worth of steps, as the other rows record one per message

@@ -29,7 +29,6 @@ with what it measured so far, and the processes are killed.
 
 Usage: rlink bench --suite scale [--actors 1,16,64,256] [--procs 8] [--rate 20] [--seconds 10]
        [--transport auto|tcp|shm|ucx[,...]] [--json out.json] [--plot out.png]
-       (also python bench/scale.py ...)
 """
 
 from __future__ import annotations

@@ -60,7 +60,10 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
             raise TimeoutError("the learner's time ran out before the drain")
         cpu, wall = window.result(5.0) if window is not None else (None, None)
         stats = learner.stats()
-        cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)
+
+        def cat(xs: list[np.ndarray], dt: type) -> np.ndarray:
+            return np.concatenate(xs) if xs else np.zeros(0, dt)
+
         reports.put(("learner-result", None, {
             "actor": cat(actors, np.int64), "seq": cat(seqs, np.int64), "lat_ns": cat(lat_ns, np.int64),
             "cpu_s": cpu, "wall_s": wall, "connected": connected, "rss_end_mib": rss_mib(),

@@ -32,7 +32,10 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
                            "seconds": seconds, "batch": batch, "error": None}  # fmt: skip
     started = time.time()
     deadline = started + timeout
-    left = lambda: deadline - time.time()
+
+    def left() -> float:
+        return deadline - time.time()
+
     limits = {"connect": max(5.0, 0.3 * timeout), "flush": max(5.0, 0.15 * timeout), "close": 5.0, "timeout": timeout}
     ctx = mp.get_context("spawn")
     reports = ctx.Queue()

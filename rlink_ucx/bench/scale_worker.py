@@ -55,7 +55,7 @@ def worker_process(reports: Any, w: int, port: int, transport: str, indices: lis
             if not go.wait(max(0.0, deadline - time.time())):
                 raise TimeoutError("no go from the orchestrator")
             end_at = plan["end_at"]
-            step = {"obs": np.zeros(4, np.float32), "t_ns": np.zeros((), np.int64),
+            step: dict[str, np.ndarray] = {"obs": np.zeros(4, np.float32), "t_ns": np.zeros((), np.int64),
                     "actor": np.full((), slot.index, np.int32), "seq": np.zeros((), np.int64)}  # fmt: skip
             t_ns, seq, obs = step["t_ns"], step["seq"], step["obs"]
             put = actor.put

@@ -10,7 +10,8 @@ Rows (all measured at the receiver, in separate processes unless noted):
   worker made like rlink's), ``pyzmq-copy`` / ``pyzmq-zerocopy`` (PUSH/PULL multipart,
   ``copy=True`` / ``copy=False``), ``torch-gloo`` (ProcessGroupGloo send/recv per field),
   ``ray`` (a Ray actor receiving the arrays as ``.remote()`` arguments, at most 8 calls in
-  flight; sender and receiver are Ray actors, started by Ray);
+  flight; sender and receiver are Ray actors, started by Ray). Their harnesses are
+  ``bench/peer_*.py`` of a source checkout, not in the wheel (peers.py);
 - ``fanout``: ``learner.publish`` vs one gloo broadcast (rlink_ucx/bench/fanout.py).
 
 Workloads: one uint8 array of 1 / 4 / 16 / 64 KiB, 1 MiB or 16 MiB per step, an Atari step (obs
@@ -20,7 +21,8 @@ field stamped at the call; latency is receive time minus ``t_ns``.
 
 Each (system, workload, actors) streams for warm-up + reps x window seconds; the first
 ``--warmup`` seconds are dropped, each window is one repetition; the median is reported with
-min/max. A system whose package is missing gets a row with ``"skipped"``. See docs/bench-suite.md.
+min/max. A system whose package (or, from a wheel, whose harness) is missing gets a row with
+``"skipped"``. See docs/bench-suite.md.
 
 Usage: rlink bench [--quick] [--systems ...] [--workloads ...] [--rounds N] [--json out.json] [--plot out.png]
        rlink bench --suite scale [...]   (many actors into one learner: rlink_ucx/bench/scale.py)
@@ -35,8 +37,8 @@ import sys
 import time
 from typing import Any
 
+from . import peers
 from .measure import Timing, merge_rounds
-from .peer_ray import ray_shutdown
 from .report import loadavg, machine, plot, print_table, print_targets, targets
 from .systems import FANOUT, SETTINGS, SYSTEMS, plan, run_fanout, run_one
 from .workloads import WORKLOADS
@@ -128,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         if not fanout_done:
             records += _fanout(args, quick)
     finally:
-        ray_shutdown()
+        peers.shutdown()
     records += [merge_rounds(recs) for recs in rows.values()]
     order = {w: i for i, w in enumerate(args.workloads)}
     keys = [SYSTEMS[k].system for k in SYSTEMS]

@@ -16,13 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from . import peers
 from .common import installed
 from .limits import run_memcpy, run_raw_socket
 from .measure import Timing, record
-from .peer_gloo import run_gloo
-from .peer_ray import run_ray
-from .peer_ucxx import run_raw_ucxx
-from .peer_zmq import run_zmq
 from .rlink import run_rlink
 from .workloads import Workload
 
@@ -42,6 +39,7 @@ class System:
     requires: tuple[str, ...]
     run: Runner
     actors: tuple[int, ...] = (1,)
+    harness: str | None = None  # a peer's module in bench/ (peers.py), absent from the wheel
 
 
 def _one(run: Callable[[Workload, Timing], dict[str, Any]]) -> Runner:
@@ -53,12 +51,19 @@ def _rlink(transport: str) -> Runner:
     return lambda w, t, a: run_rlink(w, t, transport, a, SETTINGS["rlink_api"])
 
 
-def _zmq(copy: bool) -> Runner:
-    return lambda w, t, a: run_zmq(w, t, copy)
+def _peer(module: str, function: str, *extra: Any, actors: bool = False) -> Runner:
+    """A peer's runner, ``function(workload, timing[, actors], *extra)`` of ``bench/<module>.py``,
+    imported when the row runs (``run_one`` checked that the module is there)."""
+
+    def run(w: Workload, t: Timing, a: int) -> dict[str, Any]:
+        fn: Callable[..., dict[str, Any]] = getattr(peers.load(module), function)
+        return fn(w, t, a, *extra) if actors else fn(w, t, *extra)
+
+    return run
 
 
 def _ray(w: Workload, t: Timing, actors: int) -> dict[str, Any]:
-    return run_ray(w, t, SETTINGS["ray_in_flight"])
+    return _peer("peer_ray", "run_ray", SETTINGS["ray_in_flight"])(w, t, actors)
 
 
 SYSTEMS: dict[str, System] = {
@@ -70,11 +75,15 @@ SYSTEMS: dict[str, System] = {
     "rlink-tcp": System("rlink-tcp", "rlink", "tcp", "rlink", (), _rlink("tcp"), (1, 4)),
     "rlink-ucx": System("rlink-ucx", "rlink", "ucx", "rlink", ("ucxx",), _rlink("ucx"), (1, 4)),
     "rlink-shm": System("rlink-shm", "rlink", "shm", "rlink", (), _rlink("shm"), (1, 4)),
-    "raw-ucxx": System("raw-ucxx", "raw-ucxx", "ucx", "peers", ("ucxx",), run_raw_ucxx, (1, 4)),
-    "pyzmq-copy": System("pyzmq-copy", "pyzmq-copy", "tcp", "peers", ("zmq",), _zmq(copy=True)),
-    "pyzmq-zerocopy": System("pyzmq-zerocopy", "pyzmq-zerocopy", "tcp", "peers", ("zmq",), _zmq(copy=False)),
-    "torch-gloo": System("torch-gloo", "torch-gloo", "tcp", "peers", ("torch",), _one(run_gloo)),
-    "ray": System("ray", "ray", "ray", "peers", ("ray",), _ray),
+    "raw-ucxx": System("raw-ucxx", "raw-ucxx", "ucx", "peers", ("ucxx",), _peer("peer_ucxx", "run_raw_ucxx", actors=True),
+                       (1, 4), harness="peer_ucxx"),
+    "pyzmq-copy": System("pyzmq-copy", "pyzmq-copy", "tcp", "peers", ("zmq",), _peer("peer_zmq", "run_zmq", True),
+                         harness="peer_zmq"),
+    "pyzmq-zerocopy": System("pyzmq-zerocopy", "pyzmq-zerocopy", "tcp", "peers", ("zmq",),
+                             _peer("peer_zmq", "run_zmq", False), harness="peer_zmq"),
+    "torch-gloo": System("torch-gloo", "torch-gloo", "tcp", "peers", ("torch",), _peer("peer_gloo", "run_gloo"),
+                         harness="peer_gloo"),
+    "ray": System("ray", "ray", "ray", "peers", ("ray",), _ray, harness="peer_ray"),
 }
 FANOUT = "fanout"
 # --quick: a few (workload, actors) per system, enough for every target; Ray last (its processes
@@ -94,6 +103,8 @@ QUICK: dict[str, list[tuple[str, int]]] = {
 
 
 def missing(system: System) -> str | None:
+    if system.harness is not None and (reason := peers.missing(system.harness)) is not None:
+        return reason
     if system.transport == "shm":
         from ..transport import shm
 

@@ -51,9 +51,9 @@ def test_scale_bench_delivers_every_step_once_and_measures_the_learner(tmp_path)
     assert "p99.9_ms" in text and "lrn_cpu" in text
 
 
-def test_scale_script_help_lists_its_options():
-    done = subprocess.run([sys.executable, "bench/scale.py", "--help"], check=False, cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, timeout=60)  # fmt: skip
+def test_scale_suite_help_lists_its_options():
+    done = subprocess.run([sys.executable, "-m", "rlink_ucx", "bench", "--suite", "scale", "--help"], check=False,
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)  # fmt: skip
     assert done.returncode == 0, done.stderr
     for option in ("--actors", "--procs", "--rate", "--seconds", "--transport", "--timeout", "--json", "--plot"):
         assert option in done.stdout

@@ -1,4 +1,4 @@
-"""bench/replay.py runs end to end at small sizes and reports real numbers."""
+"""The replay suite (`rlink bench --suite replay`) runs end to end at small sizes and reports real numbers."""
 
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 def test_replay_bench_quick_reports_every_measure(tmp_path):
     out = tmp_path / "replay.json"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, "bench/replay.py", "--quick", "--ckpt-dir", str(tmp_path), "--json", str(out)],
+    done = subprocess.run([sys.executable, "-m", "rlink_ucx", "bench", "--suite", "replay", "--quick",
+                           "--ckpt-dir", str(tmp_path), "--json", str(out)],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=280, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
     report = json.loads(out.read_text())

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 
 import pytest
 
-from rlink_ucx.bench import report, suite, systems
+from rlink_ucx.bench import peers, report, suite, systems
+from rlink_ucx.bench.measure import Timing
+from rlink_ucx.bench.workloads import WORKLOADS
 from tests.conftest import ucx_importable
 
 KEYS = {"system", "transport", "workload", "size_bytes", "actors", "gbps", "per_s", "p50_us", "p99_us", "reps"}
@@ -48,6 +52,27 @@ def test_tiny_suite_writes_records_and_skips_missing_peers(tmp_path, monkeypatch
     text = capsys.readouterr().out
     assert "targets" in text and "rlink best plane >= 0.85x raw socket, 64KiB" in text
     assert "skipped: rlink_no_such_module_xyz not installed" in text
+
+
+def test_peer_rows_name_the_checkout_when_their_harness_is_not_installed(tmp_path, monkeypatch):
+    """From a wheel (no bench/ beside rlink_ucx) a peer row is skipped with a reason that says
+    where its harness is; the harness's rows never run."""
+    monkeypatch.setattr(peers, "BENCH_DIR", str(tmp_path))
+    for key in ("raw-ucxx", "pyzmq-copy", "torch-gloo", "ray"):
+        rec = systems.run_one(key, WORKLOADS["64KiB"], Timing(warmup=0.05, window=0.1, reps=1, timeout=5), 1)
+        assert rec["gbps"] is None
+        assert rec["skipped"].startswith(f"bench/{systems.SYSTEMS[key].harness}.py is not in the installed wheel")
+        assert "source checkout" in rec["skipped"] and ".[bench]" in rec["skipped"]
+    with pytest.raises(ImportError, match="source checkout"):
+        peers.load("peer_zmq")
+
+
+def test_the_harness_imports_no_peer_until_a_peer_row_runs():
+    code = ("import sys; from rlink_ucx import cli; from rlink_ucx.bench import suite, systems, replay, scale; "
+            "from rlink_ucx.bench.peers import BENCH_DIR; "
+            "print(sorted(m for m in sys.modules if m.startswith('peer_')), BENCH_DIR in sys.path)")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.split() == ["[]", "False"], done.stdout + done.stderr
 
 
 def test_targets_ratios_from_records():
@@ -100,7 +125,6 @@ def test_the_rlink_ring_holds_every_actors_window():
     half of the ring the learner lends out (else they wait for credit: docs/benchmarks.md)."""
     from rlink_ucx import Config
     from rlink_ucx.bench.rlink import rlink_config
-    from rlink_ucx.bench.workloads import WORKLOADS
 
     atari = WORKLOADS["atari"].with_chunk(32)
     window = Config.from_env().actor_window_bytes
@@ -117,8 +141,6 @@ def test_the_raw_socket_limit_takes_several_senders():
     """With 3 senders the raw socket's receiver reads every sender to its end marker (the
     session ends only once all three arrived) and measures their combined stream."""
     from rlink_ucx.bench.limits import RawSocketReceiver, run_raw_socket
-    from rlink_ucx.bench.measure import Timing
-    from rlink_ucx.bench.workloads import WORKLOADS
 
     timing = Timing(warmup=0.05, window=0.15, reps=2, timeout=20)
     seen: list[int] = []
@@ -142,8 +164,6 @@ def test_the_raw_socket_ring_lands_each_message_in_the_next_slot():
     """raw-socket-ring: messages land in turn in the slots of a 256 MiB buffer (as rlink's
     frames land in its ring), wrapping, and are still timed from their own stamps."""
     from rlink_ucx.bench.limits import RING_BYTES, RawSocketReceiver, run_raw_socket
-    from rlink_ucx.bench.measure import Timing
-    from rlink_ucx.bench.workloads import WORKLOADS
 
     work = WORKLOADS["1MiB"]
     receiver = RawSocketReceiver(work, ring=True)
@@ -170,9 +190,9 @@ def test_the_raw_socket_ring_lands_each_message_in_the_next_slot():
 def test_raw_ucxx_takes_several_senders_each_on_tags_of_its_own():
     """raw-ucxx with 3 senders: every sender is read, in its own order, to its end marker,
     and none is starved while the others stream."""
-    from rlink_ucx.bench.measure import Timing
-    from rlink_ucx.bench.peer_ucxx import UcxxReceiver, run_raw_ucxx
-    from rlink_ucx.bench.workloads import WORKLOADS
+
+    peer_ucxx = peers.load("peer_ucxx")
+    UcxxReceiver, run_raw_ucxx = peer_ucxx.UcxxReceiver, peer_ucxx.run_raw_ucxx
 
     served: list[int] = []
     stamps: dict[int, list[int]] = {0: [], 1: [], 2: []}
@@ -199,7 +219,7 @@ def test_raw_ucxx_takes_several_senders_each_on_tags_of_its_own():
 def test_raw_ucxx_serves_senders_whose_chunks_are_in_in_turn():
     """With every sender's next chunk in, the receiver takes them in turn, not the first one
     again and again (a sender streaming fast must not starve the others)."""
-    from rlink_ucx.bench.peer_ucxx import UcxxReceiver
+    UcxxReceiver = peers.load("peer_ucxx").UcxxReceiver
 
     class Done:
         completed = True

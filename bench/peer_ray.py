@@ -11,9 +11,9 @@ from typing import Any
 
 import numpy as np
 
-from .common import SOURCE_ROOT
-from .measure import Recorder, Timing, per_gb
-from .workloads import Workload
+from rlink_ucx.bench.common import SOURCE_ROOT
+from rlink_ucx.bench.measure import Recorder, Timing, per_gb
+from rlink_ucx.bench.workloads import Workload
 
 _RAY: dict[str, Any] = {}
 
@@ -25,10 +25,10 @@ def _ray() -> tuple[Any, Any, Any]:
 
         import ray
 
-        # Ray's worker processes must import this module: put our package on their path.
+        # Ray's worker processes import this module by name (bench/) and the rlink_ucx it uses.
         paths = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-        if SOURCE_ROOT not in paths:
-            os.environ["PYTHONPATH"] = os.pathsep.join([SOURCE_ROOT, *paths])
+        mine = [p for p in (SOURCE_ROOT, os.path.dirname(os.path.abspath(__file__))) if p not in paths]
+        os.environ["PYTHONPATH"] = os.pathsep.join([*mine, *paths])
         ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
                  logging_level=logging.ERROR, configure_logging=False)  # fmt: skip
         _RAY["ray"] = ray

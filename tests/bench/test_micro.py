@@ -1,11 +1,12 @@
 """Micro benchmarks of the hot paths (pytest-benchmark), one operation each.
 
     pip install -c ci/constraints-cpu.txt -e ".[bench,test]"
-    pytest bench/micro --benchmark-columns=min,median,ops --benchmark-sort=name
+    pytest tests/bench/test_micro.py -m slow --benchmark-columns=min,median,ops --benchmark-sort=name
 
-Each benchmark also checks its result, so a fast wrong answer fails. They are not timed
-tests: CI runs them once each with ``--benchmark-disable`` (tests/unit/test_micro_benchmarks.py)
-to keep them working; the numbers of a real run are in docs/benchmarks.md.
+Each benchmark also checks its result, so a fast wrong answer fails. A timed run takes several
+seconds of calibrated rounds, so they are marked ``slow`` (out of the default run); the default
+run calls each once with ``--benchmark-disable`` (test_micro_once.py) to keep them working. The
+numbers of a real run are in docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -22,6 +23,9 @@ from rlink_ucx.store.ring import StepRing
 from rlink_ucx.transport import cma, shm
 from rlink_ucx.wire.codec import Schema
 from rlink_ucx.wire.frame import FrameHeader
+
+pytest.importorskip("pytest_benchmark", reason="the test and bench extras install pytest-benchmark")
+pytestmark = pytest.mark.slow
 
 CARTPOLE = Schema.from_spec({"obs": ("float32", (4,)), "action": ("int64", ()), "reward": ("float32", ()),
                              "done": ("bool", ())})  # fmt: skip
@@ -89,7 +93,7 @@ def streaming_actor():
         while not stop.is_set():
             try:
                 fetched.append(len(dataset.fetch(timeout=0.2).seq))
-            except Exception:  # noqa: BLE001 - a timeout while idle, or closed at the end
+            except Exception:  # noqa: BLE001, S110 - a timeout while idle, or closed at the end
                 pass
 
     consumer = threading.Thread(target=drain, daemon=True)
@@ -104,7 +108,7 @@ def streaming_actor():
 
 
 def test_actor_put_cartpole_step(benchmark, streaming_actor):
-    actor, fetched = streaming_actor
+    actor, _fetched = streaming_actor
     obs = np.ones(4, np.float32)
     step = {"obs": obs, "action": np.int64(1), "reward": np.float32(1.0), "done": np.bool_(False)}
     before = actor.stats()["steps_put"]

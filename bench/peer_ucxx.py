@@ -12,10 +12,10 @@ from typing import Any
 
 import numpy as np
 
-from ..transport.ucx_setup import SPINS_BEFORE_YIELD  # yield as rlink's plane does (no ucxx import here)
-from .harness import Receiver, Sender, run_session
-from .measure import Recorder, Timing
-from .workloads import Workload, flat_bytes
+from rlink_ucx.bench.harness import Receiver, Sender, run_session
+from rlink_ucx.bench.measure import Recorder, Timing
+from rlink_ucx.bench.workloads import Workload, flat_bytes
+from rlink_ucx.transport.ucx_setup import SPINS_BEFORE_YIELD  # yield as rlink's plane does (no ucxx import here)
 
 UCX_TAG = 0x5EED << 32
 
@@ -26,8 +26,8 @@ def _tag(sender: int, field: int) -> int:
 
 def _ucx_worker() -> tuple[Any, Any, Any, Any]:
     """A worker made exactly like rlink's ucx plane makes its own (same UCX options)."""
-    from .. import Config
-    from ..transport.ucx import load_ucxx, make_worker
+    from rlink_ucx import Config
+    from rlink_ucx.transport.ucx import load_ucxx, make_worker
 
     u, context, worker = make_worker(Config.from_env())
     return u, load_ucxx()[1], context, worker
@@ -160,7 +160,7 @@ class UcxxReceiver(Receiver):
                 self.worker.cancel_inflight_requests()
                 for _ in range(100):
                     self.worker.progress()
-            except Exception:  # noqa: BLE001 - best effort after a failure
+            except Exception:  # noqa: BLE001, S110 - best effort after a failure
                 pass
 
 

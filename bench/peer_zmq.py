@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from .harness import Receiver, Sender, run_session
-from .measure import Recorder, Timing
-from .workloads import Workload
+from rlink_ucx.bench.harness import Receiver, Sender, run_session
+from rlink_ucx.bench.measure import Recorder, Timing
+from rlink_ucx.bench.workloads import Workload
 
 MiB = 1 << 20
 

@@ -9,13 +9,13 @@ from typing import Any
 
 import numpy as np
 
-from .harness import Receiver, Sender, run_session
-from .measure import Recorder, Timing
-from .workloads import Workload, flat_bytes
+from rlink_ucx.bench.harness import Receiver, Sender, run_session
+from rlink_ucx.bench.measure import Recorder, Timing
+from rlink_ucx.bench.workloads import Workload, flat_bytes
 
 
 def _gloo_group(store: Any, rank: int, timeout: float) -> Any:
-    from ..weights.group import new_group
+    from rlink_ucx.weights.group import new_group
 
     return new_group(store, "bench/", rank, 2, backend="gloo", hostname="127.0.0.1", timeout=timeout)
 
@@ -24,7 +24,7 @@ class GlooSender(Sender):
     """One ``send`` per field (tag = field index), as flat uint8 tensors; all waited for."""
 
     def __init__(self, info: Any, workload: Workload, index: int, timeout: float):
-        from ..weights.group import connect_store
+        from rlink_ucx.weights.group import connect_store
 
         super().__init__(info, workload, index, timeout)
         self.group = _gloo_group(connect_store("127.0.0.1", info, timeout), 1, timeout)
@@ -49,7 +49,7 @@ class GlooReceiver(Receiver):
 
         import torch
 
-        from ..weights.group import serve_store
+        from rlink_ucx.weights.group import serve_store
 
         self.store, self.port = serve_store("127.0.0.1", timeout)
         self.chunk = workload.chunk

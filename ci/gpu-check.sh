@@ -15,7 +15,7 @@
 #   gpu-latency.json      bench/gpu_latency.py: put -> fetch latency of CUDA steps per plane, and
 #                         how long fetch takes for a batch already held
 #   fanout.json           bench/fanout.py: learner.publish vs a plain broadcast of the same bytes
-#   replay-device.json    bench/replay.py --storage device: uniform sampling from a replay table
+#   replay-device.json    rlink bench --suite replay --storage device: uniform sampling from a replay table
 #                         kept on the GPU (a device gather)
 #
 # Time budget (each step has its own `timeout`, plus 5 s to kill what ignores SIGTERM; a step
@@ -142,7 +142,7 @@ else  # CPU parameters over gloo: measured by the suite on CPU machines already
   not_run fanout fanout.json "run on the GPU machine only (on a CPU machine the suite measures it)"
 fi
 if [ "${CUDA:-0}" = 1 ]; then  # the replay table kept on the GPU: sampling is a device gather
-  run_step replay-device plain 40 replay-device.json python3 bench/replay.py --only uniform --storage device \
+  run_step replay-device plain 40 replay-device.json python3 -m rlink_ucx bench --suite replay --only uniform --storage device \
     --device cuda:0 --seconds 5 --json "$OUT/replay-device.json"
 else
   not_run replay-device replay-device.json "needs CUDA (the host table is measured by rlink bench --suite replay)"

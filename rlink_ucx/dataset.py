@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -140,7 +140,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         if self._owns_learner:
             self.learner.close()
 
-    def __enter__(self) -> RLinkDataset:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any
+from typing import Any, Self
 
 from .config import Config, resolve
 from .errors import Closed, ConfigError
@@ -249,7 +249,7 @@ class Learner:
         self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> Learner:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -267,7 +267,7 @@ def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: Metr
     server.publisher.close()
     try:
         io.call(server.stop(), config.close_timeout, "learner close")
-    except Exception:  # noqa: BLE001 - close must release resources even if the graceful path fails
+    except Exception:  # close must release resources even if the graceful path fails
         log.debug("graceful learner shutdown failed", exc_info=True)
     finally:
         server.withdraw_token()

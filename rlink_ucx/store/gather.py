@@ -51,7 +51,8 @@ class BatchAssembler:
         self.lends = ring.chunk_steps == batch_size and not self.cuda
         self.lent_batches = 0
         self._pool: list[_Staging] = []
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # torch.cuda.Stream.__new__ is unannotated in torch's sources
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self._dtypes = [torch_dtype(f.dtype) for f in ring.schema.fields]
         # (CUDA event, take id) of device copies in flight; None stops the releasing thread
         self._copies: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()

@@ -11,11 +11,9 @@ import msgspec
 from ..errors import ProtocolError
 from .manifest import Manifest
 
-PROTOCOL_VERSION = 7  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma);
-# 4: keyed weights (KeyedPull, Seal, AttachProof, the rendezvous relayed over the control channel);
-# 5: data connections proven with the session key; the frame header carries the put time (64 bytes);
-# 6: same-host weights read from the learner's shared memory (KeyedSubscribe.shared, Mapped);
-# 7: the ucx plane sends a frame's small fields inside its header's message (ucx_setup.inline_fields)
+# Sent in the handshake and in every frame header; each side refuses a peer of another version.
+# Bump it with any change to a message or the frame header (docs/architecture.md lists them).
+PROTOCOL_VERSION = 7
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):

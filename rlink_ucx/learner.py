@@ -270,7 +270,9 @@ class StepFeed:
         return self._server.ring
 
     def actors_done(self) -> bool:
-        """Every actor that connected has closed (and none that crashed may still reconnect)."""
+        """Every actor that connected has left and none is expected back: one that ended
+        without a goodbye is waited for up to ``Config.reconnect_timeout``. False before any
+        actor connected."""
         return self._server.actors_done()
 
     def record_staleness(self, counts: dict[int, int]) -> None:

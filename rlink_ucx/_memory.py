@@ -9,7 +9,7 @@ So the buffers the data path writes at full speed (the learner's receive ring, a
 buffers) come from a :class:`Reserve`: one anonymous or shared mapping whose pages a background
 thread populates with ``MADV_POPULATE_WRITE`` (Linux >= 5.14). That call never changes the
 contents, so the data path may already use the pages while it runs. Where it is missing (older
-kernels, other systems) the pages fault in on first use, as before.
+kernels, other systems) the pages fault in on first use.
 """
 
 from __future__ import annotations

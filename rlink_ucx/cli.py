@@ -46,7 +46,7 @@ def _info(args: argparse.Namespace) -> int:
     print(f"rlink_ucx {__version__} (python {report['python']})")
     if ucx:
         print(f"UCX {report['ucx_version'] or '?'} via ucxx; transports:")
-        for name, devices in report["ucx_transports"].items():
+        for name, devices in sorted(transports.items()):
             print(f"  {name:<10} {', '.join(devices)}")
     else:
         print(f"UCX: ucxx not installed, so the tcp and shm data planes are used; for the ucx plane: {UCX_INSTALL}")

@@ -12,7 +12,6 @@ import dataclasses
 import inspect
 import os
 import re
-import stat
 from collections.abc import Mapping
 from typing import Any
 
@@ -147,7 +146,7 @@ def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
         raw = env.get(f"RLINK_{field.name.upper()}")
         if raw is None:
             continue
-        kind = type(field.default)
+        kind: type[Any] = type(field.default)
         try:
             if kind is bool:
                 values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")

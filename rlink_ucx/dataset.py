@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import Any, Self
 
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
@@ -77,9 +77,10 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         self.max_staleness = max_staleness
         self.stop_when_actors_done = stop_when_actors_done
         self.drop_last = drop_last
+        self._feed = learner.feed()
         if self.device.type == "cuda":
-            learner._request_pinned()
-        learner._hint_batch_size(batch_size)
+            self._feed.request_pinned()
+        self._feed.hint_batch_size(batch_size)
         self._assembler: BatchAssembler | None = None
         self._lock = threading.Lock()
         self.batches = 0
@@ -100,7 +101,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
                 raise Closed("the learner is closed")
             assembler = self._assembler
             if assembler is None:
-                ring = self.learner._wait_ring(timeout)
+                ring = self._feed.wait_ring(timeout)
                 if ring is None:
                     raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s: no actor has sent a schema yet")
                 if self.batch_size > ring.capacity - ring.max_frame_steps:
@@ -112,15 +113,15 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             version = self.learner.version
             min_version = 0 if self.max_staleness is None else version - self.max_staleness
             ring = assembler.ring
-            finished = self.learner._actors_done if self.stop_when_actors_done else None
+            finished = self._feed.actors_done if self.stop_when_actors_done else None
             pieces, take_id = ring.take(self.batch_size, max(0.0, deadline - time.monotonic()), min_version,
                                         finished=finished, partial=not self.drop_last)  # fmt: skip
             batch = assembler.assemble(pieces, take_id, version)
             counts: dict[int, int] = {}
             for p in pieces:
                 counts[version - p.version] = counts.get(version - p.version, 0) + p.count
-            self.learner._record_staleness(counts)
-            self.learner._record_fetch(pieces, started)
+            self._feed.record_staleness(counts)
+            self._feed.record_fetch(pieces, started)
             self.batches += 1
             return batch
 
@@ -140,7 +141,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         if self._owns_learner:
             self.learner.close()
 
-    def __enter__(self) -> RLinkDataset:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -9,15 +9,15 @@ from __future__ import annotations
 import builtins
 
 __all__ = [
-    "RLinkError",
-    "ConfigError",
-    "ConnectError",
     "AuthError",
-    "ProtocolError",
-    "SchemaMismatch",
-    "PeerLost",
     "Backpressure",
     "Closed",
+    "ConfigError",
+    "ConnectError",
+    "PeerLost",
+    "ProtocolError",
+    "RLinkError",
+    "SchemaMismatch",
     "TimeoutError",
 ]
 
@@ -62,7 +62,7 @@ class Closed(RLinkError):
     """The object was closed by its owner (your doing, not the peer's)."""
 
 
-class TimeoutError(RLinkError, builtins.TimeoutError):  # noqa: A001 - deliberate shadow
+class TimeoutError(RLinkError, builtins.TimeoutError):  # shadows the builtin on purpose, and derives from it
     """A blocking call ran past its timeout."""
 
 

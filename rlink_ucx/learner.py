@@ -5,7 +5,8 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Self
 
 from .config import Config, resolve
 from .errors import Closed, ConfigError
@@ -14,6 +15,7 @@ from .observe.metrics import MetricsServer, require_prometheus, sample
 from .session import tokens
 from .session.learner.server import LearnerServer
 from .session.tokens import resolve_token
+from .store.ring import Piece, StepRing
 from .transport import UCX_INSTALL, check_transport, ucx_available, ucx_failure
 from .transport.address import format_address, is_loopback, parse_endpoint
 from .transport.loop import IOThread
@@ -21,7 +23,7 @@ from .wire.codec import Schema
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Learner"]
+__all__ = ["Learner", "StepFeed"]
 
 
 class Learner:
@@ -212,36 +214,10 @@ class Learner:
     async def _snapshot(self) -> dict[str, Any]:
         return self._server.snapshot()
 
-    # Used by RLinkDataset ----------------------------------------------------------------------
-    def _wait_ring(self, timeout: float) -> Any:
-        """The receive ring, once the schema is known (declared, or from the first actor)."""
-        deadline = time.monotonic() + timeout
-        while not self._server.ring_ready.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
-            if self._closed:
-                raise Closed("the learner is closed")
-            if time.monotonic() >= deadline:
-                return None
-        return self._server.ring
-
-    def _actors_done(self) -> bool:
-        return self._server.actors_done()
-
-    def _record_staleness(self, counts: dict[int, int]) -> None:
-        self._server.staleness.record(counts)
-
-    def _record_fetch(self, pieces: list[Any], started: float) -> None:
-        """A batch of ring ``pieces`` was handed out by a fetch begun at ``started`` (monotonic)."""
-        if self._timings is not None:
-            self._timings.record_fetch(pieces, started, time.monotonic(), time.time())
-
-    def _request_pinned(self) -> None:
-        self._server.pin_memory = True
-
-    def _hint_batch_size(self, batch_size: int) -> None:
-        """Size ring chunks to the batch so CPU batches can be lent without a copy (only
-        possible before the first actor's schema creates the ring)."""
-        if self._server.batch_steps is None:
-            self._server.batch_steps = batch_size
+    def feed(self) -> StepFeed:
+        """What a dataset reads from this learner: its receive ring and the bookkeeping of what
+        was read (see :class:`StepFeed`). ``RLinkDataset`` and ``ReplayDataset`` take one each."""
+        return StepFeed(self._server, self._timings, lambda: self._closed)
 
     def close(self) -> None:
         """Tell every actor the learner is finishing (their next call raises ``Closed``),
@@ -249,7 +225,7 @@ class Learner:
         self._closed = True
         self._finalizer()
 
-    def __enter__(self) -> Learner:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -257,6 +233,68 @@ class Learner:
 
     def __repr__(self) -> str:
         return f"Learner(address={self.address!r}, version={self.version}, closed={self._closed})"
+
+
+class StepFeed:
+    """A learner's steps as a dataset reads them: the receive ring the actors' frames land in,
+    and the learner's records of what the dataset took. Get one from :meth:`Learner.feed`.
+
+    One dataset reads a learner: two would take steps from the same ring. The recording calls
+    (:meth:`record_staleness`, :meth:`record_fetch`) are made under the dataset's own lock.
+
+    Example::
+
+        feed = learner.feed()
+        feed.hint_batch_size(256)
+        ring = feed.wait_ring(timeout=30)  # None while no actor has sent a schema
+    """
+
+    def __init__(self, server: LearnerServer, timings: FetchTimings | None, closed: Callable[[], bool]):
+        self._server = server
+        self._timings = timings
+        self._closed = closed
+
+    def wait_ring(self, timeout: float) -> StepRing | None:
+        """The receive ring, once the schema is known (declared, or from the first actor);
+        None if it is not known within ``timeout`` seconds.
+
+        Raises:
+            Closed: the learner was closed while waiting.
+        """
+        deadline = time.monotonic() + timeout
+        while not self._server.ring_ready.wait(min(0.2, max(0.0, deadline - time.monotonic()))):
+            if self._closed():
+                raise Closed("the learner is closed")
+            if time.monotonic() >= deadline:
+                return None
+        return self._server.ring
+
+    def actors_done(self) -> bool:
+        """Every actor that connected has left and none is expected back: one that ended
+        without a goodbye is waited for up to ``Config.reconnect_timeout``. False before any
+        actor connected."""
+        return self._server.actors_done()
+
+    def record_staleness(self, counts: dict[int, int]) -> None:
+        """Count a batch's steps by staleness (``{versions behind: steps}``) for ``stats()``."""
+        self._server.staleness.record(counts)
+
+    def record_fetch(self, pieces: Sequence[Piece], started: float) -> None:
+        """A batch of ring ``pieces`` was handed out by a fetch begun at ``started``
+        (``time.monotonic()``); timed for the metrics endpoint when it is on."""
+        if self._timings is not None:
+            self._timings.record_fetch(pieces, started, time.monotonic(), time.time())
+
+    def request_pinned(self) -> None:
+        """Ask for a ring in pinned host memory, for fast copies to a GPU (only possible before
+        the first actor's schema creates the ring)."""
+        self._server.pin_memory = True
+
+    def hint_batch_size(self, batch_size: int) -> None:
+        """Size ring chunks to the batch so CPU batches can be lent without a copy (only
+        possible before the first actor's schema creates the ring; the first hint wins)."""
+        if self._server.batch_steps is None:
+            self._server.batch_steps = batch_size
 
 
 def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: MetricsServer | None) -> None:
@@ -267,7 +305,7 @@ def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: Metr
     server.publisher.close()
     try:
         io.call(server.stop(), config.close_timeout, "learner close")
-    except Exception:  # noqa: BLE001 - close must release resources even if the graceful path fails
+    except Exception:  # close must release resources even if the graceful path fails
         log.debug("graceful learner shutdown failed", exc_info=True)
     finally:
         server.withdraw_token()

@@ -118,9 +118,10 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                                 seed=seed, storage=storage)  # fmt: skip
         # Ring chunks of a batch: large enough that a host table of large steps takes whole ones
         # without copying them (no effect once the learner's ring exists).
-        learner._hint_batch_size(batch_size)
+        feed = learner.feed()
+        feed.hint_batch_size(batch_size)
         if _checkpoint is not None:
-            ring = learner._wait_ring(0.0)  # the learner already knows its actors' schema: check it now
+            ring = feed.wait_ring(0.0)  # the learner already knows its actors' schema: check it now
             if ring is not None:
                 self._core.ring_geometry = (ring.chunk_steps, ring.capacity)
             restore(self._core, _checkpoint, read_manifest(_checkpoint))
@@ -131,7 +132,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
             ):
                 raise SchemaMismatch(f"the checkpoint's schema {self._core.table.schema.describe()} does not match "
                                      f"the learner's {stored_schema(ring.schema).describe()}")  # fmt: skip
-        self._inserter = Inserter(self._core, learner._wait_ring)
+        self._inserter = Inserter(self._core, feed.wait_ring)
         self._inserter.start()
         self._ahead: SampleAhead | None = None
         if prefetch:

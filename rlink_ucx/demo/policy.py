@@ -26,12 +26,13 @@ class ActorCritic(nn.Module):
         self.kind, self.n = action
 
         def mlp(out: int, gain: float) -> nn.Sequential:
-            layers = [nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), nn.Linear(hidden, out)]
+            head = nn.Linear(hidden, out)
+            layers = [nn.Linear(obs_dim, hidden), nn.Tanh(), nn.Linear(hidden, hidden), nn.Tanh(), head]
             for layer in layers:
                 if isinstance(layer, nn.Linear):
                     nn.init.orthogonal_(layer.weight, np.sqrt(2))
                     nn.init.zeros_(layer.bias)
-            nn.init.orthogonal_(layers[-1].weight, gain)
+            nn.init.orthogonal_(head.weight, gain)
             return nn.Sequential(*layers)
 
         self.pi = mlp(self.n, 0.01)
@@ -46,7 +47,8 @@ class ActorCritic(nn.Module):
         return torch.distributions.Independent(torch.distributions.Normal(out, self.log_std.exp().expand_as(out)), 1)
 
     def value(self, obs: torch.Tensor) -> torch.Tensor:
-        return self.v(obs).squeeze(-1)
+        value: torch.Tensor = self.v(obs)
+        return value.squeeze(-1)
 
     @torch.no_grad()
     def act(self, obs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

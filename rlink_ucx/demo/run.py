@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -157,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
                 curve.append((env_steps, round(elapsed, 3), mean_return))
             if (args.kill_one_actor_after is not None and killed is None and elapsed > args.kill_one_actor_after
                     and stats["connected_actors"] == len(procs)):  # fmt: skip
-                os.kill(procs[0].pid, signal.SIGKILL)  # mid-stream: the run must carry on without it
+                procs[0].kill()  # SIGKILL, mid-stream: the run must carry on without it
                 killed = {"pid": procs[0].pid, "after_seconds": round(elapsed, 2)}
             progress.update({
                 "steps": env_steps, "steps_per_s": env_steps / max(elapsed, 1e-9), "transport": _transports(stats),
@@ -204,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         "actors_started": args.actors,
         "actors_reported": len(actor_reports),
         "lost_actors": [{"actor_id": a["actor_id"], "pid": a["pid"], "error": a["error"], "env_steps": a["steps"] * args.unroll}
-                        for a in lost],  # fmt: skip
+                        for a in lost],
         "killed_on_purpose": killed,
     }
     print(f"[rlink demo] {outcome}: mean return {mean_return:.1f} (random policy {baseline:.1f}) after "
@@ -224,10 +225,8 @@ def _stop_actors(stop: Any, procs: list[Any], reports: Any, dataset: RLinkDatase
     got: list[dict[str, Any]] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
-        try:
+        with contextlib.suppress(Exception):  # draining: a timeout or a closed learner just means "no batch"
             dataset.fetch(timeout=0.2)
-        except Exception:  # noqa: BLE001 - draining: a timeout or a closed learner just means "no batch"
-            pass
         while not reports.empty():
             got.append(reports.get())
     for p in procs:

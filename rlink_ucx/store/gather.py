@@ -51,7 +51,8 @@ class BatchAssembler:
         self.lends = ring.chunk_steps == batch_size and not self.cuda
         self.lent_batches = 0
         self._pool: list[_Staging] = []
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        # torch.cuda.Stream.__new__ is unannotated in torch's sources
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self._dtypes = [torch_dtype(f.dtype) for f in ring.schema.fields]
         # (CUDA event, take id) of device copies in flight; None stops the releasing thread
         self._copies: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
@@ -70,7 +71,7 @@ class BatchAssembler:
     def _meta(self, pieces: list[Piece], learner_version: int) -> np.ndarray:
         """Per step: version, actor_id, seq, staleness. Beyond a few pieces in a few numpy calls
         whatever their number: a batch of small frames from several actors has hundreds, and a
-        loop over 256 took 0.3 ms per batch (the fetching thread's largest cost; 0.06 ms now)."""
+        Python loop over them is the fetching thread's largest cost (docs/benchmarks.md)."""
         meta = np.empty((4, self.batch_size), dtype=np.int64)
         if len(pieces) <= _LOOP_PIECES:
             i = 0

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import enum
+import itertools
 import sys
 import threading
 import time
@@ -203,7 +204,7 @@ class StepRing:
         runs = self._split(seg.start, seg.n)
         views = []
         for f, sb in enumerate(self._sizes):
-            views.append([memoryview(self.chunks[c][f])[o * sb : (o + k) * sb] for c, o, k in runs])
+            views.append([self.chunks[c][f].data[o * sb : (o + k) * sb] for c, o, k in runs])
         return views
 
     def piece_bytes(self, field: int, piece: Piece) -> np.ndarray:
@@ -221,7 +222,7 @@ class StepRing:
         for good, not taken back for reuse. A replay gives its own free table rows this way."""
         if not pieces or pieces[0].start % self.chunk_steps or sum(p.count for p in pieces) != self.chunk_steps:
             return None
-        for a, b in zip(pieces, pieces[1:]):
+        for a, b in itertools.pairwise(pieces):
             if a.start + a.count != b.start:
                 return None
         chunk = pieces[0].start // self.chunk_steps

@@ -29,15 +29,19 @@ def serve_store(host: str, timeout: float) -> tuple[Any, int]:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.create_server((host, 0), family=family, backlog=128)
     port = sock.getsockname()[1]
-    store = dist.TCPStore(host, port, is_master=True, master_listen_fd=sock.detach(), timeout=_delta(timeout),
-                          wait_for_workers=False)  # fmt: skip
+    # torch.distributed imports its stores from torch._C without listing them in __all__
+    store = dist.TCPStore(host, port, is_master=True, master_listen_fd=sock.detach(),  # type: ignore[attr-defined]
+                          timeout=_delta(timeout), wait_for_workers=False)  # fmt: skip
     return store, port
 
 
 def connect_store(host: str, port: int, timeout: float) -> Any:
     import torch.distributed as dist
 
-    return dist.TCPStore(host, port, is_master=False, timeout=_delta(timeout), wait_for_workers=False)
+    # torch.distributed imports its stores from torch._C without listing them in __all__
+    store = dist.TCPStore(host, port, is_master=False,  # type: ignore[attr-defined]
+                          timeout=_delta(timeout), wait_for_workers=False)  # fmt: skip
+    return store
 
 
 def formation_timeout(timeout: float, world: int) -> float:
@@ -53,12 +57,12 @@ def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, h
     ``timeout``."""
     import torch.distributed as dist
 
-    prefixed = dist.PrefixStore(prefix, store)
+    prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]  # imported from torch._C, as TCPStore
     if backend == "nccl":  # NCCL connects at the first collective, within ``timeout``
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = _delta(timeout)
         return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
-    opts = dist.ProcessGroupGloo._Options()
+    opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: torch's stubs leave it out
     opts._timeout = _delta(formation_timeout(timeout, world))
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     group = dist.ProcessGroupGloo(prefixed, rank, world, opts)

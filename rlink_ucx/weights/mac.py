@@ -11,8 +11,8 @@ BLAKE2b, keyed with the version's secret, of its place and its row hashes. A for
 therefore passes only if its row hashes collide with the real ones, or BLAKE2b is broken.
 
 This is a matrix product of int8s, which CPUs with VNNI or AVX2 and GPUs do at memory speed:
-about 1.1 ms per 16 MiB on one core here (XXH3, the unkeyed checksum it replaces, took 0.9 ms;
-keyed BLAKE2b over the bytes themselves 20 ms). The arithmetic is exact, so host and device
+about 1.1 ms per 16 MiB on one core, close to an unkeyed XXH3 checksum and far below keyed
+BLAKE2b over the bytes themselves (docs/weights.md has the figures). The arithmetic is exact, so host and device
 agree to the bit: a CUDA snapshot is tagged on its GPU (in float64, exact for these sums) and
 only the row hashes (32 bytes per 4 KiB) come to the host.
 """
@@ -133,7 +133,7 @@ def _rows_float64(data: Any, key: VersionKey) -> bytes:
 def _tag_worker() -> concurrent.futures.ThreadPoolExecutor:
     """One thread that computes host tags, with one OpenMP thread. torch's int8 matrix product
     otherwise runs on every core, and on a host whose cores are all busy (a learner and its
-    actors sharing a machine) threads waiting for each other made it 20x slower here. The
+    actors sharing a machine) threads waiting for each other make it up to 20x slower. The
     OpenMP setting is per thread: the caller's ``torch.get_num_threads()`` is left as it is."""
     return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlink-tags", initializer=_one_omp_thread)
 

@@ -196,7 +196,7 @@ class Publisher:
 
     def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> Member:
         """Check a pull connection's proof (on the loop, right before :meth:`serve_pull`)."""
-        session = self.server.sessions.get(msg.session)
+        session: Member | None = self.server.sessions.get(msg.session)
         if session is None or session.state != "open":
             raise AuthError("weights pull for an unknown session")
         actor_nonce = getattr(msg, "nonce", b"")
@@ -244,7 +244,7 @@ class Publisher:
             started = time.monotonic()
             try:
                 self._fan_out(snap)
-            except Exception as exc:  # noqa: BLE001 - the fan-out thread must outlive any one failure
+            except Exception as exc:  # the fan-out thread must outlive any one failure
                 log.exception("fan-out of version %d failed", snap.version)
                 self.stats["last_error"] = repr(exc)
             with self._cv:
@@ -316,8 +316,11 @@ class Publisher:
 
     def _map(self, sharing: list[Member], snap: Snapshot, keys: dict[int, bytes]) -> None:
         """Tell actors on this host where the version lies in our shared memory (its Seal follows)."""
+        where = snap.shared
+        if where is None:  # never: ``sharing`` only holds actors when the snapshot is in shared memory
+            return
         for s in sharing:
-            self._send([s], _wire.Mapped(snap.manifest, snap.shared), self._weights_key(keys[s.id], snap))
+            self._send([s], _wire.Mapped(snap.manifest, where), self._weights_key(keys[s.id], snap))
 
     def _stream(self, source: Snapshot, members: list[Member], keys: dict[int, bytes], timeout: float) -> None:
         """Broadcast each bucket as soon as it is copied; send each member its Seal once every

@@ -30,14 +30,15 @@ class SharedBuffer:
     """A snapshot's flat buffer in a sealed memfd, and where actors find it. It holds no view
     of its memory: whoever holds :meth:`array`'s result decides how long the bytes live."""
 
-    __slots__ = ("region", "where")
+    __slots__ = ("nbytes", "region", "where")
 
     def __init__(self, nbytes: int):
         self.region, nonce = ShmRing.create(nbytes, NAME)
+        self.nbytes = nbytes
         self.where = [os.getpid(), self.region.fd, nonce, nbytes]
 
     def array(self) -> np.ndarray:
-        return np.frombuffer(self.region.mm, dtype=np.uint8, count=self.where[3], offset=DATA_OFFSET)
+        return np.frombuffer(self.region.mm, dtype=np.uint8, count=self.nbytes, offset=DATA_OFFSET)
 
     def close(self) -> None:
         """Close the descriptor; the mapping goes with the last view of the array."""
@@ -62,7 +63,7 @@ def read_into(where: Any, dst: np.ndarray, on_piece: Any = None) -> None:
     try:
         if os.pread(own, NONCE_BYTES, 0) != nonce:
             raise OSError(f"{path} is another object (nonce differs)")
-        view = memoryview(dst)
+        view = dst.data
         done = 0
         while done < size:
             n = os.preadv(own, [view[done : min(size, done + _READ_PIECE)]], DATA_OFFSET + done)

@@ -13,7 +13,7 @@ import hmac
 import sys
 import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -24,6 +24,9 @@ from .mac import VersionKey
 from .shared import SharedBuffer
 from .shared import available as shared_available
 
+if TYPE_CHECKING:
+    import torch
+
 __all__ = ["BufferPool", "Snapshot", "snapshot", "state_dict_of"]
 
 def _np(t: Any) -> np.ndarray:
@@ -31,7 +34,8 @@ def _np(t: Any) -> np.ndarray:
     import torch
 
     t = t.detach()
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    array: np.ndarray = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+    return array
 
 
 def _dtype_name(t: Any) -> str:
@@ -182,6 +186,8 @@ def begin_snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, po
     with :func:`fill`."""
     entries, total = layout(state)
     devices = {str(t.device) for t in state.values()}
+    flat: np.ndarray | torch.Tensor
+    shared: list[Any] | None
     if len(devices) == 1 and next(iter(devices)).startswith("cuda"):
         import torch
 

@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..config import Config
 from ..errors import AuthError, Closed, ProtocolError, RLinkError
@@ -36,8 +36,11 @@ from .shared import available as shared_available
 from .shared import read_into
 from .snapshot import BufferPool, Snapshot
 
-log = logging.getLogger(__name__)
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
+log = logging.getLogger(__name__)
 
 
 class Link(Protocol):
@@ -231,7 +234,7 @@ class Subscriber:
             wrapped, seal = self._read(sock, _wire.WeightsKey), self._read(sock, _wire.Seal)
             key = self._open_seal(_keys.pull_key(session_key, challenge.nonce, nonce), reply.manifest, wrapped, seal)
             flat, _ = self._pool.get(reply.manifest.total_bytes)
-            _wire.recv_exact_into(sock, memoryview(flat))
+            _wire.recv_exact_into(sock, flat.data)
             snap = Snapshot(reply.manifest, flat, "cpu", key=key, tags=list(seal.tags))
             try:
                 snap.verify()
@@ -284,6 +287,7 @@ class Subscriber:
         wrapped = self._next(_wire.WeightsKey, version)
         subscription_key = _keys.subscription_key(self.conn.weights_key(), self._nonce)
         key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))  # trusted once the Seal verifies
+        flat: np.ndarray | torch.Tensor
         if self._backend == "nccl":
             import torch
 

@@ -108,7 +108,7 @@ class Schema:
     def from_wire(cls, fields: Any, *, max_fields: int = 256) -> Schema:
         """Validate an untrusted field list (from the network) into a Schema."""
         if not isinstance(fields, (list, tuple)) or not 0 < len(fields) <= max_fields:
-            raise ProtocolError("schema must be a non-empty list of at most %d fields" % max_fields)
+            raise ProtocolError(f"schema must be a non-empty list of at most {max_fields} fields")
         specs = []
         for item in fields:
             if not isinstance(item, (list, tuple)) or len(item) != 3:
@@ -163,8 +163,7 @@ def _dtype_name(dtype: Any) -> str:
 
 def _wire_name(dtype: Any) -> str:
     text = str(dtype)
-    if text.startswith("torch."):
-        text = text[len("torch.") :]
+    text = text.removeprefix("torch.")
     if text == "bfloat16":
         return text
     try:

@@ -4,18 +4,16 @@ length prefix (never pickle). Data frames have their own binary header (``frame.
 from __future__ import annotations
 
 import struct
-from typing import Annotated, Any, Union
+from typing import Annotated, Any, TypeAlias
 
 import msgspec
 
 from ..errors import ProtocolError
 from .manifest import Manifest
 
-PROTOCOL_VERSION = 7  # 2: the shm data plane (Hello.shm, Welcome.shm, Attach.shm); 3: direct reads (Attach.cma);
-# 4: keyed weights (KeyedPull, Seal, AttachProof, the rendezvous relayed over the control channel);
-# 5: data connections proven with the session key; the frame header carries the put time (64 bytes);
-# 6: same-host weights read from the learner's shared memory (KeyedSubscribe.shared, Mapped);
-# 7: the ucx plane sends a frame's small fields inside its header's message (ucx_setup.inline_fields)
+# Sent in the handshake and in every frame header; each side refuses a peer of another version.
+# Bump it with any change to a message or the frame header (docs/architecture.md lists them).
+PROTOCOL_VERSION = 7
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -23,7 +21,7 @@ class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
 
 
 # --- handshake (bounded, pre-authentication) -----------------------------------------------
-class Challenge(_Msg):
+class Challenge(_Msg, frozen=True):
     """Learner -> any new connection: protocol version, fresh nonce, whether a token is needed."""
 
     proto: int
@@ -31,7 +29,7 @@ class Challenge(_Msg):
     auth: bool
 
 
-class Login(_Msg):
+class Login(_Msg, frozen=True):
     """Actor -> learner on a control connection: its nonce and proof of the token."""
 
     proto: int
@@ -39,21 +37,21 @@ class Login(_Msg):
     mac: bytes
 
 
-class Proof(_Msg):
+class Proof(_Msg, frozen=True):
     """Learner -> actor: the learner's proof of the token (mutual authentication)."""
 
     mac: bytes
 
 
-class Attach(_Msg):
+class Attach(_Msg, frozen=True):
     """Actor -> learner on a data connection: the session it belongs to, proven by its ticket."""
 
     proto: int
     session: int
     mac: bytes
     shm: bool = False  # for an shm session: the actor mapped the shared ring (else: tcp on this connection)
-    arena: Union[list, None] = None  # shm: the actor's frame buffers [pid, memfd number, nonce, bytes]
-    cma: Union[list, None] = None  # shm: [address, nonce] for the learner to read back (transport/cma.py)
+    arena: list[Any] | None = None  # shm: the actor's frame buffers [pid, memfd number, nonce, bytes]
+    cma: list[Any] | None = None  # shm: [address, nonce] for the learner to read back (transport/cma.py)
 
 
 # --- session ----------------------------------------------------------------------------------
@@ -61,8 +59,8 @@ class Attach(_Msg):
 ActorId = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]
 
 
-class Hello(_Msg):
-    actor_id: Union[ActorId, None]
+class Hello(_Msg, frozen=True):
+    actor_id: ActorId | None
     incarnation: ActorId
     library: str
     transport: str  # what the actor asks for: auto | tcp | ucx | shm
@@ -73,35 +71,35 @@ class Hello(_Msg):
     shm: bool = False  # the actor can map a shared-memory ring (transport.shm.available)
 
 
-class Welcome(_Msg):
+class Welcome(_Msg, frozen=True):
     session: int
     actor_id: int
     version: int  # the learner's current model version
     transport: str  # the data plane chosen for this actor
     reason: str  # why that plane was chosen
     ticket: bytes  # secret that proves a data connection belongs to this session
-    ucx_address: Union[bytes, None]
+    ucx_address: bytes | None
     max_frame_bytes: int
     heartbeat_interval: float
     heartbeat_timeout: float
     resume_seq: int  # this (actor, incarnation) already delivered every seq below this; -1: unknown
-    shm: Union[list, None] = None  # shm plane: [learner pid, memfd number, nonce, ring bytes]
+    shm: list[Any] | None = None  # shm plane: [learner pid, memfd number, nonce, ring bytes]
 
 
-class Propose(_Msg):
-    fields: list  # [[name, dtype, [dims...]], ...], validated by Schema.from_wire
+class Propose(_Msg, frozen=True):
+    fields: list[Any]  # [[name, dtype, [dims...]], ...], validated by Schema.from_wire
 
 
-class Accept(_Msg):
+class Accept(_Msg, frozen=True):
     schema_id: int
     max_steps: int  # the most steps one frame may carry (the learner's ring reserve)
 
 
-class Reject(_Msg):
+class Reject(_Msg, frozen=True):
     reason: str
 
 
-class Ready(_Msg):
+class Ready(_Msg, frozen=True):
     """The data plane of this session is attached and authenticated."""
 
     transport: str
@@ -109,47 +107,47 @@ class Ready(_Msg):
     cma: bool = False  # shm: the learner read the probe: large payloads may be sent by address
 
 
-class Credit(_Msg):
+class Credit(_Msg, frozen=True):
     steps: int
     acked: int  # piggybacked Ack.next_seq
 
 
-class Revoke(_Msg):
+class Revoke(_Msg, frozen=True):
     """Learner -> actor: give back up to ``steps`` of unused credit (you are idle, others wait)."""
 
     steps: int
 
 
-class Returned(_Msg):
+class Returned(_Msg, frozen=True):
     """Actor -> learner: ``steps`` of credit given back (no longer usable by the actor)."""
 
     steps: int
 
 
-class Sync(_Msg):
+class Sync(_Msg, frozen=True):
     """Actor -> learner: acknowledge once every step before ``seq`` is buffered (flush)."""
 
     seq: int
 
 
-class Ack(_Msg):
+class Ack(_Msg, frozen=True):
     next_seq: int  # every step with seq < next_seq is in the learner's buffer
 
 
 # --- weights ----------------------------------------------------------------------------------
-class Subscribe(_Msg):
+class Subscribe(_Msg, frozen=True):
     """Actor -> learner: keep me up to date with every published version."""
 
     cuda_device: int  # the CUDA device weights may land on (NCCL), or -1
 
 
-class Version(_Msg):
+class Version(_Msg, frozen=True):
     """Learner -> actor: ``version`` is the newest published version (pull it if needed)."""
 
     version: int
 
 
-class Group(_Msg):
+class Group(_Msg, frozen=True):
     """Learner -> actor: join fan-out group ``generation`` as ``rank`` of ``world``."""
 
     generation: int
@@ -161,7 +159,7 @@ class Group(_Msg):
     timeout: float
 
 
-class Publish(_Msg):
+class Publish(_Msg, frozen=True):
     """Learner -> actor: ``manifest`` follows as one broadcast per bucket in ``generation``
     (or, answering a Pull, as raw bytes on the same connection)."""
 
@@ -169,7 +167,7 @@ class Publish(_Msg):
     manifest: Manifest
 
 
-class Sealed(_Msg):
+class Sealed(_Msg, frozen=True):
     """Learner -> actor: the checksums of a version whose Publish was sent while it was still
     being copied (the broadcast of early buckets overlaps the copy of later ones)."""
 
@@ -177,13 +175,13 @@ class Sealed(_Msg):
     checksums: list[int]
 
 
-class Got(_Msg):
+class Got(_Msg, frozen=True):
     """Actor -> learner: ``version`` arrived complete and verified."""
 
     version: int
 
 
-class Pull(_Msg):
+class Pull(_Msg, frozen=True):
     """Actor -> learner on a new connection: send me the newest version if newer than ``have``."""
 
     proto: int
@@ -192,47 +190,47 @@ class Pull(_Msg):
     have: int
 
 
-class Heartbeat(_Msg):
+class Heartbeat(_Msg, frozen=True):
     pass
 
 
-class Bye(_Msg):
+class Bye(_Msg, frozen=True):
     reason: str
 
 
-class Error(_Msg):
+class Error(_Msg, frozen=True):
     kind: str
     text: str
 
 
 # --- weights, keyed (wire/keys.py) -------------------------------------------------------------
-class KeyedSubscribe(Subscribe):
+class KeyedSubscribe(Subscribe, frozen=True):
     """Actor -> learner: Subscribe, with the nonce that makes this subscription's key fresh."""
 
     nonce: bytes
     shared: bool = False  # it can read versions from the learner's shared memory (same host)
 
 
-class Mapped(_Msg):
+class Mapped(_Msg, frozen=True):
     """Learner -> actor on its host: ``manifest``'s bytes lie in the learner's sealed memfd
     ``where`` = [pid, fd, nonce, bytes]; read them from there. WeightsKey and Seal follow."""
 
     manifest: Manifest
-    where: list
+    where: list[Any]
 
     @property
     def version(self) -> int:
         return self.manifest.version
 
 
-class KeyedPull(Pull):
+class KeyedPull(Pull, frozen=True):
     """Actor -> learner on a new connection: Pull, with the actor's nonce; ``mac`` proves the
     session's weights key over both nonces. The learner answers with its own Proof first."""
 
     nonce: bytes
 
 
-class WeightsKey(_Msg):
+class WeightsKey(_Msg, frozen=True):
     """Learner -> actor: the secret of weights ``version`` (its bucket tags are keyed with it),
     wrapped for this subscription or pull."""
 
@@ -240,7 +238,7 @@ class WeightsKey(_Msg):
     wrapped: bytes
 
 
-class Seal(_Msg):
+class Seal(_Msg, frozen=True):
     """Learner -> actor: one keyed tag per bucket of ``version``, and a MAC under this
     subscription's (or pull's) key over the version, its manifest, the wrapped key and the tags."""
 
@@ -249,7 +247,7 @@ class Seal(_Msg):
     mac: bytes
 
 
-class StoreRequest(_Msg):
+class StoreRequest(_Msg, frozen=True):
     """Actor -> learner: one operation on fan-out group ``generation``'s rendezvous store."""
 
     rid: int
@@ -261,7 +259,7 @@ class StoreRequest(_Msg):
     timeout: float  # get: how long the learner may hold the request
 
 
-class StoreReply(_Msg):
+class StoreReply(_Msg, frozen=True):
     """Learner -> actor: the answer to StoreRequest ``rid``."""
 
     rid: int
@@ -271,18 +269,18 @@ class StoreReply(_Msg):
     error: str
 
 
-class AttachProof(_Msg):
+class AttachProof(_Msg, frozen=True):
     """Learner -> actor, right before Ready: proof (under the session's weights key, which
     takes the token) that the learner itself attached this session's data connection."""
 
     mac: bytes
 
 
-Message = Union[
-    Challenge, Login, Proof, Attach, Hello, Welcome, Propose, Accept, Reject, Ready, Credit, Sync, Ack, Heartbeat, Bye,
-    Error, Subscribe, Version, Group, Publish, Sealed, Got, Pull, Revoke, Returned,
-    KeyedSubscribe, KeyedPull, WeightsKey, Seal, StoreRequest, StoreReply, AttachProof, Mapped,
-]
+Message: TypeAlias = (
+    Challenge | Login | Proof | Attach | Hello | Welcome | Propose | Accept | Reject | Ready | Credit | Sync | Ack |
+    Heartbeat | Bye | Error | Subscribe | Version | Group | Publish | Sealed | Got | Pull | Revoke | Returned |
+    KeyedSubscribe | KeyedPull | WeightsKey | Seal | StoreRequest | StoreReply | AttachProof | Mapped
+)
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
@@ -294,7 +292,7 @@ def encode(msg: _Msg) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-def decode(body: bytes | memoryview) -> Message:
+def decode(body: bytes | bytearray | memoryview) -> Message:
     try:
         return _decoder.decode(body)
     except (msgspec.DecodeError, msgspec.ValidationError) as exc:

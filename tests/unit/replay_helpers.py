@@ -66,7 +66,8 @@ def stream(ring: StepRing, actor: int, seq: int, n: int, frame: int = 64, timeou
 
 
 class FakeLearner:
-    """What ReplayDataset uses of a Learner: its ring, version, config and closed flag."""
+    """What ReplayDataset uses of a Learner: its version, config, closed flag and feed (this
+    object itself: a ring that is there at once, or once ``ready`` is set)."""
 
     def __init__(self, ring: StepRing | None):
         from rlink_ucx import Config
@@ -79,10 +80,13 @@ class FakeLearner:
         if ring is not None:
             self.ready.set()
 
-    def _wait_ring(self, timeout: float):
+    def feed(self) -> FakeLearner:
+        return self
+
+    def wait_ring(self, timeout: float):
         return self.ring if self.ready.wait(timeout) else None
 
-    def _hint_batch_size(self, batch_size: int) -> None:
+    def hint_batch_size(self, batch_size: int) -> None:
         self.hinted = batch_size  # the ring here is made by the test, with its own chunk size
 
 

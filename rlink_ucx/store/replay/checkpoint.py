@@ -111,7 +111,7 @@ def _write(file: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: Iterable
         at = f.tell()
         written: collections.deque[tuple[int, int]] = collections.deque()
         for chunk in chunks:
-            part = memoryview(chunk).cast("B")
+            part = chunk.data.cast("B")
             digest.update(part)
             _write_all(f, part)
             _advise(fd, at, part.nbytes)  # dirty pages: starts their writeback now
@@ -147,7 +147,8 @@ def _pieces(array: np.ndarray) -> Iterator[np.ndarray]:
 
 
 def _data_bytes(dtype: Any, shape: tuple[int, ...]) -> int:
-    return int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize
+    itemsize: int = np.dtype(dtype).itemsize
+    return int(np.prod(shape, dtype=np.int64)) * itemsize
 
 
 def _fsync_dir(path: Path) -> None:
@@ -308,7 +309,7 @@ def _read(path: Path, name: str, manifest: dict[str, Any], dtype: Any, shape: tu
         at = header_bytes
         try:
             for sink in sinks:
-                part = memoryview(sink).cast("B")
+                part = sink.data.cast("B")
                 if reader is not None:
                     try:
                         complete = reader.read_into(sink, at) == part.nbytes

@@ -411,7 +411,8 @@ def _empty(shape: tuple[int, ...], dtype: Any, pin: bool) -> np.ndarray:
         import torch
 
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        return torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy().view(dtype).reshape(shape)
+        pinned: np.ndarray = torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy().view(dtype).reshape(shape)
+        return pinned
     return np.empty(shape, dtype=dtype)
 
 
@@ -427,7 +428,8 @@ def _again(exc: BaseException) -> BaseException:
 
 def _numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach"):  # a torch tensor, maybe on a GPU
-        return x.detach().cpu().numpy()
+        array: np.ndarray = x.detach().cpu().numpy()
+        return array
     try:
         return np.asarray(x)
     except (TypeError, ValueError) as exc:

@@ -38,7 +38,8 @@ class DeviceTable(ReplayTable):
         self.torch = torch
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None  # inserts and checkpoint copies
+        # inserts and checkpoint copies; torch.cuda.Stream.__new__ is unannotated in torch's sources
+        self.stream: Any = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
         self._reads: dict[int, Any] = {}  # CUDA stream id -> event after that stream's last gather
         self._before_evict: list[Any] = []  # those events, as they were at the last eviction
         super().__init__(schema, capacity, sequence_length, touch=touch)

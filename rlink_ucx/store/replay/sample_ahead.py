@@ -19,13 +19,13 @@ import collections
 import logging
 import threading
 import time
-from typing import Any
 
 import numpy as np
 
 from ...batch import Batch
 from ...errors import Closed
 from ...errors import TimeoutError as RLinkTimeout
+from .core import ReplayCore
 
 __all__ = ["SampleAhead"]
 
@@ -38,7 +38,7 @@ class SampleAhead:
     """Keeps up to ``depth`` batches drawn or being drawn, by ``threads`` threads, started at
     the first :meth:`get`. ``core`` is the replay's ``ReplayCore``."""
 
-    def __init__(self, core: Any, depth: int, threads: int):
+    def __init__(self, core: ReplayCore, depth: int, threads: int):
         self.core = core
         self.depth = depth
         self.threads = threads

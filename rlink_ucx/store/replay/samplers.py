@@ -44,9 +44,8 @@ class UniformSampler:
         if not t.held:
             return None
         ids = self.rng.integers(t.first, t.inserted, n)
-        if t.window > 1:
-            ids = self._whole(ids)
-        return None if ids is None else (ids, np.ones(n, dtype=np.float32))
+        kept = self._whole(ids) if t.window > 1 else ids
+        return None if kept is None else (kept, np.ones(n, dtype=np.float32))
 
     def _whole(self, ids: np.ndarray) -> np.ndarray | None:
         # Rejection: a uniform draw among held ids, kept when its window is whole, is a
@@ -129,7 +128,8 @@ class PrioritizedSampler(UniformSampler):
         # (N * P(i)) ** -beta, normalized by the batch's max: N and the total cancel out.
         p = self.tree.get(self.table.slots(ids))
         w = np.power(p / p.min(), -self.beta) if p.min() > 0 else np.ones(len(ids))
-        return (w / w.max()).astype(np.float32)
+        weights: np.ndarray = (w / w.max()).astype(np.float32)
+        return weights
 
     def update(self, ids: np.ndarray, priorities: np.ndarray) -> None:
         t = self.table

@@ -62,7 +62,7 @@ def gather_rows(pairs: list[tuple[np.ndarray, np.ndarray]], rows: np.ndarray, sp
 class Chooser:
     """Whether to split the next gather. A second core helps only while it is free: on a machine
     whose cores other processes hold, the helper runs late and the caller waits for its chunks
-    (split gathers were ~11% slower than the caller alone there, 1.24x faster with a core free).
+    (docs/replay.md: 0.89x the caller alone at load average 5, 1.24x on a quiet machine).
     So every ``round`` gathers, ``probe`` are timed each way, and the rest of the round goes
     the way whose probes took less time per byte. Probes are few because a split probe on a busy
     machine may wait milliseconds for the helper: 2 of every 128 (Atari batches: ~50 ms apart)

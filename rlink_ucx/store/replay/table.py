@@ -106,7 +106,8 @@ class ReplayTable:
     def whole_windows(self, ends: np.ndarray) -> np.ndarray:
         """Which window-end ids have all ``T`` steps still held."""
         back = self.back[self.slots(ends)]
-        return (back >= self.first) & self.is_held(ends)
+        whole: np.ndarray = (back >= self.first) & self.is_held(ends)
+        return whole
 
     def window_ids(self, ends: np.ndarray) -> np.ndarray:
         """``[B, T]`` ids of the windows ending at ``ends`` (whole ones: see whole_windows)."""

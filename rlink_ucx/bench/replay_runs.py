@@ -31,10 +31,13 @@ class Source:
 
         self.ring, self.version, self.closed, self.config = ring, 0, False, Config()
 
-    def _wait_ring(self, timeout: float) -> Any:
+    def feed(self) -> Source:
+        return self  # ReplayDataset reads its learner through feed(): this object plays both
+
+    def wait_ring(self, timeout: float) -> Any:
         return self.ring
 
-    def _hint_batch_size(self, batch_size: int) -> None:
+    def hint_batch_size(self, batch_size: int) -> None:
         pass  # the ring is made before the replay here, with chunks of a batch (as a learner's)
 
 

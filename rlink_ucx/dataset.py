@@ -29,7 +29,10 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             ``transport``, ``config`` and ``insecure`` are passed to it.
         batch_size: steps per batch.
         device: ``"cpu"`` or ``"cuda:N"``; ``gpu_id=N`` is shorthand for ``"cuda:N"``.
-        timeout: default seconds ``fetch`` waits (``Config.fetch_timeout`` if None).
+        timeout: default seconds ``fetch`` waits (``Config.fetch_timeout``, 300 s, if None).
+            With None, iterating waits for steps as long as the learner is open, so a learner
+            started before its actors waits for them; with a number, iteration raises
+            :class:`TimeoutError` as ``fetch`` does.
         max_staleness: drop (and count, see ``learner.stats()["staleness"]``) steps whose
             behaviour version is more than this many versions behind ``learner.version``.
         stop_when_actors_done: end the stream once every actor that connected has closed
@@ -83,6 +86,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         self._feed.hint_batch_size(batch_size)
         self._assembler: BatchAssembler | None = None
         self._lock = threading.Lock()
+        self._feed.on_close(self._stop_threads)
         self.batches = 0
 
     def fetch(self, timeout: float | None = None) -> Batch:
@@ -135,11 +139,22 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
                 yield self.fetch()
             except Closed:
                 return
+            except RLinkTimeout:
+                if self.timeout is not None:
+                    raise
 
     def close(self) -> None:
-        """Close the learner if this dataset created it."""
+        """Stop this dataset's threads, and close the learner if this dataset created it.
+        Idempotent; closing the learner closes the dataset too."""
+        self._stop_threads()
         if self._owns_learner:
             self.learner.close()
+
+    def _stop_threads(self) -> None:
+        # Without the fetch lock: a fetch waiting for steps holds it until the learner closes.
+        assembler = self._assembler
+        if assembler is not None:
+            assembler.close(self.learner.config.close_timeout)
 
     def __enter__(self) -> Self:
         return self

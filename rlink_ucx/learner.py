@@ -119,7 +119,11 @@ class Learner:
         if metrics_port is not None:
             self._start_metrics(metrics_host, metrics_port)
         # Closes at interpreter exit (so actors hear the learner finished) or when collected.
-        self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config, self._metrics)
+        # Datasets' close methods, called before the server stops; weak: a dropped dataset's own
+        # finalizer stops its threads, and the learner must not keep its memory alive.
+        self._closers: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config, self._metrics,
+                                           self._closers)  # fmt: skip
         if insecure:
             log.warning("learner on %s runs with insecure=True: any local process may connect and stream", self.address)
         log.info("learner listening on %s (transport=%s, auth=%s)", self.address, transport, self._token is not None)
@@ -164,10 +168,10 @@ class Learner:
         try:  # the snapshot holds the server, not the learner: a dropped learner is still collected
             self._metrics = MetricsServer(host, port, lambda: io.call(on_loop(), timeout, "metrics scrape"))
         except OSError as exc:
-            _shutdown(self._server, self._io, self.config, None)
+            _shutdown(self._server, self._io, self.config, None, [])
             raise ConfigError(f"cannot serve metrics on {format_address(host, port)}: {exc}") from exc
         except BaseException:
-            _shutdown(self._server, self._io, self.config, None)
+            _shutdown(self._server, self._io, self.config, None, [])
             raise
         self._timings = timings
         log.info("learner metrics on http://%s/metrics", self._metrics.address)
@@ -217,7 +221,7 @@ class Learner:
     def feed(self) -> StepFeed:
         """What a dataset reads from this learner: its receive ring and the bookkeeping of what
         was read (see :class:`StepFeed`). ``RLinkDataset`` and ``ReplayDataset`` take one each."""
-        return StepFeed(self._server, self._timings, lambda: self._closed)
+        return StepFeed(self._server, self._timings, lambda: self._closed, self._closers)
 
     def close(self) -> None:
         """Tell every actor the learner is finishing (their next call raises ``Closed``),
@@ -249,10 +253,19 @@ class StepFeed:
         ring = feed.wait_ring(timeout=30)  # None while no actor has sent a schema
     """
 
-    def __init__(self, server: LearnerServer, timings: FetchTimings | None, closed: Callable[[], bool]):
+    def __init__(self, server: LearnerServer, timings: FetchTimings | None, closed: Callable[[], bool],
+                 closers: list[weakref.WeakMethod[Callable[[], None]]]):  # fmt: skip
         self._server = server
         self._timings = timings
         self._closed = closed
+        self._closers = closers
+
+    def on_close(self, close: Callable[[], None]) -> None:
+        """Call the bound method ``close`` when the learner closes, before its server stops, if
+        its object is still alive: a dataset's threads are stopped and joined with the learner
+        (a thread still inside torch when the interpreter exits aborts the process). ``close``
+        must be idempotent: the dataset may be closed first."""
+        self._closers.append(weakref.WeakMethod(close))
 
     def wait_ring(self, timeout: float) -> StepRing | None:
         """The receive ring, once the schema is known (declared, or from the first actor);
@@ -297,9 +310,18 @@ class StepFeed:
             self._server.batch_steps = batch_size
 
 
-def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: MetricsServer | None) -> None:
-    """Close a learner's metrics endpoint, server and I/O thread (once: from close(), at exit,
-    or when collected)."""
+def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: MetricsServer | None,
+              closers: list[weakref.WeakMethod[Callable[[], None]]]) -> None:  # fmt: skip
+    """Close a learner's datasets, metrics endpoint, server and I/O thread (once: from close(),
+    at exit, or when collected)."""
+    for ref in closers:
+        close = ref()
+        try:
+            if close is not None:
+                close()
+        except Exception:  # the learner's own resources are released whatever a dataset does
+            log.warning("closing a dataset of the learner failed", exc_info=True)
+    closers.clear()
     if metrics is not None:
         metrics.close(config.close_timeout)
     server.publisher.close()

@@ -138,6 +138,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         if prefetch:
             self._ahead = SampleAhead(self._core, depth=prefetch, threads=min(2, prefetch))
             weakref.finalize(self, self._ahead.close)  # a dropped replay stops its threads
+        feed.on_close(self.close)  # a closed learner stops and joins them
 
     # --- sampling ---------------------------------------------------------------------------------
     def sample(self, timeout: float | None = None) -> Batch:
@@ -223,9 +224,10 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
 
     # --- lifecycle --------------------------------------------------------------------------------
     def close(self) -> None:
-        """Stop receiving (the learner stays open). Idempotent."""
+        """Stop receiving and join this replay's threads (the learner stays open). Idempotent;
+        closing the learner closes it too."""
         if self._ahead is not None:
-            self._ahead.close()
+            self._ahead.close(self.learner.config.close_timeout)
         self._inserter.stop(self.learner.config.close_timeout)
 
     def __enter__(self) -> Self:

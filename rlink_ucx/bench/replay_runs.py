@@ -37,6 +37,9 @@ class Source:
     def wait_ring(self, timeout: float) -> Any:
         return self.ring
 
+    def on_close(self, close: Any) -> None:
+        pass  # the runs close their replays themselves
+
     def hint_batch_size(self, batch_size: int) -> None:
         pass  # the ring is made before the replay here, with chunks of a batch (as a learner's)
 

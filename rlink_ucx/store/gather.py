@@ -56,10 +56,19 @@ class BatchAssembler:
         self._dtypes = [torch_dtype(f.dtype) for f in ring.schema.fields]
         # (CUDA event, take id) of device copies in flight; None stops the releasing thread
         self._copies: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None
         if self.cuda:
-            threading.Thread(target=_release_when_copied, args=(self._copies, ring), daemon=True,
-                             name="rlink-release").start()  # fmt: skip
+            self._releaser = threading.Thread(target=_release_when_copied, args=(self._copies, ring), daemon=True,
+                                              name="rlink-release")  # fmt: skip
+            self._releaser.start()
             weakref.finalize(self, self._copies.put, None)
+
+    def close(self, timeout: float) -> None:
+        """Stop the thread that releases ring space after device copies, once the copies in
+        flight completed (at most ``timeout`` seconds). Idempotent."""
+        if self._releaser is not None and self._releaser.is_alive():
+            self._copies.put(None)
+            self._releaser.join(timeout)
 
     def assemble(self, pieces: list[Piece], take_id: int, learner_version: int) -> Batch:
         """The batch of ``pieces`` (``batch_size`` steps, or fewer for the last one of a stream)."""

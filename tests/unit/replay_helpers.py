@@ -86,6 +86,9 @@ class FakeLearner:
     def wait_ring(self, timeout: float):
         return self.ring if self.ready.wait(timeout) else None
 
+    def on_close(self, close) -> None:
+        pass  # nothing to close: the tests close their replays
+
     def hint_batch_size(self, batch_size: int) -> None:
         self.hinted = batch_size  # the ring here is made by the test, with its own chunk size
 

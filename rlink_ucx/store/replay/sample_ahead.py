@@ -47,6 +47,7 @@ class SampleAhead:
         self.busy = 0  # threads inside core.sample
         self.stopped = False  # closed, or a thread met an error: callers sample themselves from then on
         self.started = False
+        self._threads: list[threading.Thread] = []
         # each batch ahead, each thread's and a couple the caller still holds keep their staging
         core.pool_size = max(core.pool_size, depth + threads + 2)
 
@@ -81,14 +82,23 @@ class SampleAhead:
                 return
             self.started = True
         for i in range(self.threads):
-            threading.Thread(target=self._run, name=f"rlink-replay-ahead-{i}", daemon=True).start()
+            thread = threading.Thread(target=self._run, name=f"rlink-replay-ahead-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
 
-    def close(self) -> None:
-        """Stop the threads (the replay's ``close``, or its finalizer when it is dropped)."""
+    def close(self, timeout: float | None = None) -> None:
+        """Stop the threads (the replay's ``close``, or its finalizer when it is dropped); with a
+        ``timeout``, wait that long for a batch being drawn to finish and the threads to end."""
         with self.cond:
             self.stopped = True
             self.ready.clear()
             self.cond.notify_all()
+        if timeout is None:
+            return
+        deadline = time.monotonic() + timeout
+        for thread in self._threads:
+            if thread is not threading.current_thread():
+                thread.join(max(0.0, deadline - time.monotonic()))
 
     def _run(self) -> None:
         while True:

@@ -110,7 +110,7 @@ def check_ucx_transports() -> Check:
     names = set(found)
     groups = {"shared_memory": sorted(names & ucx_probe.SHARED_MEMORY), "cuda": sorted(names & ucx_probe.CUDA),
               "rdma": sorted(names & ucx_probe.RDMA)}  # fmt: skip
-    data = {"transports": {k: found[k] for k in sorted(found)}, "tcp": "tcp" in names, **groups}
+    data = {"transports": {k: found[k] for k in sorted(found)}, "tcp": bool(names & ucx_probe.TCP), **groups}
     if not found:
         return Check("ucx_transports", "warn", "ucx_info (from the libucx wheel) listed no transports",
                      "check that the libucx wheel is installed beside ucxx; `rlink info` shows the same list", data)  # fmt: skip

@@ -12,6 +12,7 @@ import subprocess
 RDMA = {"rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5", "rc", "dc", "ud"}
 CUDA = {"cuda_ipc", "cuda_copy", "gdr_copy"}
 SHARED_MEMORY = {"posix", "sysv", "cma", "xpmem", "knem"}
+TCP = {"tcp"}  # UCX's own TCP transport (reaches other hosts)
 
 
 def _ucx_info() -> tuple[str, dict[str, str]] | None:

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RLinkError
 from ..wire.frame import FRAME_HEADER_BYTES
-from . import UCX_INSTALL
 
 if TYPE_CHECKING:
     from ..config import Config
 
+# How to get the ucx plane (pyproject.toml's extras): ucxx alone on CPU machines, ucxx and cupy on GPU ones.
+UCX_INSTALL = "pip install 'rlink-ucx[ucx]' (CPU) or 'rlink-ucx[cu12]' / 'rlink-ucx[cu13]' (CUDA 12 / 13)"
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
 # A frame's header message: the header and, after it, the frame's small fields (see

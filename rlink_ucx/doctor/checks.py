@@ -67,10 +67,10 @@ def check_ucxx(config: Config) -> Check:
         load_ucxx()  # as the planes import it (quiet about the variables ucxx sets itself)
         ucxx = importlib.import_module("ucxx")
     except Exception as exc:  # noqa: BLE001 - any failure of a broken install is the finding
-        exc = exc.__cause__ or exc  # load_ucxx's own ImportError says only "pip install"
-        return Check("ucxx", "fail", f"ucxx is installed but does not import: {type(exc).__name__}: {exc}",
+        cause = exc.__cause__ or exc  # load_ucxx's own ImportError says only "pip install"
+        return Check("ucxx", "fail", f"ucxx is installed but does not import: {type(cause).__name__}: {cause}",
                      f"reinstall ucxx with the extra for this machine: {UCX_INSTALL}",
-                     {"installed": True, "importable": False, "error": str(exc)})  # fmt: skip
+                     {"installed": True, "importable": False, "error": str(cause)})  # fmt: skip
     version = getattr(ucxx, "__version__", None)
     ucx = ucx_probe.version()
     data = {"installed": True, "importable": True, "ucxx_version": version, "ucx_version": ucx}

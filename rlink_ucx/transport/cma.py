@@ -72,7 +72,7 @@ def read(pid: int, remote: list[tuple[int, int]], local: list[memoryview]) -> No
     src = [(a, n) for a, n in remote if n]
     while src and dst:  # at most IOV_MAX pieces a side per call; the kernel stops at the shorter
         r, d = src[:_IOV_MAX], dst[:_IOV_MAX]
-        got = _readv(pid, (_Iovec * len(d))(*d), len(d), (_Iovec * len(r))(*r), len(r), 0)
+        got = _readv(pid, (_Iovec * len(d))(*d), len(d), (_Iovec * len(r))(*r), len(r), 0)  # type: ignore[misc]  # ctypes fills each _Iovec from an (address, length) tuple
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from process {pid}: {os.strerror(err)}")

@@ -322,4 +322,3 @@ class LearnerPlanes:
         for plane in self._planes.values():
             out.update(plane.counters())
         return out
-

@@ -134,8 +134,9 @@ class ShmSender:
             size = sum(len(v) for v in payload)
             # A copy the actor keeps for resending (plain bytes) is never in the arena: no need
             # to look up its address.
-            in_arena = self.arena is not None and not isinstance(payload[0].obj, bytes)
-            extents = self.arena.region.extents(payload) if in_arena else None
+            arena = self.arena
+            in_arena = arena is not None and not isinstance(payload[0].obj, bytes)
+            extents = arena.region.extents(payload) if in_arena and arena is not None else None
             if extents is not None:
                 self.sock.sendall(b"".join((ARENA_FRAME, header, COUNTER.pack(len(payload)), extents)))
                 self.arena_frames += 1

@@ -165,9 +165,8 @@ class UcxPlane(Plane):
         if self._starting is None:
             from .ucx import UcxLearnerPlane
 
-            c = self.context
-            self._starting = c.loop.run_in_executor(None, UcxLearnerPlane, c.loop, c.config, c.loopback,
-                                                    c.host)  # UCX listens where we do
+            c = self.context  # UCX listens where the control channel does (c.host)
+            self._starting = c.loop.run_in_executor(None, UcxLearnerPlane, c.loop, c.config, c.loopback, c.host)
         starting = self._starting
         try:
             self.worker = await asyncio.shield(starting)  # a cancelled handshake leaves it starting
@@ -195,8 +194,8 @@ class UcxPlane(Plane):
         if self._starting is not None and self.worker is None:
             try:  # a worker still starting is closed once it is up, or its thread would linger
                 self.worker = await self._starting
-            except Exception:  # noqa: BLE001 - it failed to start: nothing to close
-                pass
+            except Exception:  # it failed to start: nothing to close
+                log.debug("the UCX worker failed to start", exc_info=True)
         if self.worker is not None:
             await self.worker.close()
 

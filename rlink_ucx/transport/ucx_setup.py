@@ -69,7 +69,7 @@ def load_ucxx() -> tuple[Any, Any]:
     """Import ucxx's low-level module and its Array (slow the first time: it loads UCX)."""
     try:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        import ucxx._lib.libucxx as libucxx
+        from ucxx._lib import libucxx
         from ucxx._lib.arr import Array
     except ImportError as exc:  # pragma: no cover - checked by transport.choose first
         raise ImportError(f"the ucx data plane needs ucxx: {UCX_INSTALL}") from exc

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
 import secrets
@@ -23,7 +24,7 @@ from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
 from ...transport.loop import ticks
 from ...transport.plane import LearnerContext, LearnerPlanes, Plane, Rejected
-from ...weights.publisher import Publisher
+from ...weights.publisher import Member, Publisher
 from ...wire import auth as _auth
 from ...wire import messages as _wire
 from ...wire.codec import Schema
@@ -160,7 +161,7 @@ class LearnerServer:
             conn = ControlConnection(sock, self.loop, f"{addr[0]}:{addr[1]}")
             task = self._spawn(self._handle(conn))
             # Also when the task is dropped before it ever ran (admission sheds the oldest).
-            task.add_done_callback(lambda _task, conn=conn: conn.handed_off or conn.close())
+            task.add_done_callback(functools.partial(_close_unless_handed_off, conn))
             self.admission.admit(task, addr[0])
 
     async def _handle(self, conn: ControlConnection) -> None:
@@ -171,7 +172,7 @@ class LearnerServer:
                 async with asyncio.timeout(self.config.handshake_timeout):
                     result = await self._handshake(conn)
                 self.admission.finished(asyncio.current_task())
-            except (asyncio.TimeoutError, TimeoutError) as exc:
+            except TimeoutError as exc:
                 # Not a rejection: a busy learner or a slow link; the actor may try again.
                 if isinstance(exc, PreauthTimeout):  # counted and logged (rate-limited) by admission
                     conn.send(_wire.Error("timeout", str(exc)))
@@ -210,7 +211,7 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
-    async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[LearnerSession, int] | None:
+    async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[Member, int] | None:
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
@@ -368,6 +369,11 @@ class LearnerServer:
     def snapshot(self) -> dict[str, Any]:
         """The learner's stats (on the I/O loop)."""
         return report(self)
+
+
+def _close_unless_handed_off(conn: ControlConnection, _task: asyncio.Task[Any]) -> None:
+    if not conn.handed_off:
+        conn.close()
 
 
 def _new_ring(schema: Schema, config: Config, batch_steps: int | None, pinned: bool, reserve: Reserve | None) -> StepRing:

@@ -30,10 +30,9 @@ from typing import Any
 import numpy as np
 
 # Smaller payloads go through the ring. A read by address is a round trip the actor waits for
-# (the caller's arrays must not change until read), ~0.3-0.5 ms here with the learner's threads
-# sharing the GIL, while the ring pipelines: docs/transports.md has the numbers (1 MiB: 1.8
-# GB/s against 3.6 by ring; 16 MiB: 4.1 against 2.6, 9.3 against 5.8 with four actors). From
-# 4 MiB on it also frees the actor of its copy (0.03 s/GB of actor CPU against 0.13-0.2).
+# (the caller's arrays must not change until read), while the ring pipelines, so the ring is
+# faster for small payloads and direct reads for large ones; from this size on a direct read
+# also spares the actor its copy into the ring (docs/transports.md has the measurements).
 MIN_BYTES = 4 * 1024 * 1024
 _IOV_MAX = 1024
 _NONCE_BYTES = 16

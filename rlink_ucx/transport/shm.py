@@ -337,8 +337,8 @@ class ShmReceiver(SocketReceiver):
                 self._consumed += k
                 view = view[k:]
                 # Freed room is announced every half ring (and before waiting): each reply is a
-                # system call here and a wake-up of the actor. Every quarter ring, replies took
-                # 17% of the shm pump's time with 4 Atari actors (docs/benchmarks.md).
+                # system call here and a wake-up of the actor, a large share of the shm pump's
+                # time if sent more often (docs/benchmarks.md).
                 if self._consumed - self._released >= self.ring.size // 2:
                     self._release()
 

@@ -117,8 +117,8 @@ class UcxLearnerPlane:
     """The learner's UCX worker and the one thread that drives it."""
 
     # Seconds without a completion before the thread sleeps in epoll. Counted in time, not
-    # in rounds: 2,000 rounds (each yielding the core) outlasted the gaps between frames of 16
-    # actors at 20 steps/s, and the thread spun a whole core for 320 frames/s.
+    # in rounds: a count of rounds, each yielding the core, can outlast the gaps between the
+    # frames of many slow actors, and the thread would then spin a whole core for little work.
     _IDLE_SECONDS = 0.001
 
     def __init__(self, loop: asyncio.AbstractEventLoop, config: Config, loopback: bool = False,

@@ -132,9 +132,9 @@ class UcxPlane(Plane):
         self.worker: UcxLearnerPlane | None = None  # created when the first actor needs it
         self._starting: asyncio.Future[UcxLearnerPlane] | None = None
         if self.is_offered:
-            # Load ucxx now, before any session runs: loading its libraries holds the GIL (a
-            # cold first import took 0.4 s in CI), which would stall every session's heartbeats
-            # and credits if the first ucx actor set it off.
+            # Load ucxx now, before any session runs: loading its libraries holds the GIL long
+            # enough to stall every session's heartbeats and credits if the first ucx actor
+            # set it off.
             from .ucx_setup import load_ucxx
 
             load_ucxx()

@@ -92,7 +92,7 @@ class ShmPlane(Plane):
                 raise Rejected(f"shm requested but the learner's ring cannot be mapped here: {exc}") from exc
             reason = f"auto: the learner's shared-memory ring cannot be mapped here ({exc}); tcp instead"
             log.info(reason)
-            return None, msgspec.structs.replace(welcome, transport="tcp", reason=reason)
+            return None, msgspec.structs.replace(welcome, transport=TcpPlane.name, reason=reason)
 
     # --- the learner's side --------------------------------------------------------------------
     def open(self, reason: str) -> Opening:
@@ -128,7 +128,7 @@ class ShmOpening(Opening):
         if ring is None or not msg.shm:
             if ring is not None:
                 ring.close()
-            session.transport = "tcp"
+            session.transport = TcpPlane.name
             session.transport_reason = "auto: the actor could not map the shared-memory ring; tcp instead"
             log.info("actor %s: %s", session.actor_id, session.transport_reason)
             return tcp_receiver(session, conn, self.congestion), _wire.Ready(session.transport)

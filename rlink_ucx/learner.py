@@ -16,9 +16,10 @@ from .session import tokens
 from .session.learner.server import LearnerServer
 from .session.tokens import resolve_token
 from .store.ring import Piece, StepRing
-from .transport import UCX_INSTALL, check_transport, ucx_available, ucx_failure
+from .transport import check_transport
 from .transport.address import format_address, is_loopback, parse_endpoint
 from .transport.loop import IOThread
+from .transport.plane import require
 from .wire.codec import Schema
 
 log = logging.getLogger(__name__)
@@ -76,10 +77,7 @@ class Learner:
         self.config = resolve(config)
         check_transport(transport)
         host, port, transport = parse_endpoint(address, transport)  # the address first: a typo is a typo
-        if transport == "ucx" and not ucx_available():  # else it would start, then refuse every actor
-            why = ucx_failure()
-            raise ConfigError(f"transport='ucx', but UCX already failed to start in this process: {why}" if why else
-                              f"transport='ucx', but ucxx is not installed: {UCX_INSTALL} (or use transport='auto')")
+        require(transport)  # a plane asked for by name that cannot work here: else it would refuse every actor
         self._token = resolve_token(token)
         if self._token is None and not is_loopback(host):
             only_loopback = (f"insecure=True (--insecure) works on loopback addresses only, not {host!r}; "

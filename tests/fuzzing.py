@@ -24,6 +24,7 @@ import msgspec
 from rlink_ucx import Config
 from rlink_ucx.errors import AuthError, PeerLost, ProtocolError, SchemaMismatch
 from rlink_ucx.session.learner.attach import attach_data_connection
+from rlink_ucx.transport.shm_plane import ShmOpening, ShmPlane
 from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.transport import hostname, shm
@@ -342,12 +343,12 @@ class Lab:
         ring, _ = shm.ShmRing.create(1 << 16)
         hello = _wire.Hello(7, 0, "0", "shm", False, False, hostname(), os.getpid(), True)
         session = LearnerSession(self.server, next(self._ids), _Silent(), hello, 7, "shm", "fuzz", os.urandom(32))
-        session.shm_ring = ring
+        session.opening = ShmOpening(ShmPlane, "fuzz", ring=ring)
         nonce = _auth.new_nonce()
         msg = msgspec.structs.replace(msg, session=session.id, mac=_auth.data_proof(session.key, nonce, session.id))
         ours, conn = self._pair()
         try:
-            attach_data_connection({session.id: session}, conn, msg, nonce, "auto")
+            attach_data_connection({session.id: session}, conn, msg, nonce)
             return "attached (" + session.transport_reason.split("; ", 1)[-1] + ")"
         except Exception as exc:  # noqa: BLE001 - classified
             return outcome(exc)

@@ -67,10 +67,10 @@ def check_ucxx(config: Config) -> Check:
         load_ucxx()  # as the planes import it (quiet about the variables ucxx sets itself)
         ucxx = importlib.import_module("ucxx")
     except Exception as exc:  # noqa: BLE001 - any failure of a broken install is the finding
-        exc = exc.__cause__ or exc  # load_ucxx's own ImportError says only "pip install"
-        return Check("ucxx", "fail", f"ucxx is installed but does not import: {type(exc).__name__}: {exc}",
+        cause = exc.__cause__ or exc  # load_ucxx's own ImportError says only "pip install"
+        return Check("ucxx", "fail", f"ucxx is installed but does not import: {type(cause).__name__}: {cause}",
                      f"reinstall ucxx with the extra for this machine: {UCX_INSTALL}",
-                     {"installed": True, "importable": False, "error": str(exc)})  # fmt: skip
+                     {"installed": True, "importable": False, "error": str(cause)})  # fmt: skip
     version = getattr(ucxx, "__version__", None)
     ucx = ucx_probe.version()
     data = {"installed": True, "importable": True, "ucxx_version": version, "ucx_version": ucx}
@@ -110,7 +110,7 @@ def check_ucx_transports() -> Check:
     names = set(found)
     groups = {"shared_memory": sorted(names & ucx_probe.SHARED_MEMORY), "cuda": sorted(names & ucx_probe.CUDA),
               "rdma": sorted(names & ucx_probe.RDMA)}  # fmt: skip
-    data = {"transports": {k: found[k] for k in sorted(found)}, "tcp": "tcp" in names, **groups}
+    data = {"transports": {k: found[k] for k in sorted(found)}, "tcp": bool(names & ucx_probe.TCP), **groups}
     if not found:
         return Check("ucx_transports", "warn", "ucx_info (from the libucx wheel) listed no transports",
                      "check that the libucx wheel is installed beside ucxx; `rlink info` shows the same list", data)  # fmt: skip

@@ -64,7 +64,7 @@ def report(server: Any) -> dict[str, Any]:
         "shed_handshakes_per_peer": server.admission.shed_per_peer,  # ... of which by max_handshakes_per_peer
         "preauth_timeouts": server.admission.timed_out,  # no login within preauth_timeout
         "auth_failures": server.auth_failures,
-        "ucx_workers_recycled": server.ucx.recycled if server.ucx is not None else 0,
+        **server.planes.counters(),  # e.g. ucx_workers_recycled
         "buffer": {
             "capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
             "buffered_bytes": ring.buffered_bytes if ring else 0,

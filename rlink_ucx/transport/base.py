@@ -56,7 +56,10 @@ class FrameReceiver(Protocol):
     """Learner side: receives one peer's frames into the buffers its sink provides."""
 
     name: str
-    frame_started: float | None  # monotonic time the current frame began, None between frames
+
+    @property
+    def frame_started(self) -> float | None:
+        """Monotonic time the current frame began, None between frames."""
 
     def start(self) -> None: ...
 

@@ -30,10 +30,9 @@ from typing import Any
 import numpy as np
 
 # Smaller payloads go through the ring. A read by address is a round trip the actor waits for
-# (the caller's arrays must not change until read), ~0.3-0.5 ms here with the learner's threads
-# sharing the GIL, while the ring pipelines: docs/transports.md has the numbers (1 MiB: 1.8
-# GB/s against 3.6 by ring; 16 MiB: 4.1 against 2.6, 9.3 against 5.8 with four actors). From
-# 4 MiB on it also frees the actor of its copy (0.03 s/GB of actor CPU against 0.13-0.2).
+# (the caller's arrays must not change until read), while the ring pipelines, so the ring is
+# faster for small payloads and direct reads for large ones; from this size on a direct read
+# also spares the actor its copy into the ring (docs/transports.md has the measurements).
 MIN_BYTES = 4 * 1024 * 1024
 _IOV_MAX = 1024
 _NONCE_BYTES = 16
@@ -72,7 +71,7 @@ def read(pid: int, remote: list[tuple[int, int]], local: list[memoryview]) -> No
     src = [(a, n) for a, n in remote if n]
     while src and dst:  # at most IOV_MAX pieces a side per call; the kernel stops at the shorter
         r, d = src[:_IOV_MAX], dst[:_IOV_MAX]
-        got = _readv(pid, (_Iovec * len(d))(*d), len(d), (_Iovec * len(r))(*r), len(r), 0)
+        got = _readv(pid, (_Iovec * len(d))(*d), len(d), (_Iovec * len(r))(*r), len(r), 0)  # type: ignore[misc]  # ctypes fills each _Iovec from an (address, length) tuple
         if got < 0:
             err = ctypes.get_errno()
             raise OSError(err, f"process_vm_readv from process {pid}: {os.strerror(err)}")

@@ -69,7 +69,7 @@ def holding(host: str) -> list[str] | None:
     """The interfaces that carry ``host`` (a name is resolved), sorted; None for a wildcard
     address (every interface) or where none is found."""
     try:
-        resolved = {info[4][0] for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
+        resolved = {str(info[4][0]) for info in socket.getaddrinfo(host, None, proto=socket.IPPROTO_TCP)}
         wanted = {ipaddress.ip_address(a.split("%", 1)[0]) for a in resolved}
     except (OSError, ValueError):
         return None

@@ -90,7 +90,7 @@ class IOThread:
         for fn in list(callbacks):
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - one actor's failure must not stop the others' ticks
+            except Exception:  # one actor's failure must not stop the others' ticks
                 log.exception("periodic callback %r failed", fn)
         self.loop.call_later(interval, self._tick, interval)
 
@@ -135,7 +135,7 @@ class IOThread:
         if self.loop.is_running() and not self.in_loop_thread():
             try:
                 asyncio.run_coroutine_threadsafe(_shutdown(), self.loop).result(timeout)
-            except Exception:  # noqa: BLE001 - best effort: the loop is stopped below regardless
+            except Exception:  # best effort: the loop is stopped below regardless
                 log.debug("I/O shutdown did not finish cleanly", exc_info=True)
             self.soon(self.loop.stop)
         # The join is bounded: a wedged native call (UCX progress) must not hang close().

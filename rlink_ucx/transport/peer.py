@@ -15,7 +15,7 @@ import re
 import socket
 import struct
 import sys
-from typing import Any
+from typing import Any, cast
 
 _TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
 _V4_MAPPED = bytes(10) + b"\xff\xff"
@@ -88,7 +88,7 @@ def peer_socket_inode(sock: socket.socket) -> int | None:
         return None
     found = _diag_inode(sock.family, there, here)
     if found is not _UNKNOWN:
-        return found
+        return cast("int | None", found)
     try:
         # The peer's socket is listed with the two ends swapped.
         want_local, want_remote = (_packed(there[0]), there[1]), (_packed(here[0]), here[1])
@@ -96,7 +96,7 @@ def peer_socket_inode(sock: socket.socket) -> int | None:
         return None
     # Only the rows whose two ports match are parsed: a learner with a thousand actors has
     # thousands of rows, and this runs once per actor that attaches.
-    row = re.compile(rf"^\s*\d+: ([0-9A-F]+):{want_local[1]:04X} ([0-9A-F]+):{want_remote[1]:04X}(?:\s+\S+){{6}}\s+(\d+)", re.M)
+    row = re.compile(rf"^\s*\d+: ([0-9A-F]+):{want_local[1]:04X} ([0-9A-F]+):{want_remote[1]:04X}(?:\s+\S+){{6}}\s+(\d+)", re.MULTILINE)
     for table in _TABLES:
         try:
             with open(table) as f:

@@ -134,8 +134,9 @@ class ShmSender:
             size = sum(len(v) for v in payload)
             # A copy the actor keeps for resending (plain bytes) is never in the arena: no need
             # to look up its address.
-            in_arena = self.arena is not None and not isinstance(payload[0].obj, bytes)
-            extents = self.arena.region.extents(payload) if in_arena else None
+            arena = self.arena
+            in_arena = arena is not None and not isinstance(payload[0].obj, bytes)
+            extents = arena.region.extents(payload) if in_arena and arena is not None else None
             if extents is not None:
                 self.sock.sendall(b"".join((ARENA_FRAME, header, COUNTER.pack(len(payload)), extents)))
                 self.arena_frames += 1
@@ -336,8 +337,8 @@ class ShmReceiver(SocketReceiver):
                 self._consumed += k
                 view = view[k:]
                 # Freed room is announced every half ring (and before waiting): each reply is a
-                # system call here and a wake-up of the actor. Every quarter ring, replies took
-                # 17% of the shm pump's time with 4 Atari actors (docs/benchmarks.md).
+                # system call here and a wake-up of the actor, a large share of the shm pump's
+                # time if sent more often (docs/benchmarks.md).
                 if self._consumed - self._released >= self.ring.size // 2:
                     self._release()
 

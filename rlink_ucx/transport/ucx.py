@@ -117,8 +117,8 @@ class UcxLearnerPlane:
     """The learner's UCX worker and the one thread that drives it."""
 
     # Seconds without a completion before the thread sleeps in epoll. Counted in time, not
-    # in rounds: 2,000 rounds (each yielding the core) outlasted the gaps between frames of 16
-    # actors at 20 steps/s, and the thread spun a whole core for 320 frames/s.
+    # in rounds: a count of rounds, each yielding the core, can outlast the gaps between the
+    # frames of many slow actors, and the thread would then spin a whole core for little work.
     _IDLE_SECONDS = 0.001
 
     def __init__(self, loop: asyncio.AbstractEventLoop, config: Config, loopback: bool = False,
@@ -181,7 +181,7 @@ class UcxLearnerPlane:
     def _run(self) -> None:
         try:
             self.current = Generation(self.config, self.loopback, self.devices)
-        except BaseException as exc:  # reported by __init__ in the caller's thread
+        except BaseException as exc:  # noqa: BLE001 - reported by __init__ in the caller's thread
             self._start_error = exc
             self._started.set()
             return
@@ -309,9 +309,12 @@ class UcxLearnerPlane:
             self._failed(state, ProtocolError("the actor sent payload that no frame header announced"))
             return DISCARD
 
-        before = generation.sweeper.discarded
-        n = generation.sweeper.sweep(generation.worker, triage)
-        if generation.sweeper.discarded and before == 0:
+        sweeper = generation.sweeper
+        if sweeper is None:  # released: its sessions are gone
+            return 0
+        before = sweeper.discarded
+        n = sweeper.sweep(generation.worker, triage)
+        if sweeper.discarded and before == 0:
             log.warning("discarding UCX messages no session asked for (a peer that did not authenticate, "
                         "or one whose session ended)")  # fmt: skip
         return n
@@ -410,7 +413,7 @@ class UcxLearnerPlane:
         if state.endpoint is not None:
             try:
                 state.endpoint.close_blocking(10**8, 1)  # cancels this endpoint's receives
-            except Exception:  # noqa: BLE001 - best effort; we still wait for the requests below
+            except Exception:  # best effort; we still wait for the requests below
                 log.debug("closing a session's ucx endpoint failed", exc_info=True)
             deadline = time.monotonic() + self.config.frame_timeout
             while any(not r.completed for r, _, _ in state.requests):
@@ -446,7 +449,7 @@ class UcxLearnerPlane:
         end here, and their actors reconnect (resending what was not acknowledged)."""
         try:
             fresh = Generation(self.config, self.loopback, self.devices)
-        except Exception:  # noqa: BLE001 - keep serving on the old worker; try again later
+        except Exception:  # keep serving on the old worker; try again later
             log.warning("could not start a fresh UCX worker; keeping the current one", exc_info=True)
             self.current.ended = 0
             return

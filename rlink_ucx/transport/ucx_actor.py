@@ -8,6 +8,7 @@ flight"). The learner's side is ``ucx.py``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import select
 import socket
@@ -106,10 +107,8 @@ class UcxActorPlane:
     def close(self) -> None:
         if self.endpoint is None:
             return
-        try:
+        with contextlib.suppress(Exception):  # best effort at shutdown
             self.endpoint.close_blocking(10**9, 1)  # bounded (ns): never hang on a dead peer
-        except Exception:  # noqa: BLE001 - best effort at shutdown
-            pass
         # Release the worker now (its TCP listener and shared memory), not when the Actor
         # object happens to be collected.
         self.endpoint = self.worker = self._context = None

@@ -35,7 +35,7 @@ class Generation:
         self.address = bytes(self.worker.address.tobytes())
         self.worker.init_blocking_progress_mode()  # the plane sleeps in its epoll when idle
         self.ended = 0  # sessions of this worker that have ended
-        self.sweeper = Sweeper(self.u, load_ucxx()[1])
+        self.sweeper: Sweeper | None = Sweeper(self.u, load_ucxx()[1])
 
     def release(self) -> None:
         """Destroy the worker (on the progress thread, which made it): its mappings go with it."""

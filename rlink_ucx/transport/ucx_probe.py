@@ -12,13 +12,14 @@ import subprocess
 RDMA = {"rc_verbs", "rc_mlx5", "dc_mlx5", "ud_verbs", "ud_mlx5", "rc", "dc", "ud"}
 CUDA = {"cuda_ipc", "cuda_copy", "gdr_copy"}
 SHARED_MEMORY = {"posix", "sysv", "cma", "xpmem", "knem"}
+TCP = {"tcp"}  # UCX's own TCP transport (reaches other hosts)
 
 
 def _ucx_info() -> tuple[str, dict[str, str]] | None:
     spec = importlib.util.find_spec("libucx")
     if spec is None or not spec.submodule_search_locations:
         return None
-    root = list(spec.submodule_search_locations)[0]
+    root = next(iter(spec.submodule_search_locations))
     exe = os.path.join(root, "bin", "ucx_info")
     if not os.path.exists(exe):
         return None
@@ -33,7 +34,7 @@ def version() -> str | None:
     if found is None:
         return None
     try:
-        out = subprocess.run([found[0], "-v"], env=found[1], capture_output=True, text=True, timeout=20).stdout
+        out = subprocess.run([found[0], "-v"], env=found[1], capture_output=True, text=True, timeout=20, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return None
     match = re.search(r"Library version:\s*(\S+)", out)
@@ -47,7 +48,7 @@ def transports() -> dict[str, list[str]]:
     if found is None:
         return {}
     try:
-        out = subprocess.run([found[0], "-d"], env=found[1], capture_output=True, text=True, timeout=30).stdout
+        out = subprocess.run([found[0], "-d"], env=found[1], capture_output=True, text=True, timeout=30, check=False).stdout
     except (OSError, subprocess.SubprocessError):
         return {}
     result: dict[str, list[str]] = {}

@@ -9,11 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import RLinkError
 from ..wire.frame import FRAME_HEADER_BYTES
-from . import UCX_INSTALL
 
 if TYPE_CHECKING:
     from ..config import Config
 
+# How to get the ucx plane (pyproject.toml's extras): ucxx alone on CPU machines, ucxx and cupy on GPU ones.
+UCX_INSTALL = "pip install 'rlink-ucx[ucx]' (CPU) or 'rlink-ucx[cu12]' / 'rlink-ucx[cu13]' (CUDA 12 / 13)"
 HEADER_KIND = 0
 PAYLOAD_KIND = 1
 # A frame's header message: the header and, after it, the frame's small fields (see
@@ -68,7 +69,7 @@ def load_ucxx() -> tuple[Any, Any]:
     """Import ucxx's low-level module and its Array (slow the first time: it loads UCX)."""
     try:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-        import ucxx._lib.libucxx as libucxx
+        from ucxx._lib import libucxx
         from ucxx._lib.arr import Array
     except ImportError as exc:  # pragma: no cover - checked by transport.choose first
         raise ImportError(f"the ucx data plane needs ucxx: {UCX_INSTALL}") from exc

@@ -87,7 +87,7 @@ def test_200_mib_of_tagged_junk_from_a_stranger_does_not_grow_the_learner_and_a_
         # UCX's own buffers (and the honest actor's frames in flight).
         assert grown < 48 << 20, f"the learner grew by {grown >> 20} MiB with {JUNK_BYTES >> 20} MiB of junk"
         assert seen == list(range(n)), "the honest actor lost, repeated or reordered steps"
-        assert learner._server.ucx.discarded >= messages
+        assert learner._server.planes["ucx"].worker.discarded >= messages
 
 
 @pytest.mark.timeout(180)

@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from rlink_ucx import ConfigError, Learner
-from rlink_ucx import learner as learner_module
+from rlink_ucx.transport import ucx_plane
 
 
 @pytest.fixture
@@ -25,7 +25,7 @@ def io_threads() -> list[str]:
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("address", ["127.0.0.1:0", "ucx://127.0.0.1:0"])
 def test_transport_ucx_without_ucxx_is_refused_at_construction_with_the_install_hint(no_token_env, address):
-    no_token_env.setattr(learner_module, "ucx_available", lambda: False)  # as if ucxx were not installed
+    no_token_env.setattr(ucx_plane, "ucx_available", lambda: False)  # as if ucxx were not installed
     before = io_threads()
     transport = "ucx" if address.startswith("127") else "auto"
     with pytest.raises(ConfigError, match=r"transport='ucx', but ucxx is not installed") as info:
@@ -37,8 +37,8 @@ def test_transport_ucx_without_ucxx_is_refused_at_construction_with_the_install_
 
 @pytest.mark.timeout(30)
 def test_transport_ucx_after_ucx_failed_in_this_process_says_why(no_token_env):
-    no_token_env.setattr(learner_module, "ucx_available", lambda: False)
-    no_token_env.setattr(learner_module, "ucx_failure", lambda: "UCX did not start (bad UCX_TLS)")
+    no_token_env.setattr(ucx_plane, "ucx_available", lambda: False)
+    no_token_env.setattr(ucx_plane, "ucx_failure", lambda: "UCX did not start (bad UCX_TLS)")
     with pytest.raises(ConfigError, match=r"UCX already failed to start in this process: UCX did not start"):
         Learner("127.0.0.1:0", transport="ucx", insecure=True)
 

@@ -1,5 +1,5 @@
 """Actor side, connecting: open the control channel, prove the token both ways, say Hello,
-and attach the data plane the learner chose (tcp, the shm ring and arena, or ucx)."""
+and attach the data plane the learner chose (``transport/plane.py``)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,12 @@ import socket
 import sys
 from typing import Any
 
-import msgspec
-
-from ..._memory import Reserve
 from ..._version import __version__
-from ...errors import AuthError, ConnectError, PeerLost, ProtocolError, Superseded
-from ...transport import cma, hostname, shm, ucx_available, ucx_failed
+from ...errors import AuthError, ConfigError, ConnectError, PeerLost, ProtocolError, Superseded
+from ...transport import hostname, shm, ucx_available
 from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
-from ...transport.tcp import TcpSender
+from ...transport.plane import ActorSide, Rejected, get_plane
 from ...wire import auth as _auth
 from ...wire import messages as _wire
 from .. import tokens
@@ -27,14 +24,12 @@ from .. import tokens
 log = logging.getLogger(__name__)
 
 
-class Rejected(ConnectError):
-    """The session was refused for a reason no retry cures (no common data plane, a requested
-    plane that cannot work here): raised at once, not retried until ``connect_timeout``."""
+__all__ = ["Handshake", "Rejected"]
 
 
 class Handshake:
     """Part of :class:`ActorConnection`: everything from a closed socket to a session whose data
-    plane is attached. Sets ``control``, ``welcome``, ``sender``, ``arena`` and ``connected``."""
+    plane is attached. Sets ``control``, ``welcome``, ``sender`` and ``connected``."""
 
     async def _open(self) -> tuple[ControlConnection, _wire.Challenge]:
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
@@ -98,23 +93,7 @@ class Handshake:
         self.latest_version = welcome.version
         self.actor_id = welcome.actor_id
         self._tasks.append(self.loop.create_task(self._read_control()))
-        if welcome.transport in ("tcp", "shm"):
-            await self._attach_tcp(welcome)
-        else:
-            from ...transport.ucx_actor import UcxActorPlane
-            from ...transport.ucx_setup import UcxUnavailable
-
-            try:
-                self.sender = await UcxActorPlane.connect(self.loop, welcome, self.weights_key(), self.incarnation,
-                                                          self.config, loopback=is_loopback(self.host),
-                                                          control=conn.sock)  # fmt: skip
-            except UcxUnavailable as exc:
-                ucx_failed(str(exc))  # from now on this process offers the other planes only
-                why = f"the learner chose the ucx data plane, but on this actor {exc}"
-                if self.transport_wanted == "ucx":
-                    raise Rejected(why) from exc
-                log.error("%s; reconnecting without ucx", why)
-                raise ConnectError(why) from exc  # retried: the next Hello offers no ucx
+        await self._attach_plane(welcome, conn)
         await self._ready
         if self.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()
@@ -163,27 +142,17 @@ class Handshake:
             raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
         return msg
 
-    async def _attach_tcp(self, welcome: _wire.Welcome) -> None:
-        """Open the data connection: the tcp plane, or the doorbell of the shm plane."""
-        ring = self._map_shm_ring(welcome) if welcome.transport == "shm" else None
-        if ring is not None and self.arena is None and self.resend:
-            self.arena = self._new_arena()
-        arena = self.arena.describe() if ring is not None and self.arena is not None else None
-        if ring is not None and self._probe is None and self.config.shm_direct_read and cma.available():
-            self._probe = cma.Probe()  # lives as long as the connection: the learner reads it at each attach
-        probe = self._probe.describe() if ring is not None and self._probe is not None else None
-        data, challenge = await self._open_data_connection()
-        data.send(_wire.Attach(_wire.PROTOCOL_VERSION, welcome.session,
-                               _auth.data_proof(self.weights_key(), challenge.nonce, welcome.session),
-                               ring is not None, arena, probe))  # fmt: skip
-        # A send that makes no progress for a heartbeat timeout means a frozen or vanished
-        # learner; the blocking send holds the I/O thread, so the heartbeat could not tell.
-        timeout = min(self.config.frame_timeout, self.config.heartbeat_timeout)
-        if ring is not None:
-            # The arena goes with the Attach; the learner's Ready says whether it mapped it.
-            self.sender = shm.ShmSender(data.sock, ring, timeout, self.arena)
-        else:
-            self.sender = TcpSender(data.sock, self.loop, timeout, self.config.tcp_congestion)
+    async def _attach_plane(self, welcome: _wire.Welcome, conn: ControlConnection) -> None:
+        """Attach the data plane the learner chose; its sender carries the frames."""
+        try:
+            plane = get_plane(welcome.transport)
+        except ConfigError as exc:
+            raise ProtocolError(f"the learner chose an unknown data plane {welcome.transport!r}") from exc
+        attached = await plane.connect(ActorSide(welcome, self.config, self.loop, self.transport_wanted,
+                                                 is_loopback(self.host), conn.sock, self.weights_key(),
+                                                 self.incarnation, self.memory, self._open_data_connection))  # fmt: skip
+        self.welcome = attached.welcome
+        self.sender = attached.sender
 
     async def _open_data_connection(self) -> tuple[ControlConnection, _wire.Challenge]:
         """Open the data connection. In a storm of actors the learner may turn it away at its
@@ -197,25 +166,9 @@ class Handshake:
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(2 * delay, 0.5)
 
-    def _frame_memory_bytes(self) -> int:
-        """Room for every frame buffer the actor may hold: those kept for resending, those
-        being filled, and a few spare (beyond it, frame buffers are plain memory, and on the
-        shm plane their frames go through the ring)."""
-        c = self.config
-        return c.resend_buffer_bytes + (c.frame_buffers + 4) * c.frame_bytes
-
-    def _new_arena(self) -> shm.Arena | None:
-        try:
-            return shm.Arena(self._frame_memory_bytes(), ahead=2 * self.config.frame_bytes)
-        except OSError as exc:
-            log.info("no shared frame buffers (%s): frames go through the ring", exc)
-            return None
-
     def release_arena(self) -> None:
         """After close: drop the frame buffers and unmap the arena (any thread)."""
-        if self._frame_reserve is not None:
-            self._frame_reserve.close()
-        arena, self.arena = self.arena, None
+        arena = self.memory.release()
         if arena is not None:
             with self.changed:
                 self.free.clear()
@@ -225,27 +178,8 @@ class Handshake:
             arena.close()
 
     def frame_memory(self, nbytes: int) -> Any:
-        """Memory for a new frame buffer: from the arena, else from a populated reserve, while
-        they have room; else None (plain memory)."""
-        if self.arena is not None:
-            return self.arena.block(nbytes)
-        if self._frame_reserve is None:
-            self._frame_reserve = Reserve(self._frame_memory_bytes(), "frames", ahead=2 * self.config.frame_bytes)
-        return self._frame_reserve.take(nbytes)
-
-    def _map_shm_ring(self, welcome: _wire.Welcome) -> shm.ShmRing | None:
-        """Map the learner's ring; None (tcp on the data connection instead) where it cannot be
-        reached from here, e.g. another PID namespace or user, unless shm was requested."""
-        try:
-            pid, fd, nonce, size = welcome.shm or [0, 0, b"", 0]
-            return shm.ShmRing.open(int(pid), int(fd), bytes(nonce), int(size))
-        except (OSError, ValueError, TypeError) as exc:
-            if self.transport_wanted == "shm":
-                raise Rejected(f"shm requested but the learner's ring cannot be mapped here: {exc}") from exc
-            reason = f"auto: the learner's shared-memory ring cannot be mapped here ({exc}); tcp instead"
-            log.info(reason)
-            self.welcome = msgspec.structs.replace(welcome, transport="tcp", reason=reason)
-            return None
+        """Memory for a new frame buffer (``transport/frame_memory.py``), or None (plain memory)."""
+        return self.memory.take(nbytes)
 
 
 def _cuda_visible() -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 
 from ...errors import AuthError, Closed, PeerLost, ProtocolError, RLinkError, SchemaMismatch
 from ...transport import shm
+from ...transport.plane import attach_proven, map_plane_error
 from ...wire import keys as _keys
 from ...wire import messages as _wire
 from .frames import BorrowedFrame
@@ -85,7 +86,7 @@ class ControlReader:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
-            self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"control connection broke: {exc}"))
+            self.fail(map_plane_error(exc, "control connection broke"))
 
     def _acknowledged(self, seq: int) -> None:
         """The learner holds every step below ``seq``: frames entirely below it are done."""
@@ -111,11 +112,12 @@ class ControlReader:
         return key
 
     def _check_attach(self, ready: _wire.Ready) -> None:
-        """A tcp or shm data plane is used only once the learner proved, with the session's
-        key, that it attached it: something without the token that took the data connection
-        cannot make the actor stream to it. (A ucx plane's Ready comes with the Welcome.)"""
+        """A plane with a data connection is used only once the learner proved, with the
+        session's key, that it attached it: something without the token that took the data
+        connection cannot make the actor stream to it. (A plane without one, such as ucx, is
+        attached with the Welcome.)"""
         proof, self._attach_proof = self._attach_proof, None
-        if ready.transport not in ("tcp", "shm") or self.proved_token is None or self.welcome is None:
+        if not attach_proven(ready.transport) or self.proved_token is None or self.welcome is None:
             return
         expected = _keys.attach_proof(self.weights_key(), self.welcome.session, ready.transport)
         if proof is None or not hmac.compare_digest(expected, proof):

@@ -13,12 +13,11 @@ import threading
 import time
 from typing import Any
 
-from ..._memory import Reserve
 from ...config import Config
 from ...errors import RLinkError
-from ...transport import cma, shm
 from ...transport.base import FrameSender
 from ...transport.control import ControlConnection
+from ...transport.frame_memory import FrameMemory
 from ...wire import messages as _wire
 from ...wire.codec import Schema
 from .connect import Handshake
@@ -88,9 +87,7 @@ class ActorConnection(Handshake, ControlReader, Reconnect, Outbox):
         self.closing = False
         self.latest_version = 0  # the newest model version the learner announced
         self.weights_listener: Any = None  # the Subscriber's deliver(), once subscribed
-        self.arena: shm.Arena | None = None  # shm plane: frame buffers the learner can read directly
-        self._frame_reserve: Reserve | None = None  # the other planes: frame buffers in populated memory
-        self._probe: cma.Probe | None = None  # shm: lets the learner prove it may read our memory
+        self.memory = FrameMemory(config)  # frame buffers: the shm plane's arena, or a populated reserve
         self._attempt: tuple[Any, float | None] = (None, None)  # the connect attempt's timeout scope
 
 

@@ -7,8 +7,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from ...errors import Closed, PeerLost, ProtocolError, RLinkError
+from ...errors import Closed, PeerLost, ProtocolError
 from ...errors import TimeoutError as RLinkTimeout
+from ...transport.plane import map_plane_error
 from ...wire.frame import FRAME_HEADER, FRAME_MAGIC
 from ...wire.messages import PROTOCOL_VERSION
 from .frames import BorrowedFrame, FrameBuffer
@@ -90,7 +91,7 @@ class Outbox:
             self._send_part(frame, k)
             return True
         except Exception as exc:  # noqa: BLE001 - translated and recorded for later calls too
-            err = exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}")
+            err = map_plane_error(exc, "data connection broke")
             self.loop.call_soon_threadsafe(self.fail, err)
             if self.resend and isinstance(frame, FrameBuffer):
                 return False
@@ -144,7 +145,7 @@ class Outbox:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - surfaced to the caller's thread
-            self.fail(exc if isinstance(exc, RLinkError) else PeerLost(f"data connection broke: {exc}"))
+            self.fail(map_plane_error(exc, "data connection broke"))
 
     def wait_credit(self, deadline: float) -> None:
         """Until some credit is at hand (not taken: another thread may take it first), or

@@ -9,6 +9,7 @@ import random
 import time
 
 from ...errors import AuthError, Closed, ConnectError, PeerLost, RLinkError, SchemaMismatch, Superseded
+from ...transport.plane import map_plane_error
 from ...wire import messages as _wire
 from ...wire.codec import Schema
 from .connect import Rejected
@@ -29,12 +30,6 @@ def _refused(error: BaseException) -> bool:
             return True
         error = error.__cause__  # type: ignore[assignment]
     return False
-
-
-def _lost(exc: OSError) -> PeerLost:
-    lost = PeerLost(str(exc))
-    lost.__cause__ = exc  # _refused looks for the OSError
-    return lost
 
 
 class Reconnect:
@@ -105,7 +100,7 @@ class Reconnect:
             except FINAL as exc:
                 return exc
             except (RLinkError, OSError) as exc:
-                last = exc if isinstance(exc, RLinkError) else _lost(exc)
+                last = map_plane_error(exc)
                 attempt_timeout = min(cap, 2 * attempt_timeout)
                 self._teardown()
                 if cause is None and not waiting_logged:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import functools
 import itertools
 import logging
-import os
 import secrets
 import socket
 import threading
@@ -15,16 +15,16 @@ from typing import Any
 
 from ..._memory import Reserve
 from ...config import Config
-from ...errors import AuthError, ConfigError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
+from ...errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ...observe.counters import ActorTotals
 from ...observe.report import StalenessHistogram, describe_session, report
 from ...store.ring import StepRing
-from ...transport import choose, hostname, shm, ucx_available, ucx_failed, ucx_failure
+from ...transport import hostname
 from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
 from ...transport.loop import ticks
-from ...transport.ucx_setup import UcxUnavailable
-from ...weights.publisher import Publisher
+from ...transport.plane import LearnerContext, LearnerPlanes, Plane, Rejected
+from ...weights.publisher import Member, Publisher
 from ...wire import auth as _auth
 from ...wire import messages as _wire
 from ...wire.codec import Schema
@@ -91,25 +91,15 @@ class LearnerServer:
         self._listener: socket.socket | None = None
         self.admission = Admission(config)
         raise_file_limit(config)
-        self.ucx: Any = None  # the UCX data plane, created when the first actor needs it
-        self._ucx_starting: asyncio.Future[Any] | None = None
-        self.learner_ucx = ucx_available() and transport != "tcp"
-        self.learner_shm = shm.available() and transport in ("auto", "shm")
-        if self.learner_ucx:
-            # Load ucxx now, before any session runs: loading its libraries holds the GIL (a
-            # cold first import took 0.4 s in CI), which would stall every session's heartbeats
-            # and credits if the first ucx actor set it off.
-            from ...transport.ucx import load_ucxx
-
-            load_ucxx()
+        self.planes = LearnerPlanes(LearnerContext(transport, config, loop, host, is_loopback(host)))
         self.publisher = Publisher(self)
         self.staleness = StalenessHistogram()  # fed by RLinkDataset
         self.totals = ActorTotals()  # ended sessions' counters, for the metrics endpoint
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        """Bind, publish the token, start the UCX plane if asked for by name, then accept. On
-        failure the caller runs ``stop()``, which undoes whatever was done."""
+        """Bind, publish the token, start the plane asked for by name, then accept. On failure
+        the caller runs ``stop()``, which undoes whatever was done."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.port), family=family, backlog=listen_backlog(self.config),
                                     reuse_port=False)  # fmt: skip
@@ -126,11 +116,7 @@ class LearnerServer:
                 self._listener = None
                 raise
             log.info("learner token for local actors written to %s", self.token_path)
-        if self.transport == "ucx" and self.learner_ucx:  # asked for by name: fail here, not at the first actor
-            try:
-                await self._start_ucx_plane()
-            except (UcxUnavailable, PeerLost) as exc:
-                raise ConfigError(f"transport='ucx', but {exc}") from exc
+        await self.planes.start()  # asked for by name: fail here, not at the first actor
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
 
@@ -155,13 +141,7 @@ class LearnerServer:
             self._listener.close()
         for task in list(self._tasks):
             task.cancel()
-        if self._ucx_starting is not None and self.ucx is None:
-            try:  # a plane still starting is closed once it is up, or its thread would linger
-                self.ucx = await self._ucx_starting
-            except Exception:  # noqa: BLE001 - it failed to start: nothing to close
-                pass
-        if self.ucx is not None:
-            await self.ucx.close()
+        await self.planes.close()
         if self.ring is not None:
             self.ring.close()
         if self.reserve is not None:
@@ -181,7 +161,7 @@ class LearnerServer:
             conn = ControlConnection(sock, self.loop, f"{addr[0]}:{addr[1]}")
             task = self._spawn(self._handle(conn))
             # Also when the task is dropped before it ever ran (admission sheds the oldest).
-            task.add_done_callback(lambda _task, conn=conn: conn.handed_off or conn.close())
+            task.add_done_callback(functools.partial(_close_unless_handed_off, conn))
             self.admission.admit(task, addr[0])
 
     async def _handle(self, conn: ControlConnection) -> None:
@@ -192,7 +172,7 @@ class LearnerServer:
                 async with asyncio.timeout(self.config.handshake_timeout):
                     result = await self._handshake(conn)
                 self.admission.finished(asyncio.current_task())
-            except (asyncio.TimeoutError, TimeoutError) as exc:
+            except TimeoutError as exc:
                 # Not a rejection: a busy learner or a slow link; the actor may try again.
                 if isinstance(exc, PreauthTimeout):  # counted and logged (rate-limited) by admission
                     conn.send(_wire.Error("timeout", str(exc)))
@@ -231,7 +211,7 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
-    async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[LearnerSession, int] | None:
+    async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[Member, int] | None:
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
@@ -242,7 +222,7 @@ class LearnerServer:
             self.admission.preauth_expired(conn.peer)
             raise PreauthTimeout(f"no login within {limit}s (Config.preauth_timeout)") from None
         if isinstance(first, _wire.Attach):
-            attach_data_connection(self.sessions, conn, first, nonce, self.config.tcp_congestion)
+            attach_data_connection(self.sessions, conn, first, nonce)
             self.grant_credits()
             return None
         if isinstance(first, _wire.Pull):
@@ -260,34 +240,17 @@ class LearnerServer:
         hello = await conn.recv(self.config.max_control_bytes)
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
-        if self.ucx is None and self._choose(hello)[0] == "ucx":
-            try:
-                await self._start_ucx_plane()
-            except UcxUnavailable as exc:  # this actor falls back to another plane, or is refused
-                self._ucx_unavailable(exc)
+        plane = self._choose(hello)[0]
+        if plane is not None:
+            await plane.prepare()  # a plane that cannot start is no longer offered: chosen again below
         return self._open_session(conn, hello)
 
-    def _choose(self, hello: _wire.Hello) -> tuple[str, str]:
-        transport, reason = choose(self.transport, hello.transport, learner_ucx=self.learner_ucx, actor_ucx=hello.ucx,
-                                   same_host=hello.host == hostname(), shm=self.learner_shm and hello.shm)  # fmt: skip
-        failure = ucx_failure()
-        if failure is not None and (not transport or transport == "tcp") and "ucx" in reason:
-            # What choose() says of a learner without ucx ("not installed") is not why here.
-            reason = f"{'auto' if transport else 'ucx requested'}: the learner's ucx is off ({failure})"
-        return transport, reason
-
-    def _ucx_unavailable(self, exc: UcxUnavailable) -> None:
-        """UCX does not start in this process (its configuration, not the load): stop offering
-        it, say so once, and serve actors on the other planes."""
-        if not self.learner_ucx:  # another handshake waiting on the same start said it already
-            return
-        ucx_failed(str(exc))
-        self.learner_ucx = False
-        log.error("the ucx data plane is off for this learner: %s", exc)
+    def _choose(self, hello: _wire.Hello) -> tuple[Plane | None, str]:
+        return self.planes.choose(hello, same_host=hello.host == hostname())
 
     def _open_session(self, conn: ControlConnection, hello: _wire.Hello) -> LearnerSession:
-        transport, reason = self._choose(hello)
-        if not transport:
+        plane, reason = self._choose(hello)
+        if plane is None:
             raise Refused(f"no common data plane: {reason}")
         if len(self.sessions) >= self.config.max_connections:
             self.rejected_connections += 1
@@ -310,54 +273,30 @@ class LearnerServer:
         else:
             in_use = {s.actor_id for s in self.sessions.values()}
             actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
-        ring = nonce = None  # created last: every path from here on closes it with the session
-        if transport == "shm":
-            try:
-                ring, nonce = shm.ShmRing.create(self.config.shm_ring_bytes)
-            except OSError as exc:
-                if reason == "requested":
-                    raise Refused(f"shm requested but the learner cannot create its ring: {exc}") from exc
-                transport, reason = "tcp", f"auto: the shared-memory ring could not be created ({exc})"
-        ucx_worker = self.ucx.current if transport == "ucx" else None  # read once: it may be recycled
-        ucx_address = ucx_worker.address if ucx_worker is not None else None
+        try:  # opened last: every path from here on closes it with the session
+            opening = plane.open(reason)
+        except Rejected as exc:
+            raise Refused(str(exc)) from exc
+        transport, reason = opening.plane.name, opening.reason
         session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
                                  secrets.token_bytes(32))  # fmt: skip
-        session.shm_ring = ring
+        session.opening = opening
         resume = self.resume.pop((actor_id, hello.incarnation), None)
         session.next_seq = resume  # None: the first frame says where this stream starts
         session.resumed = resume is not None
         self.totals.reconnects += session.resumed
         self.sessions[session.id] = session
         conn.send(_wire.Welcome(
-            session.id, actor_id, self.version, transport, reason, session.ticket, ucx_address,
+            session.id, actor_id, self.version, transport, reason, session.ticket, opening.ucx_address,
             self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
-            -1 if resume is None else resume,
-            None if ring is None else [os.getpid(), ring.fd, nonce, ring.size],
+            -1 if resume is None else resume, opening.shm,
         ))  # fmt: skip
         log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
-        if ucx_worker is not None:
-            session.receiver = self.ucx.attach(session, actor_id, session.key, ucx_worker)
-            conn.send(_wire.Ready("ucx"))
+        if not opening.plane.data_connection:  # attached at the Welcome
+            session.opening = None
+            session.receiver, ready = opening.attach(session, None, None)
+            conn.send(ready)
         return session
-
-    async def _start_ucx_plane(self) -> None:
-        """Start the UCX plane off the event loop: its worker takes a good part of a second to
-        come up, and the heartbeats and credits of running sessions must not wait for it."""
-        if self._ucx_starting is None:
-            from ...transport.ucx import UcxLearnerPlane
-
-            loopback = is_loopback(self.host)
-            self._ucx_starting = self.loop.run_in_executor(None, UcxLearnerPlane, self.loop, self.config, loopback,
-                                                         self.host)  # UCX listens where we do
-        starting = self._ucx_starting
-        try:
-            self.ucx = await asyncio.shield(starting)  # a cancelled handshake leaves it starting
-        except asyncio.CancelledError:
-            raise
-        except Exception:
-            if self._ucx_starting is starting:
-                self._ucx_starting = None  # the next ucx actor tries again
-            raise
 
     # --- schema and credit ----------------------------------------------------------------------
     def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]:
@@ -430,6 +369,11 @@ class LearnerServer:
     def snapshot(self) -> dict[str, Any]:
         """The learner's stats (on the I/O loop)."""
         return report(self)
+
+
+def _close_unless_handed_off(conn: ControlConnection, _task: asyncio.Task[Any]) -> None:
+    if not conn.handed_off:
+        conn.close()
 
 
 def _new_ring(schema: Schema, config: Config, batch_steps: int | None, pinned: bool, reserve: Reserve | None) -> StepRing:

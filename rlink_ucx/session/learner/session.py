@@ -15,6 +15,7 @@ from ...store.ring import Segment, StepRing
 from ...transport.base import DataPlaneRetired
 from ...transport.control import ControlConnection
 from ...transport.loop import call_soon_any_thread
+from ...transport.plane import get_plane
 from ...weights.publisher import Publisher
 from ...wire import keys as _keys
 from ...wire import messages as _wire
@@ -23,7 +24,7 @@ from ...wire.frame import FrameHeader
 
 if TYPE_CHECKING:
     from ...transport.base import FrameReceiver
-    from ...transport.shm import ShmRing
+    from ...transport.plane import Opening
 
 log = logging.getLogger(__name__)
 IDLE_SECONDS = 1.0  # an actor that sent no frame for this long is idle (its credit may be reclaimed)
@@ -72,12 +73,13 @@ class LearnerSession:
         self.incarnation = hello.incarnation
         self.transport = transport
         self.transport_reason = reason
+        self.whole_fields = get_plane(transport).whole_fields  # the receiver wants one buffer per field
         self.ticket = ticket
         # The session's key, from the token and the ticket: it proves the data connection and
         # keys the weights path. The ticket alone goes in clear in the Welcome.
         self.key = _keys.session_key(server.token, ticket, session_id)
         self.receiver: FrameReceiver | None = None
-        self.shm_ring: ShmRing | None = None  # an shm session's ring until its data connection attaches
+        self.opening: Opening | None = None  # what its plane holds until the session attaches
         self.schema_id: int | None = None
         self.ring: StepRing | None = None
         self.credit = 0  # steps granted to this actor and not yet used
@@ -276,9 +278,9 @@ class LearnerSession:
         self.stats.credit_exhausted += not self.credit
         self._frame = (h, seg)
         views = ring.field_views(seg)
-        if self.transport == "ucx" and any(len(v) > 1 for v in views):
-            # UCX receives each field as one message into one buffer; a frame that wraps or
-            # crosses a chunk lands in a scratch buffer and is scattered into the ring on commit.
+        if self.whole_fields and any(len(v) > 1 for v in views):
+            # A frame that wraps or crosses a chunk lands in a scratch buffer and is scattered
+            # into the ring on commit.
             self._scatter = views
             landing = self._landing_for(h.payload_bytes)
             out, offset = [], 0
@@ -400,9 +402,9 @@ class LearnerSession:
             self.ring.revoke(credit)
         if self.receiver is not None:
             self.receiver.close()  # the receiver calls abandon() once nothing more can land
-        if self.shm_ring is not None:
-            self.shm_ring.close()  # never attached
-            self.shm_ring = None
+        opening, self.opening = self.opening, None
+        if opening is not None:
+            opening.close()  # never attached
         self.control.close()
         (log.warning if lost else log.info)("actor %s session %s ended: %s", self.actor_id, self.id, reason)
         self.server.session_ended(self, PeerLost(reason) if lost else None)

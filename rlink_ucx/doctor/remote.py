@@ -25,12 +25,16 @@ from .checks import Check, worst
 
 
 class Connected(Protocol):
-    """What the doctor reads off a connected actor."""
+    """What the doctor reads off a connected actor (read-only, as ``Actor`` exposes them)."""
 
-    transport: str
-    transport_reason: str
-    actor_id: int
-    policy_version: int
+    @property
+    def transport(self) -> str: ...
+    @property
+    def transport_reason(self) -> str: ...
+    @property
+    def actor_id(self) -> int: ...
+    @property
+    def policy_version(self) -> int: ...
 
 
 class Connect(Protocol):

@@ -256,7 +256,7 @@ class _DeadlineSocket(io.RawIOBase):
         return self._sock.recv_into(buffer)
 
 
-class _Writer(io.RawIOBase):
+class _Writer(io.BufferedIOBase):
     """Writes the answer with a fresh timeout: the request's deadline may be nearly spent."""
 
     def __init__(self, sock: socket.socket):

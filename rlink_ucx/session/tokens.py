@@ -13,8 +13,8 @@ connection attempt, so a restarted learner's new token is picked up.
 
 from __future__ import annotations
 
-import os
 import logging
+import os
 import secrets
 import stat
 import tempfile

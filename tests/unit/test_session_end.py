@@ -6,6 +6,7 @@ from types import SimpleNamespace
 import pytest
 
 from rlink_ucx.errors import ProtocolError
+from rlink_ucx.observe.ratelog import RateLimitedLog
 from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.wire import messages as _wire
 
@@ -22,7 +23,8 @@ class _Control:
 
 
 def _session(ended: list) -> tuple[LearnerSession, _Control]:
-    server = SimpleNamespace(session_ended=lambda s, err: ended.append((s.state, err)), token=None)
+    server = SimpleNamespace(session_ended=lambda s, err: ended.append((s.state, err)), token=None,
+                             quiet_log=RateLimitedLog(logging.getLogger("test")))
     control = _Control()
     hello = _wire.Hello(7, 0, "test", "tcp", False, False, "host", 1)
     return LearnerSession(server, 1, control, hello, 7, "tcp", "test", b"t" * 32), control

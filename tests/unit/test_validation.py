@@ -1,11 +1,13 @@
 """Header and message validation: bad input is a ProtocolError raised before any allocation."""
 
+import logging
 import struct
 import types
 
 import pytest
 
 from rlink_ucx import Config, ConfigError, ProtocolError
+from rlink_ucx.observe.ratelog import RateLimitedLog
 from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire import auth as _auth
@@ -30,6 +32,7 @@ class _Control:
 def make_session(credit=100):
     ring = StepRing(SCHEMA, 1 << 16, 64)
     server = types.SimpleNamespace(config=Config(), grant_credits=lambda: None, session_ended=lambda *a: None,
+                                   quiet_log=RateLimitedLog(logging.getLogger("test")),
                                    token=None)
     hello = _wire.Hello(7, 11, "0", "tcp", False, False, "h", 1)
     session = LearnerSession(server, 1, _Control(), hello, 7, "tcp", "test", b"t" * 32)

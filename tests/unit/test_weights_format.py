@@ -132,7 +132,7 @@ def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
 
     from rlink_ucx.config import Config
     from rlink_ucx.weights.publisher import Publisher
-    from rlink_ucx.weights.snapshot import fill, layout
+    from rlink_ucx.weights.snapshot import fill, layout, sources
 
     state = {"w": torch.arange(1000, dtype=torch.float32), "b": torch.full((7,), 3.0)}
     entries, total = layout(state)
@@ -144,7 +144,7 @@ def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
     copier.start()
     copier.join(0.3)
     assert copier.is_alive() and not copies  # still waiting: nothing was copied yet
-    fill(snap, state)
+    fill(snap, sources(snap, state))
     copier.join(10)
     assert len(copies) == 1
     host = copies[0]

@@ -65,7 +65,7 @@ def device_labelled_snapshot(state: dict) -> _snapshot.Snapshot:
     kind = getattr(_manifest, "KEYED", "sum64")
     snap = _snapshot.Snapshot(_manifest.Manifest(1, entries, total, 4096, [], kind),
                               torch.zeros(total, dtype=torch.uint8), "cuda:0", sealed=False)  # fmt: skip
-    _snapshot.fill(snap, state)
+    _snapshot.fill(snap, _snapshot.sources(snap, state))
     return snap
 
 

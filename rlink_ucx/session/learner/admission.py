@@ -23,6 +23,7 @@ import time
 from typing import Any
 
 from ...config import Config
+from ...observe.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
 FDS_PER_ACTOR = 4  # control and data connections, the shm ring's memfd and the arena's mapping
@@ -54,7 +55,7 @@ class Admission:
         self.shed = 0  # dropped to make room for newer ones, by either cap
         self.shed_per_peer = 0  # ... of which by the per-peer cap
         self.timed_out = 0  # dropped for not authenticating within preauth_timeout
-        self._logged: dict[str, float] = {}
+        self._log = RateLimitedLog(log, every=LOG_EVERY, burst=1)
 
     def admit(self, task: asyncio.Task[Any], host: str) -> None:
         """``task`` starts a handshake with a peer at ``host``; drop the oldest unauthenticated
@@ -73,14 +74,14 @@ class Admission:
             young = now - since < self.config.preauth_timeout / 2
             self._drop(id(task) if young else oldest)
             self.shed_per_peer += 1
-            self._warn("peer", "more than max_handshakes_per_peer=%d unauthenticated connections from %s: "
+            self._log.warning("peer", "more than max_handshakes_per_peer=%d unauthenticated connections from %s: "
                        "refusing the newest or dropping one older than preauth_timeout/2 (%d so far)",
                        self.config.max_handshakes_per_peer, key, self.shed_per_peer)  # fmt: skip
             if young:
                 return
         while len(self._pending) > self.config.max_handshakes:
             self._drop(next(iter(self._pending)))
-            self._warn("all", "more than max_handshakes=%d connections are handshaking: dropping the oldest "
+            self._log.warning("all", "more than max_handshakes=%d connections are handshaking: dropping the oldest "
                        "(%d so far; their actors retry)", self.config.max_handshakes, self.shed)  # fmt: skip
 
     def _drop(self, ident: int) -> None:
@@ -103,14 +104,8 @@ class Admission:
     def preauth_expired(self, peer: str) -> None:
         """Count (and log, rate-limited) a connection dropped for not authenticating in time."""
         self.timed_out += 1
-        self._warn("timeout", "%s did not authenticate within preauth_timeout=%ss: dropped (%d so far)",
+        self._log.warning("timeout", "%s did not authenticate within preauth_timeout=%ss: dropped (%d so far)",
                    peer, self.config.preauth_timeout, self.timed_out)  # fmt: skip
-
-    def _warn(self, kind: str, msg: str, *args: Any) -> None:
-        now = time.monotonic()
-        if now - self._logged.get(kind, -LOG_EVERY) >= LOG_EVERY:
-            self._logged[kind] = now
-            log.warning(msg, *args)
 
     @property
     def in_flight(self) -> int:

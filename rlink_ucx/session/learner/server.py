@@ -17,6 +17,7 @@ from ..._memory import Reserve
 from ...config import Config
 from ...errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
 from ...observe.counters import ActorTotals
+from ...observe.ratelog import RateLimitedLog
 from ...observe.report import StalenessHistogram, describe_session, report
 from ...store.ring import StepRing
 from ...transport import hostname
@@ -65,6 +66,7 @@ class LearnerServer:
         self.token_path: Any = None  # where it was written
         self.transport = transport
         self.config = config
+        self.quiet_log = RateLimitedLog(log)  # refusals, accept errors, session ends: a storm is a few lines
         self.loop = loop
         self.sessions: dict[int, LearnerSession] = {}
         self.ended: list[dict[str, Any]] = []
@@ -155,7 +157,7 @@ class LearnerServer:
             try:
                 sock, addr = await self.loop.sock_accept(self._listener)
             except OSError as exc:  # EMFILE and friends: back off rather than spin
-                log.warning("accept failed: %s", exc)
+                self.quiet_log.warning("accept", "accept failed: %s", exc)
                 await asyncio.sleep(0.1)
                 continue
             conn = ControlConnection(sock, self.loop, f"{addr[0]}:{addr[1]}")
@@ -189,13 +191,13 @@ class LearnerServer:
             await session.serve()
         except AuthError as exc:
             self.auth_failures += 1
-            log.warning("refused %s: %s", peer, exc)
+            self.quiet_log.warning("auth", "refused %s: %s", peer, exc)
             conn.send(_wire.Error("auth", str(exc)))
         except Superseded as exc:
-            log.warning("refused %s: %s", peer, exc)
+            self.quiet_log.warning("superseded", "refused %s: %s", peer, exc)
             conn.send(_wire.Error("superseded", str(exc)))
         except (ProtocolError, SchemaMismatch) as exc:
-            log.warning("dropped %s: %s", peer, exc)
+            self.quiet_log.warning("dropped", "dropped %s: %s", peer, exc)
             conn.send(_wire.Error(getattr(exc, "kind", "protocol"), str(exc)[:500]))
             if session is not None:
                 session.stats.protocol_errors += 1
@@ -291,7 +293,8 @@ class LearnerServer:
             self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
             -1 if resume is None else resume, opening.shm,
         ))  # fmt: skip
-        log.info("actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host, hello.pid, transport, reason)
+        self.quiet_log.info("connected", "actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host,
+                            hello.pid, transport, reason)  # fmt: skip
         if not opening.plane.data_connection:  # attached at the Welcome
             session.opening = None
             session.receiver, ready = opening.attach(session, None, None)

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from ...config import Config
 from ...errors import PeerLost, ProtocolError, SchemaMismatch
+from ...observe.ratelog import RateLimitedLog
 from ...store.ring import Segment, StepRing
 from ...transport.base import DataPlaneRetired
 from ...transport.control import ControlConnection
@@ -38,6 +39,7 @@ class Owner(Protocol):
     loop: asyncio.AbstractEventLoop
     publisher: Publisher
     token: bytes | None  # None when running insecure
+    quiet_log: RateLimitedLog  # for lines a storm of sessions would multiply
 
     def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]: ...
 
@@ -382,7 +384,8 @@ class LearnerSession:
             return
         if isinstance(exc, ProtocolError):
             self.stats.protocol_errors += 1
-            log.warning("actor %s: protocol error on the data plane: %s", self.actor_id, exc)
+            self.server.quiet_log.log(logging.WARNING, "protocol", "actor %s: protocol error on the data plane: %s",
+                                      self.actor_id, exc, logger=log)  # fmt: skip
             self.control.send(_wire.Error("protocol", str(exc)[:500]))
             self.close(f"protocol error: {exc}", lost=True)
         else:
@@ -406,5 +409,6 @@ class LearnerSession:
         if opening is not None:
             opening.close()  # never attached
         self.control.close()
-        (log.warning if lost else log.info)("actor %s session %s ended: %s", self.actor_id, self.id, reason)
+        self.server.quiet_log.log(logging.WARNING if lost else logging.INFO, "lost" if lost else "ended",
+                                  "actor %s session %s ended: %s", self.actor_id, self.id, reason, logger=log)  # fmt: skip
         self.server.session_ended(self, PeerLost(reason) if lost else None)

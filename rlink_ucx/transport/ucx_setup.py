@@ -47,7 +47,8 @@ def inline_fields(lengths: Iterable[int]) -> list[bool]:
 
 
 def ucx_options(config: Config, loopback: bool = False, devices: list[str] | None = None) -> dict[str, str]:
-    """UCX settings we ship (unless the user set the variable): see docs/transports.md.
+    """UCX settings we ship (unless the user set the variable): see docs/transports.md. A user
+    who sets ``UCX_TLS`` chooses the transports, sysv included.
 
     UCX's TCP transport listens on every interface it may use, so it is confined to those of
     the control channel: ``loopback`` (the control channel is on loopback) or ``devices``
@@ -57,6 +58,11 @@ def ucx_options(config: Config, loopback: bool = False, devices: list[str] | Non
         "TCP_TX_SEG_SIZE": seg,
         "TCP_RX_SEG_SIZE": seg,  # must be >= TX or the worker refuses to start
         "RNDV_FRAG_SIZE": "host:4M",
+        # sysv segments are made group read/write (mode 660) and listed in /proc/sysvipc/shm:
+        # on a host where users share a primary group (common on HPC clusters and OpenShift),
+        # another user could read or overwrite the steps in them. posix shared memory and CMA
+        # stay: they are open to this user alone.
+        "TLS": "^sysv",
     }
     if loopback:
         ours["NET_DEVICES"] = "lo"

@@ -67,3 +67,10 @@ def test_small_fields_ride_in_the_header_message_while_it_stays_eager():
     room = HEADER_MESSAGE_BYTES - FRAME_HEADER_BYTES
     assert inline_fields([room - 100, 0, 200, 100]) == [True, False, False, True]
     assert inline_fields([room + 1]) == [False]
+
+
+def test_ucx_is_kept_off_sysv_segments_unless_the_user_chose_the_transports(monkeypatch):
+    monkeypatch.delenv("UCX_TLS", raising=False)
+    assert ucx_options(Config())["TLS"] == "^sysv"  # group read/write segments: see ucx_options
+    monkeypatch.setenv("UCX_TLS", "sm,tcp")
+    assert "TLS" not in ucx_options(Config())

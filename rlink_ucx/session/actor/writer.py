@@ -188,8 +188,8 @@ class StepWriter:
     def _borrow(self, count: int) -> bool:
         """Send ``count`` steps from the caller's arrays rather than copy them into a frame? A
         whole frame or more, always; on a plane the caller's thread sends on itself (tcp), half
-        a frame or more already: the copy costs more than the smaller frame (Atari steps put 32
-        at a time, 37 to a frame: 0.31 -> 0.18 ms of the actor's CPU per put_many)."""
+        a frame or more already: the copy costs more than the smaller frame does (Atari steps
+        put 32 at a time, 37 to a frame: docs/benchmarks.md)."""
         if self._copy_large:
             return False
         return count >= self._frame_steps or (2 * count >= self._frame_steps and self._policy.direct())
@@ -291,7 +291,7 @@ class StepWriter:
             self._io.soon(self._start_ticks)
 
     def _start_ticks(self) -> None:
-        with self._lock:  # against stop_ticks on the closing thread
+        with self._lock:  # against shutdown on the closing thread
             if self._stop_ticks is None and self._armed and not self._closed:
                 self._stop_ticks = self._io.every(self.config.frame_linger, self.linger_tick)
 

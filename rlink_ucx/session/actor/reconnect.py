@@ -94,49 +94,52 @@ class Reconnect:
         """Connect for the first time, retrying with backoff and jitter until
         ``Config.connect_timeout``: an actor may start before its learner, or during a storm of
         others connecting. Only a real rejection (token, schema, protocol) fails at once."""
+        s = self._state
         started = time.monotonic()
-        last = await self._retry_connect(started + self._state.config.connect_timeout, None)
+        last = await self._retry_connect(started + s.config.connect_timeout, None)
         if last is None:
             return
         if isinstance(last, FINAL):
             raise last
-        raise ConnectError(f"cannot reach the learner at {self._state.host}:{self._state.port}: tried for "
+        raise ConnectError(f"cannot reach the learner at {s.host}:{s.port}: tried for "
                            f"{time.monotonic() - started:.0f}s (Config.connect_timeout); last error: {last}") from last
 
     async def _reconnect(self, cause: RLinkError) -> None:
         """Retry the learner with backoff and jitter until ``reconnect_timeout``; then resume
         the stream where the learner says it stopped (resending what it lacks)."""
+        s = self._state
         self._teardown()
-        last = await self._retry_connect(time.monotonic() + self._state.config.reconnect_timeout, cause)
-        self._state.reconnecting = False
+        last = await self._retry_connect(time.monotonic() + s.config.reconnect_timeout, cause)
+        s.reconnecting = False
         if last is None:
-            self._state.reconnects += 1
-            log.info("actor %s reconnected (resuming at seq %d)", self._state.actor_id, self._state.next_send_seq)
-            if self._state.subscription is not None and self._state.control is not None:
-                self._state.control.send(self._state.subscription)
-            with self._state.changed:
-                self._state.changed.notify_all()
-            with self._state.credit_cv:
-                self._state.credit_cv.notify_all()
-        elif not self._state.closing:
+            s.reconnects += 1
+            log.info("actor %s reconnected (resuming at seq %d)", s.actor_id, s.next_send_seq)
+            if s.subscription is not None and s.control is not None:
+                s.control.send(s.subscription)
+            with s.changed:
+                s.changed.notify_all()
+            with s.credit_cv:
+                s.credit_cv.notify_all()
+        elif not s.closing:
             if isinstance(last, FINAL):
                 self._fail_for_good(last)
             else:
-                self._fail_for_good(PeerLost(f"learner unreachable for {self._state.config.reconnect_timeout:.3g}s: {last}"))
+                self._fail_for_good(PeerLost(f"learner unreachable for {s.config.reconnect_timeout:.3g}s: {last}"))
 
     async def _retry_connect(self, deadline: float, cause: RLinkError | None) -> RLinkError | None:
         """Attempt ``connect`` until one succeeds (None), a final error, or ``deadline`` (the
         last error). With a ``cause`` (a reconnect) the first attempt waits a jittered moment too."""
+        s = self._state
         delay, last = 0.05, cause
         # An attempt made while the link is still down can be swallowed whole (a blackholed
         # route, a cut that TCP does not see), and would then hold the actor for the full
         # handshake timeout after the link is back. A healthy learner answers within a
         # heartbeat interval, so each attempt gets twice that (at least 1 s), doubling after
         # each failure up to twice the handshake timeout: a busy learner is still reached.
-        cap = 2 * self._state.config.handshake_timeout
-        attempt_timeout = min(cap, max(1.0, 2 * self._state.config.heartbeat_interval))
+        cap = 2 * s.config.handshake_timeout
+        attempt_timeout = min(cap, max(1.0, 2 * s.config.heartbeat_interval))
         waiting_logged = False
-        while not self._state.closing:
+        while not s.closing:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -160,26 +163,27 @@ class Reconnect:
                 if cause is None and not waiting_logged:
                     waiting_logged = True
                     log.warning("actor: waiting for the learner at %s:%s (%s); retrying for up to %.0fs",
-                             self._state.host, self._state.port, exc, self._state.config.connect_timeout)
+                             s.host, s.port, exc, s.config.connect_timeout)
         return last
 
     def _teardown(self) -> None:
         """Drop the broken connection (not the frames: they are resent)."""
+        s = self._state
         current = asyncio.current_task()
-        for task in self._state.tasks:
+        for task in s.tasks:
             if task is not current:
                 task.cancel()
-        self._state.tasks = [t for t in self._state.tasks if t is current]
-        if self._state.sender is not None:
-            self._state.sender.close()
-            self._state.sender = None
-        if self._state.control is not None:
-            self._state.control.close()
-            self._state.control = None
-        with self._state.credit_cv:
-            self._state.credit = 0
-        self._state.ready = self._state.loop.create_future()
-        if self._state.proposal is not None and not self._state.proposal.done():
-            self._state.proposal.set_exception(ConnectionReplaced())  # propose() asks the new connection
-            self._state.proposal.exception()  # retrieved: a proposal nobody awaits any more stays quiet
-        self._state.proposal = None
+        s.tasks = [t for t in s.tasks if t is current]
+        if s.sender is not None:
+            s.sender.close()
+            s.sender = None
+        if s.control is not None:
+            s.control.close()
+            s.control = None
+        with s.credit_cv:
+            s.credit = 0
+        s.ready = s.loop.create_future()
+        if s.proposal is not None and not s.proposal.done():
+            s.proposal.set_exception(ConnectionReplaced())  # propose() asks the new connection
+            s.proposal.exception()  # retrieved: a proposal nobody awaits any more stays quiet
+        s.proposal = None

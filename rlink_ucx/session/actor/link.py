@@ -89,8 +89,7 @@ class ActorConnection:
 
     @property
     def weights_listener(self) -> Callable[[Any], None] | None:
-        listener: Callable[[Any], None] | None = self.state.weights_listener
-        return listener
+        return self.state.weights_listener
 
     @weights_listener.setter
     def weights_listener(self, listener: Callable[[Any], None] | None) -> None:

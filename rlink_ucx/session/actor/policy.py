@@ -61,8 +61,8 @@ class SendPolicy:
     Like Nagle's algorithm with its unacknowledged segment, a frame sent less than
     ``frame_linger`` ago counts as in flight: a step that comes meanwhile waits for company, so
     a busy actor fills its frames, while a slow actor's step is on the wire when ``put``
-    returns (on a plane any thread may send on, tcp and shm) or is in the I/O thread's hands
-    (ucx), with no timer and no thread hand-off on the caller's side.
+    returns (on a plane any thread may send on, tcp and shm) or in the I/O thread's hands
+    (ucx), with no timer either way.
 
     Args:
         state: the connection's shared state (read: sender, credit, seq, connected).
@@ -77,7 +77,8 @@ class SendPolicy:
         self._closed = False
 
     def close(self) -> None:
-        """The actor is closing: nothing more leaves from the caller's thread."""
+        """The actor is closing: a partial frame no longer leaves early (from the caller's
+        thread, or handed to the I/O thread as soon as it starts)."""
         self._closed = True
 
     def direct(self) -> bool:

@@ -12,6 +12,7 @@ import asyncio
 import collections
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -61,12 +62,14 @@ class LinkState:
     closing: bool = False
     reconnects: int = 0
     latest_version: int = 0  # the newest model version the learner announced
-    subscription: Any = None  # the Subscribe message to repeat after a reconnect
-    weights_listener: Any = None  # the Subscriber's deliver(), once subscribed
     last_heard: float = field(default_factory=time.monotonic)  # when the learner's last message came
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
     ready: asyncio.Future[str] = field(init=False)  # the learner's Ready for the current attempt
     proposal: asyncio.Future[_wire.Accept | _wire.Reject] | None = None  # a schema proposal's answer
+
+    # The weights subscription: set by the Subscriber (outside the loop), read on the loop.
+    subscription: Any = None  # the Subscribe message to repeat after a reconnect
+    weights_listener: Callable[[Any], None] | None = None  # the Subscriber's deliver(), once subscribed
 
     # The schema: set once by the writer's negotiation (before any frame), again by a
     # reconnect's renegotiation on the loop thread (while no frame is sent).
@@ -76,7 +79,7 @@ class LinkState:
 
     # Credit, guarded by credit_cv: the loop adds it, senders on any thread take it.
     credit: int = 0
-    credit_waits: int = 0
+    credit_waits: int = 0  # a statistic: the send loop counts its waits without the lock
     credit_cv: threading.Condition = field(default_factory=threading.Condition)
 
     # Frames, guarded by changed, which also signals free buffers, acknowledgements and errors

@@ -6,7 +6,7 @@ import logging
 import threading
 import time
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import numpy as np
 
@@ -21,6 +21,7 @@ from .transport.address import parse_endpoint
 from .transport.loop import release_io, shared_io
 from .weights.subscriber import Subscriber
 from .wire.codec import Schema
+from .wire.messages import Welcome
 
 log = logging.getLogger(__name__)
 
@@ -115,9 +116,8 @@ class Actor:
         incarnation = time.time_ns()
         self._conn = ActorConnection(host, port, token=token, transport=transport,
                                      actor_id=actor_id, incarnation=incarnation & (2**63 - 1),
-                                     config=self.config, loop=self._io.loop, insecure=insecure)  # fmt: skip
+                                     config=self.config, io=self._io, insecure=insecure)  # fmt: skip
         self._writer = StepWriter(self._conn, self._io, self.config)
-        # put and put_many go through this class (one call more, ~0.1 us) for their priority=.
 
     @property
     def actor_id(self) -> int:
@@ -134,7 +134,7 @@ class Actor:
         """Why that data plane, e.g. ``"auto: same host, shared-memory ring"``."""
         return self._welcome("transport_reason").reason
 
-    def _welcome(self, what: str) -> Any:
+    def _welcome(self, what: str) -> Welcome:
         welcome = self._conn.welcome  # the newest session's: a reconnect may change the plane
         if welcome is None:
             raise AttributeError(f"{what}: the actor never connected")
@@ -243,22 +243,12 @@ class Actor:
 
     def stats(self) -> dict[str, Any]:
         """Counters: steps put and sent, frames, bytes, credit waits, acknowledgements."""
-        c = self._conn
         return {
             "actor_id": self.actor_id,
             "transport": self.transport,
             "transport_reason": self.transport_reason,
             "steps_put": self._writer.steps_put,
-            "steps_sent": c.sent_steps,
-            "steps_acked": c.acked,
-            "frames_sent": c.sent_frames,
-            "bytes_sent": c.sent_bytes,
-            "credit": c.credit,
-            "credit_waits": c.credit_waits,
-            "reconnects": c.reconnects,
-            "steps_lost": c.steps_lost,
-            "connected": c.connected,
-            "error": repr(c.error) if c.error else None,
+            **self._conn.stats(),
             "policy_version": self._writer.policy_version,
             "weights": dict(self._subscriber.stats, version=self._subscriber.have) if self._subscriber else None,
         }
@@ -277,23 +267,21 @@ class Actor:
             self._shutdown()
 
     def _shutdown(self) -> None:
-        self._writer.closed = True
+        self._writer.shutdown(self._disconnect)
+        if not self._io_released:  # the shared loop stops with its last actor
+            self._io_released = True
+            release_io(self._io, self.config.close_timeout)
+        self._conn.release()
+
+    def _disconnect(self) -> None:
         if self._subscriber is not None:
             self._subscriber.close()
         try:
             self._io.call(self._conn.close(), self.config.close_timeout, "actor close")
-        except Exception:  # noqa: BLE001 - release resources even if the graceful path fails
+        except Exception:  # release resources even if the graceful path fails
             log.debug("graceful actor shutdown failed", exc_info=True)
-        self._writer.stop_ticks()
-        if not self._io_released:  # the shared loop stops with its last actor
-            self._io_released = True
-            release_io(self._io, self.config.close_timeout)
-        with self._conn.changed:
-            self._conn.changed.notify_all()
-        self._writer.drop_current()
-        self._conn.release_arena()
 
-    def __enter__(self) -> Actor:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -49,6 +49,10 @@ class FrameSender(Protocol):
         """Send one frame (blocking, bounded by ``frame_timeout``); returns when every buffer
         may be reused. Callers serialize sends with the connection's send lock."""
 
+    def on_ready(self, *, arena: bool, direct: bool) -> None:
+        """The learner's Ready: whether it mapped the actor's shared frame buffers (``arena``)
+        and may read the actor's memory directly (``direct``). Planes without either ignore it."""
+
     def close(self) -> None: ...
 
 

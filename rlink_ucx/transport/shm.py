@@ -127,6 +127,11 @@ class ShmSender:
         self._poll.register(sock, select.POLLIN)
         self._replies = _Replies(sock)
 
+    def on_ready(self, *, arena: bool, direct: bool) -> None:
+        if not arena:
+            self.arena = None  # the learner could not map it: frames go through the ring
+        self.direct = direct
+
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         with self._lock:
             if self._closed:

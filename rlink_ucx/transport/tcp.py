@@ -78,6 +78,9 @@ class TcpSender:
         self.sock = sock
         self.timeout = timeout
 
+    def on_ready(self, *, arena: bool, direct: bool) -> None:
+        """Nothing to learn from the learner's Ready on this plane."""
+
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         buffers = [memoryview(header), *(b for b in payload if len(b))]
         while buffers:

@@ -73,6 +73,9 @@ class UcxActorPlane:
         endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
         return cls(u, context, worker, endpoint, session_tags(session_key), loop, config, control)
 
+    def on_ready(self, *, arena: bool, direct: bool) -> None:
+        """Nothing to learn from the learner's Ready on this plane."""
+
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         tag_header, tag_payload = self.tags[HEADER_KIND], self.tags[PAYLOAD_KIND]
         inline = inline_fields(len(view) for view in payload)

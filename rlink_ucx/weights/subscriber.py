@@ -44,15 +44,32 @@ log = logging.getLogger(__name__)
 
 
 class Link(Protocol):
-    """The actor's connection as the subscriber sees it (a ``session.ActorConnection``)."""
+    """The actor's connection as the subscriber sees it (a ``session.actor.link.ActorConnection``)."""
 
-    host: str
-    port: int
-    actor_id: int | None
-    latest_version: int  # the newest version the learner announced
-    error: RLinkError | None  # set once the connection failed for good
-    welcome: _wire.Welcome | None  # session id and ticket: a pull proves them
-    control: ControlConnection | None
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def actor_id(self) -> int | None: ...
+    @property
+    def latest_version(self) -> int:
+        """The newest version the learner announced."""
+        ...
+
+    @property
+    def error(self) -> RLinkError | None:
+        """Set once the connection failed for good."""
+        ...
+
+    @property
+    def welcome(self) -> _wire.Welcome | None:
+        """Session id and ticket: a pull proves them."""
+        ...
+
+    @property
+    def control(self) -> ControlConnection | None: ...
+
     weights_listener: Callable[[Any], None] | None  # gets the weights messages (and StoreReply)
     subscription: Any  # the Subscribe message, repeated after a reconnect
 

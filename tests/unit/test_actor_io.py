@@ -11,7 +11,7 @@ import pytest
 
 from rlink_ucx import Config
 from rlink_ucx.errors import PeerLost
-from rlink_ucx.session.actor.control import ControlReader
+from rlink_ucx.session.actor.heartbeat import Heartbeat
 from rlink_ucx.wire import messages as _wire
 
 pytestmark = pytest.mark.timeout(30)
@@ -28,9 +28,9 @@ class _Control:
         self.sent.append(self.last_send)
 
 
-class _Reader(ControlReader):
+class _State:
     """Just what the heartbeat reads: the control connection, the learner's last message, the
-    last frame, and ``fail``, which records instead of reconnecting."""
+    last frame."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float, timeout: float):
         self.loop = loop
@@ -38,10 +38,18 @@ class _Reader(ControlReader):
         self.control = _Control()
         self.last_heard = time.monotonic()
         self.frame_sent_at = 0.0
+
+
+class _Reader(Heartbeat):
+    """The heartbeat, with ``fail`` recording instead of reconnecting."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, interval: float, timeout: float):
+        self.state = _State(loop, interval, timeout)
         self.failed: list[tuple[float, Exception]] = []
         self.arms = 0
+        super().__init__(self.state, self.failed_with)  # type: ignore[arg-type]
 
-    def fail(self, exc: Exception) -> None:
+    def failed_with(self, exc: Exception) -> None:
         self.failed.append((time.monotonic(), exc))
 
     def _heartbeat_due(self) -> float:
@@ -51,14 +59,14 @@ class _Reader(ControlReader):
 
 def _run(reader: _Reader, seconds: float, *others) -> None:
     async def main() -> None:
-        task = reader.loop.create_task(reader._heartbeat())
-        helpers = [reader.loop.create_task(o) for o in others]
+        task = reader.state.loop.create_task(reader.run())
+        helpers = [reader.state.loop.create_task(o) for o in others]
         await asyncio.sleep(seconds)
         for t in (task, *helpers):
             t.cancel()
         await asyncio.gather(task, *helpers, return_exceptions=True)
 
-    reader.loop.run_until_complete(main())
+    reader.state.loop.run_until_complete(main())
 
 
 def test_a_silent_learner_is_given_up_after_the_timeout_even_while_frames_keep_leaving():
@@ -72,7 +80,7 @@ def test_a_silent_learner_is_given_up_after_the_timeout_even_while_frames_keep_l
 
         async def frames() -> None:
             while True:
-                reader.frame_sent_at = time.monotonic()
+                reader.state.frame_sent_at = time.monotonic()
                 await asyncio.sleep(0.002)
 
         _run(reader, 0.6, frames())
@@ -80,7 +88,7 @@ def test_a_silent_learner_is_given_up_after_the_timeout_even_while_frames_keep_l
         loop.close()
     assert len(reader.failed) == 1 and isinstance(reader.failed[0][1], PeerLost), reader.failed
     assert 0.29 <= reader.failed[0][0] - started <= 0.45
-    assert reader.control.sent == []  # the frames said we are alive
+    assert reader.state.control.sent == []  # the frames said we are alive
     assert reader.arms <= 20, reader.arms  # woke only when something was due
 
 
@@ -94,17 +102,17 @@ def test_our_own_heartbeat_follows_a_silence_and_the_learners_is_answered_at_onc
         async def learner_heartbeats() -> None:  # the learner, every interval of its silence
             await asyncio.sleep(0.5)
             for _ in range(5):
-                reader.last_heard = time.monotonic()
-                learner.append(reader.last_heard)
-                reader._answer_heartbeat()
+                reader.state.last_heard = time.monotonic()
+                learner.append(reader.state.last_heard)
+                reader.answer()
                 await asyncio.sleep(0.1)
 
         t0 = time.monotonic()
         _run(reader, 1.0, learner_heartbeats())
     finally:
         loop.close()
-    own = [t - t0 for t in reader.control.sent if t < learner[0]]
-    later = [t for t in reader.control.sent if t >= learner[0]]
+    own = [t - t0 for t in reader.state.control.sent if t < learner[0]]
+    later = [t for t in reader.state.control.sent if t >= learner[0]]
     # Alone, we speak after 1.5 intervals of silence (about 3 times in 0.5 s)...
     assert 2 <= len(own) <= 4, own
     # ...and while the learner's heartbeats come, we answer them (all but one that came right

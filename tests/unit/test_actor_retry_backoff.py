@@ -23,6 +23,7 @@ class Attempts(Reconnect):
         self.host, self.port = "127.0.0.1", 9
         self.error, self.left = error, attempts
         self.slept: list[float] = []
+        super().__init__(self, self)  # type: ignore[arg-type]  # its own state and connector
 
     async def connect(self, timeout: float, answered_timeout: float) -> None:
         self.left -= 1

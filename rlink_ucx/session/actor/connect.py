@@ -1,53 +1,72 @@
 """Actor side, connecting: open the control channel, prove the token both ways, say Hello,
-and attach the data plane the learner chose (``transport/plane.py``)."""
+have the data plane attached, and propose the schema (again after a reconnect)."""
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import os
-import random
 import socket
-import sys
 from typing import Any
 
 from ..._version import __version__
-from ...errors import AuthError, ConfigError, ConnectError, PeerLost, ProtocolError, Superseded
+from ...errors import AuthError, ConnectError, PeerLost, ProtocolError, SchemaMismatch, Superseded
 from ...transport import hostname, shm, ucx_available
 from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
-from ...transport.plane import ActorSide, Rejected, get_plane
 from ...wire import auth as _auth
 from ...wire import messages as _wire
+from ...wire.codec import Schema
 from .. import tokens
+from .attach import PlaneAttach, cuda_visible
+from .control import ControlReader
+from .heartbeat import Heartbeat
+from .outbox import Outbox
+from .state import LinkState, Rejected
 
-log = logging.getLogger(__name__)
+__all__ = ["ConnectionReplaced", "Connector", "Rejected", "open_channel"]
 
 
-__all__ = ["Handshake", "Rejected"]
+async def open_channel(state: LinkState) -> tuple[ControlConnection, _wire.Challenge]:
+    """Open a connection to the learner and read its Challenge (one attempt)."""
+    family = socket.AF_INET6 if ":" in state.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setblocking(False)
+    try:
+        async with asyncio.timeout(state.config.handshake_timeout):  # one attempt; connect_timeout bounds all
+            await state.loop.sock_connect(sock, (state.host, state.port))
+    except (OSError, TimeoutError) as exc:
+        sock.close()
+        raise ConnectError(f"cannot reach learner at {state.host}:{state.port}: {exc or 'timed out'}") from exc
+    conn = ControlConnection(sock, state.loop, f"{state.host}:{state.port}")
+    challenge = await conn.recv(state.config.max_preauth_bytes)
+    if not isinstance(challenge, _wire.Challenge):
+        raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
+    if challenge.proto != _wire.PROTOCOL_VERSION:
+        raise Rejected(f"learner speaks protocol {challenge.proto}, actor {_wire.PROTOCOL_VERSION}")
+    return conn, challenge
 
 
-class Handshake:
-    """Part of :class:`ActorConnection`: everything from a closed socket to a session whose data
-    plane is attached. Sets ``control``, ``welcome``, ``sender`` and ``connected``."""
+class Connector:
+    """Everything from a closed socket to a session whose data plane is attached (one attempt:
+    the reconnect part retries), and the schema proposals. Sets ``control``, ``welcome`` and
+    ``connected`` in ``state``; ``attach`` sets the ``sender``.
 
-    async def _open(self) -> tuple[ControlConnection, _wire.Challenge]:
-        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
-        sock.setblocking(False)
-        try:
-            async with asyncio.timeout(self.config.handshake_timeout):  # one attempt; connect_timeout bounds all
-                await self.loop.sock_connect(sock, (self.host, self.port))
-        except (OSError, TimeoutError) as exc:
-            sock.close()
-            raise ConnectError(f"cannot reach learner at {self.host}:{self.port}: {exc or 'timed out'}") from exc
-        conn = ControlConnection(sock, self.loop, f"{self.host}:{self.port}")
-        challenge = await conn.recv(self.config.max_preauth_bytes)
-        if not isinstance(challenge, _wire.Challenge):
-            raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
-        if challenge.proto != _wire.PROTOCOL_VERSION:
-            raise Rejected(f"learner speaks protocol {challenge.proto}, actor {_wire.PROTOCOL_VERSION}")
-        return conn, challenge
+    Args:
+        state: the connection's shared state.
+        attach: attaches the data plane the learner chose.
+        reader: its task reads the control channel from the Welcome on.
+        heartbeat: its task keeps the liveness once the session is up.
+        outbox: requeues what the learner lacks, and its task sends the frames.
+    """
+
+    def __init__(self, state: LinkState, attach: PlaneAttach, reader: ControlReader, heartbeat: Heartbeat,
+                 outbox: Outbox):  # fmt: skip
+        self._state = state
+        self._attach = attach
+        self._reader = reader
+        self._heartbeat = heartbeat
+        self._outbox = outbox
+        self._attempt: tuple[Any, float | None] = (None, None)  # the connect attempt's timeout scope
 
     async def connect(self, timeout: float | None = None, answered_timeout: float | None = None) -> None:
         """One attempt: open the control channel, authenticate, attach the data plane, all
@@ -56,24 +75,25 @@ class Handshake:
         alive, only busy (a storm of actors connecting), and giving up on it would only add
         a retry to its load."""
         if timeout is None:
-            timeout = self.config.handshake_timeout
+            timeout = self._state.config.handshake_timeout
         try:
             async with asyncio.timeout(timeout) as scope:
                 self._attempt = (scope, answered_timeout)
                 await self._connect()
-        except (TimeoutError, asyncio.TimeoutError) as exc:
-            raise ConnectError(f"handshake with {self.host}:{self.port} timed out") from exc
+        except TimeoutError as exc:
+            raise ConnectError(f"handshake with {self._state.host}:{self._state.port} timed out") from exc
         except Superseded:
             raise
         except PeerLost as exc:
-            raise ConnectError(f"learner at {self.host}:{self.port} closed the connection during setup: {exc}") from exc
+            raise ConnectError(f"learner at {self._state.host}:{self._state.port} closed the connection during setup: {exc}") from exc
 
     async def _connect(self) -> None:
-        conn, challenge = await self._open()
+        s = self._state
+        conn, challenge = await open_channel(s)
         self._learner_answered()
-        self.control = conn
+        s.control = conn
         token, source = self._login_token(challenge.auth)
-        self.proved_token = token  # the session's keys derive from it (None: the learner does not authenticate)
+        s.proved_token = token  # the session's keys derive from it (None: the learner does not authenticate)
         nonce = _auth.new_nonce()
         mac = _auth.actor_proof(token, challenge.nonce, nonce) if token is not None else b""
         conn.send(_wire.Login(_wire.PROTOCOL_VERSION, nonce, mac))
@@ -86,52 +106,52 @@ class Handshake:
                     raise
                 raise AuthError(f"{exc} (with the token in {source}: left by an earlier learner on this port? "
                                 "pass token=... or set RLINK_TOKEN)") from exc  # fmt: skip
-        conn.send(_wire.Hello(self.actor_id, self.incarnation, __version__, self.transport_wanted, ucx_available(),
-                              _cuda_visible(), hostname(), os.getpid(), shm.available()))  # fmt: skip
+        conn.send(_wire.Hello(s.actor_id, s.incarnation, __version__, s.transport_wanted, ucx_available(),
+                              cuda_visible(), hostname(), os.getpid(), shm.available()))  # fmt: skip
         welcome = await self._expect(conn, _wire.Welcome)
-        self.welcome = welcome
-        self.latest_version = welcome.version
-        self.actor_id = welcome.actor_id
-        self._tasks.append(self.loop.create_task(self._read_control()))
-        await self._attach_plane(welcome, conn)
-        await self._ready
-        if self.schema is not None:  # a reconnect: the new session needs the schema again
+        s.welcome = welcome
+        s.latest_version = welcome.version
+        s.actor_id = welcome.actor_id
+        s.tasks.append(s.loop.create_task(self._reader.run()))
+        await self._attach.attach(welcome)
+        await s.ready
+        if s.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()
-        self._requeue(welcome.resume_seq)
-        self._tasks.append(self.loop.create_task(self._heartbeat()))
-        self._tasks.append(self.loop.create_task(self._send_loop()))
-        self.connected = True
+        self._outbox.requeue(welcome.resume_seq)
+        s.tasks.append(s.loop.create_task(self._heartbeat.run()))
+        s.tasks.append(s.loop.create_task(self._outbox.send_loop()))
+        s.connected = True
 
     def _learner_answered(self) -> None:
         scope, longer = self._attempt
         if scope is None or longer is None or scope.when() is None:
             return
-        when = self.loop.time() + longer
+        when = self._state.loop.time() + longer
         if when > scope.when():
             scope.reschedule(when)
 
     def _login_token(self, learner_auth: bool) -> tuple[bytes | None, str | None]:
         """The token to prove and, when it is the learner's generated one, the file it came
         from; (None, None) for a learner that does not authenticate (only with ``insecure``)."""
-        where = f"{self.host}:{self.port}"
+        where = f"{self._state.host}:{self._state.port}"
         if not learner_auth:
-            if not self.insecure:
+            if not self._state.insecure:
                 raise AuthError(f"the learner at {where} does not authenticate (it runs with insecure=True), so "
                                 "anyone could be listening there: refused; pass insecure=True to the actor to accept it")  # fmt: skip
             return None, None
-        if self.token is not None:
-            return self.token, None
-        if not is_loopback(self.host):  # the generated token never leaves the learner's host
+        if self._state.token is not None:
+            return self._state.token, None
+        if not is_loopback(self._state.host):  # the generated token never leaves the learner's host
             raise AuthError(f"the learner at {where} requires a token: pass token=... or set RLINK_TOKEN / "
                             "RLINK_TOKEN_FILE (make one with `rlink token`)")  # fmt: skip
-        token, source = tokens.find(self.config, self.port)
+        token, source = tokens.find(self._state.config, self._state.port)
         if token is None:
             raise AuthError(f"the learner at {where} requires a token and this actor has none ({source}): pass "
                             "token=..., set RLINK_TOKEN / RLINK_TOKEN_FILE, or give it the learner's Config.token_dir")  # fmt: skip
         return token, source
 
     async def _expect(self, conn: ControlConnection, kind: type) -> Any:
-        msg = await conn.recv(self.config.max_control_bytes)
+        msg = await conn.recv(self._state.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
             # "auth", "superseded" and "refused" are final; "timeout" (the learner was too busy
             # to finish our handshake), "protocol" (a message garbled on the way) and unknown
@@ -142,47 +162,36 @@ class Handshake:
             raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
         return msg
 
-    async def _attach_plane(self, welcome: _wire.Welcome, conn: ControlConnection) -> None:
-        """Attach the data plane the learner chose; its sender carries the frames."""
-        try:
-            plane = get_plane(welcome.transport)
-        except ConfigError as exc:
-            raise ProtocolError(f"the learner chose an unknown data plane {welcome.transport!r}") from exc
-        attached = await plane.connect(ActorSide(welcome, self.config, self.loop, self.transport_wanted,
-                                                 is_loopback(self.host), conn.sock, self.weights_key(),
-                                                 self.incarnation, self.memory, self._open_data_connection))  # fmt: skip
-        self.welcome = attached.welcome
-        self.sender = attached.sender
-
-    async def _open_data_connection(self) -> tuple[ControlConnection, _wire.Challenge]:
-        """Open the data connection. In a storm of actors the learner may turn it away at its
-        cap of connections not yet authenticated, although this actor's session is already
-        set up: retry it alone (within the attempt's timeout) rather than the whole session."""
-        delay = 0.02
+    # --- the schema ----------------------------------------------------------------------------
+    async def propose(self, schema: Schema) -> _wire.Accept | _wire.Reject:
+        """Propose the first schema. If the connection is replaced before the answer comes, the
+        proposal is made again on the new one (the caller's timeout bounds the whole wait)."""
+        s = self._state
         while True:
+            while not s.connected and s.error is None:  # a reconnect is under way
+                await asyncio.sleep(0.02)
+            if s.error is not None:
+                raise s.error
             try:
-                return await self._open()
-            except (ConnectError, PeerLost):
-                await asyncio.sleep(delay * (0.5 + random.random()))
-                delay = min(2 * delay, 0.5)
+                return await self._propose_once(schema)
+            except ConnectionReplaced:
+                continue
 
-    def release_arena(self) -> None:
-        """After close: drop the frame buffers and unmap the arena (any thread)."""
-        arena = self.memory.release()
-        if arena is not None:
-            with self.changed:
-                self.free.clear()
-                self.inflight.clear()
-                self.queue.clear()
-            self._tasks.clear()  # a stopped task's frame may still hold the frame it was sending
-            arena.close()
+    async def _renegotiate(self) -> None:
+        s = self._state
+        assert s.schema is not None
+        reply = await self._propose_once(s.schema)
+        if isinstance(reply, _wire.Reject):
+            raise SchemaMismatch(f"after reconnecting, the learner rejected the schema: {reply.reason}")
+        s.schema_id, s.max_frame_steps = reply.schema_id, reply.max_steps
 
-    def frame_memory(self, nbytes: int) -> Any:
-        """Memory for a new frame buffer (``transport/frame_memory.py``), or None (plain memory)."""
-        return self.memory.take(nbytes)
+    async def _propose_once(self, schema: Schema) -> _wire.Accept | _wire.Reject:
+        s = self._state
+        assert s.control is not None
+        s.proposal = s.loop.create_future()
+        s.control.send(_wire.Propose(schema.to_wire()))
+        return await s.proposal
 
 
-def _cuda_visible() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_available())
-
+class ConnectionReplaced(Exception):
+    """The connection a proposal went out on was torn down before the answer came."""

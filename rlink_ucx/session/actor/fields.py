@@ -19,7 +19,7 @@ _SCALAR_KINDS = {bool: "b", int: "iu", float: "f"}
 class Field:
     """What ``put`` checks a value against, precomputed once per schema."""
 
-    __slots__ = ("name", "spec", "dtype", "shape", "index", "scalars")
+    __slots__ = ("dtype", "index", "name", "scalars", "shape", "spec")
 
     def __init__(self, index: int, spec: Any):
         self.index = index
@@ -47,11 +47,10 @@ def check_value(f: Field, step: Mapping[str, Any]) -> Any:
     if kind is np.ndarray:
         if v.dtype == f.dtype and v.shape == f.shape and f.spec.dtype != "bfloat16":
             return v
-    elif kind in _SCALAR_KINDS and not f.shape and f.spec.dtype != "bfloat16":
-        if f.dtype.kind in _SCALAR_KINDS[kind]:
-            if kind is int and not _int_fits(v, f.dtype):
-                raise f.mismatch(v, f"the Python int {v}, outside {f.spec.dtype}'s range")
-            return v
+    elif kind in _SCALAR_KINDS and not f.shape and f.spec.dtype != "bfloat16" and f.dtype.kind in _SCALAR_KINDS[kind]:
+        if kind is int and not _int_fits(v, f.dtype):
+            raise f.mismatch(v, f"the Python int {v}, outside {f.spec.dtype}'s range")
+        return v
     arr, dtype = as_host_array(v)
     if arr.shape != f.shape:
         raise f.mismatch(v, _given(v, dtype, arr))

@@ -3,6 +3,7 @@ frames that send a large put straight from the caller's arrays."""
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from typing import Any
@@ -20,11 +21,12 @@ class FrameBuffer:
 
     def __init__(self, schema: Schema, capacity: int, memory: Any = None):
         self.capacity = capacity
+        self.flat: list[Any]  # uint8 arrays (bytes in a compact copy)
         if memory is None:
             self.flat = [np.empty(capacity * f.step_bytes, dtype=np.uint8) for f in schema.fields]
         else:
             bounds = np.cumsum([0] + [capacity * f.step_bytes for f in schema.fields]).tolist()
-            self.flat = [memory[a:b] for a, b in zip(bounds, bounds[1:])]
+            self.flat = [memory[a:b] for a, b in itertools.pairwise(bounds)]
         self.typed = [
             flat.view(DTYPES[f.dtype]).reshape((capacity, *f.shape)) for f, flat in zip(schema.fields, self.flat)
         ]

@@ -1,111 +1,158 @@
-"""The actor's connection to the learner, living on its I/O loop.
+"""The actor's connection to the learner, living on its I/O loop: its parts, composed.
 
-Its parts, one concern each: :class:`Handshake` (``actor_connect``), :class:`ControlReader`
-(``actor_control``), :class:`Reconnect` (``actor_reconnect``) and :class:`Outbox`
-(``actor_outbox``). This module holds the state they share, in one place, and ``close``.
+Each part is handed the shared :class:`~.state.LinkState` and the parts it calls:
+:class:`~.attach.PlaneAttach` (the data plane and the frame buffers' memory),
+:class:`~.outbox.Outbox` (frame pool, credit, send queue), :class:`~.heartbeat.Heartbeat`,
+:class:`~.control.ControlReader`, :class:`~.connect.Connector` (one connection attempt, schema
+proposals) and :class:`~.reconnect.Reconnect` (retries, and what a failure becomes). A failure
+in any of them reaches the reconnect part through :meth:`ActorConnection.fail`.
 """
 
 from __future__ import annotations
 
-import asyncio
-import collections
-import threading
-import time
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from ...config import Config
 from ...errors import RLinkError
 from ...transport.base import FrameSender
 from ...transport.control import ControlConnection
-from ...transport.frame_memory import FrameMemory
+from ...transport.loop import IOThread
 from ...wire import messages as _wire
 from ...wire.codec import Schema
-from .connect import Handshake
+from .attach import PlaneAttach
+from .connect import Connector, open_channel
 from .control import ControlReader
 from .frames import BorrowedFrame, FrameBuffer
+from .heartbeat import Heartbeat
 from .outbox import Outbox
 from .reconnect import Reconnect
+from .state import LinkState
 
-__all__ = ["ActorConnection"]
+__all__ = ["ActorConnection", "FrameBuffer"]
 
 
-class ActorConnection(Handshake, ControlReader, Reconnect, Outbox):
-    """Everything the actor does on its I/O loop. Errors land in :attr:`error` for the caller."""
+class ActorConnection:
+    """Everything the actor does on its I/O loop. Errors land in :attr:`error` for the caller.
+
+    Its attributes are what :class:`~rlink_ucx.weights.subscriber.Link` names (the weights
+    subscriber's view), read from the shared state.
+    """
 
     def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, actor_id: int | None,
-                 incarnation: int, config: Config, loop: asyncio.AbstractEventLoop,
-                 insecure: bool = False):  # fmt: skip
-        self.host, self.port = host, port
-        self.token = token  # None: the learner's generated token, looked up at each attempt
-        # The token the last handshake proved (None: a learner that does not authenticate): the
-        # session's keys derive from it. Never looked up again: for an insecure learner on
-        # loopback, a token file left on its port by a killed learner made every data
-        # connection's proof wrong, and the actor retried until its connect_timeout.
-        self.proved_token: bytes | None = None
-        self.insecure = insecure  # accept a learner that does not authenticate
-        self.transport_wanted = transport
-        self.actor_id = actor_id
-        self.incarnation = incarnation
-        self.config = config
-        self.loop = loop
-        self.control: ControlConnection | None = None
-        self.sender: FrameSender | None = None
-        self.welcome: _wire.Welcome | None = None
-        self.error: RLinkError | None = None
-        self.schema: Schema | None = None
-        self.schema_id = 0
-        self.credit = 0  # guarded by credit_cv: the loop adds, senders take
-        self.credit_cv = threading.Condition()
-        self.send_lock = threading.Lock()  # one frame on the wire at a time, from any thread
-        self.outstanding = 0  # frames handed to the loop and not yet sent (guarded by changed)
-        self.next_send_seq = 0  # seq of the next step to go on the wire
-        self.acked = 0  # learner holds every step with seq < acked
-        self.sent_steps = 0
-        self.sent_frames = 0
-        self.sent_bytes = 0
-        self.credit_waits = 0
-        self.last_heard = time.monotonic()
-        self.frame_sent_at = 0.0  # when the last frame went out (liveness, like a control message)
-        self.queue: collections.deque[FrameBuffer | BorrowedFrame] = collections.deque()
-        self.free: list[FrameBuffer] = []
-        # Sent but not yet acknowledged, in seq order: kept for resending after a reconnect.
-        self.inflight: collections.deque[FrameBuffer] = collections.deque()
-        self.resend = config.resend_buffer_bytes > 0
-        self.max_frame_steps = 1 << 62  # the learner's per-frame limit (from Accept)
-        self.connected = False  # handshake done and data plane ready; False while reconnecting
-        self.reconnecting = False
-        self.subscription: Any = None  # the Subscribe message to repeat after a reconnect
-        self.reconnects = 0
-        self.buffers = 0  # frame buffers allocated (the actor allocates more while resending needs them)
-        self.steps_lost = 0  # sent, unacknowledged and not kept for resending when a link broke
-        self.changed = threading.Condition()  # signals free buffers, acks and errors to callers
-        self._wake = asyncio.Event()
-        self._credit_event = asyncio.Event()
-        self._ready: asyncio.Future[str] = loop.create_future()
-        self._proposal: asyncio.Future[_wire.Accept | _wire.Reject] | None = None
-        self._tasks: list[asyncio.Task[Any]] = []
-        self.closing = False
-        self.latest_version = 0  # the newest model version the learner announced
-        self.weights_listener: Any = None  # the Subscriber's deliver(), once subscribed
-        self.memory = FrameMemory(config)  # frame buffers: the shm plane's arena, or a populated reserve
-        self._attempt: tuple[Any, float | None] = (None, None)  # the connect attempt's timeout scope
+                 incarnation: int, config: Config, io: IOThread, insecure: bool = False):  # fmt: skip
+        self.state = s = LinkState(host, port, token, insecure, transport, incarnation, config, io.loop, actor_id)
+        self.attach = PlaneAttach(s, functools.partial(open_channel, s))
+        self.outbox = Outbox(s, io, self.fail)
+        self.heartbeat = Heartbeat(s, self.fail)
+        self.reader = ControlReader(s, self.outbox, self.heartbeat, self.attach, self.fail)
+        self.connector = Connector(s, self.attach, self.reader, self.heartbeat, self.outbox)
+        self.reconnect = Reconnect(s, self.connector)
 
+    def fail(self, exc: RLinkError) -> None:
+        """The connection broke (loop thread): a reconnect, or the final error."""
+        self.reconnect.fail(exc)
+
+    async def open_session(self) -> None:
+        """The first connection, retried until ``Config.connect_timeout``."""
+        await self.reconnect.open_session()
+
+    # --- the subscriber's Link -----------------------------------------------------------------
+    @property
+    def host(self) -> str:
+        return self.state.host
+
+    @property
+    def port(self) -> int:
+        return self.state.port
+
+    @property
+    def actor_id(self) -> int | None:
+        return self.state.actor_id
+
+    @property
+    def latest_version(self) -> int:
+        return self.state.latest_version
+
+    @property
+    def error(self) -> RLinkError | None:
+        return self.state.error
+
+    @property
+    def welcome(self) -> _wire.Welcome | None:
+        return self.state.welcome
+
+    @property
+    def control(self) -> ControlConnection | None:
+        return self.state.control
+
+    @property
+    def weights_listener(self) -> Callable[[Any], None] | None:
+        return self.state.weights_listener
+
+    @weights_listener.setter
+    def weights_listener(self, listener: Callable[[Any], None] | None) -> None:
+        self.state.weights_listener = listener
+
+    @property
+    def subscription(self) -> Any:
+        return self.state.subscription
+
+    @subscription.setter
+    def subscription(self, msg: Any) -> None:
+        self.state.subscription = msg
+
+    def weights_key(self) -> bytes:
+        return self.state.weights_key()
+
+    # --- for the Actor ---------------------------------------------------------------------------
+    @property
+    def schema(self) -> Schema | None:
+        return self.state.schema
+
+    @property
+    def sender(self) -> FrameSender | None:
+        return self.state.sender
+
+    def stats(self) -> dict[str, Any]:
+        """The connection's counters (``Actor.stats`` adds its own)."""
+        s = self.state
+        return {
+            "steps_sent": s.sent_steps,
+            "steps_acked": s.acked,
+            "frames_sent": s.sent_frames,
+            "bytes_sent": s.sent_bytes,
+            "credit": s.credit,
+            "credit_waits": s.credit_waits,
+            "reconnects": s.reconnects,
+            "steps_lost": s.steps_lost,
+            "connected": s.connected,
+            "error": repr(s.error) if s.error else None,
+        }
 
     # --- closing -----------------------------------------------------------------------------------
     async def close(self) -> None:
-        self.closing = True
-        for frame in self.queue:  # callers waiting on a large put: they raise Closed
+        s = self.state
+        s.closing = True
+        for frame in s.queue:  # callers waiting on a large put: they raise Closed
             if isinstance(frame, BorrowedFrame) and frame.done is not None:
                 frame.done.set()
-        with self.credit_cv:
-            self.credit_cv.notify_all()
-        if self.control is not None and self.error is None:
-            self.control.send(_wire.Bye("actor closing"))
-        for task in self._tasks:
+        with s.credit_cv:
+            s.credit_cv.notify_all()
+        if s.control is not None and s.error is None:
+            s.control.send(_wire.Bye("actor closing"))
+        for task in s.tasks:
             task.cancel()
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
-        if self.control is not None:
-            self.control.close()
+        if s.sender is not None:
+            s.sender.close()
+            s.sender = None
+        if s.control is not None:
+            s.control.close()
 
+    def release(self) -> None:
+        """After close (any thread): wake every caller still waiting, then drop the frame
+        buffers and unmap the arena."""
+        with self.state.changed:
+            self.state.changed.notify_all()
+        self.attach.release_arena()

@@ -1,5 +1,6 @@
-"""Actor side, reconnecting: retry a lost learner with backoff and jitter, then resume the
-stream where the learner says it stopped (schema again, unacknowledged frames resent)."""
+"""Actor side, failing and reconnecting: a broken connection is retried with backoff and
+jitter, then the stream resumes where the learner says it stopped (schema again,
+unacknowledged frames resent); an error no retry cures is recorded for every caller."""
 
 from __future__ import annotations
 
@@ -10,9 +11,11 @@ import time
 
 from ...errors import AuthError, Closed, ConnectError, PeerLost, RLinkError, SchemaMismatch, Superseded
 from ...transport.plane import map_plane_error
-from ...wire import messages as _wire
-from ...wire.codec import Schema
-from .connect import Rejected
+from .connect import ConnectionReplaced, Connector
+from .frames import BorrowedFrame
+from .state import LinkState, Rejected
+
+__all__ = ["FINAL", "REFUSED_BACKOFF", "Reconnect"]
 
 log = logging.getLogger(__name__)
 # Rejections no retry can cure: the token, the schema, a refused protocol version or data plane,
@@ -33,56 +36,105 @@ def _refused(error: BaseException) -> bool:
 
 
 class Reconnect:
-    """Part of :class:`ActorConnection`: the reconnect loop, schema proposals (which survive a
-    reconnect) and the requeueing of frames the learner does not hold."""
+    """What happens when the connection fails: a reconnect, or a final ``state.error``.
+
+    Args:
+        state: the connection's shared state (its waiters are woken when it fails for good).
+        connector: makes each connection attempt.
+    """
+
+    def __init__(self, state: LinkState, connector: Connector):
+        self._state = state
+        self._connector = connector
+
+    def fail(self, exc: RLinkError) -> None:
+        """The connection broke (any task on the loop): reconnect if it was up and the error
+        is one a reconnect can cure, else record ``exc`` for every caller."""
+        s = self._state
+        if s.closing or s.error is not None:
+            return
+        if s.reconnecting:  # a reconnect attempt failed: let it notice at once
+            for fut in (s.ready, s.proposal):
+                if fut is not None and not fut.done():
+                    fut.set_exception(exc)
+                    fut.exception()  # retrieved here: the attempt sees it through await
+            return
+        if s.connected and s.config.reconnect_timeout > 0 and not isinstance(exc, (AuthError, SchemaMismatch, Closed)):
+            s.connected = False
+            s.reconnecting = True
+            log.warning("actor %s: %s; reconnecting", s.actor_id, exc)
+            s.tasks.append(s.loop.create_task(self._reconnect(exc)))
+            return
+        self._fail_for_good(exc)
+
+    def _fail_for_good(self, exc: RLinkError) -> None:
+        s = self._state
+        s.connected = False
+        s.error = exc
+        (log.info if isinstance(exc, Closed) else log.warning)("actor %s: %s", s.actor_id, exc)
+        for frame in s.queue:
+            if isinstance(frame, BorrowedFrame) and frame.done is not None:
+                frame.done.set()  # the caller raises state.error
+        for fut in (s.ready, s.proposal):
+            if fut is not None and not fut.done():
+                fut.set_exception(exc)
+        with s.changed:
+            s.changed.notify_all()
+        with s.credit_cv:
+            s.credit_cv.notify_all()
+        s.wake.set()
+        s.credit_event.set()
 
     async def open_session(self) -> None:
         """Connect for the first time, retrying with backoff and jitter until
         ``Config.connect_timeout``: an actor may start before its learner, or during a storm of
         others connecting. Only a real rejection (token, schema, protocol) fails at once."""
+        s = self._state
         started = time.monotonic()
-        last = await self._retry_connect(started + self.config.connect_timeout, None)
+        last = await self._retry_connect(started + s.config.connect_timeout, None)
         if last is None:
             return
         if isinstance(last, FINAL):
             raise last
-        raise ConnectError(f"cannot reach the learner at {self.host}:{self.port}: tried for "
+        raise ConnectError(f"cannot reach the learner at {s.host}:{s.port}: tried for "
                            f"{time.monotonic() - started:.0f}s (Config.connect_timeout); last error: {last}") from last
 
     async def _reconnect(self, cause: RLinkError) -> None:
         """Retry the learner with backoff and jitter until ``reconnect_timeout``; then resume
         the stream where the learner says it stopped (resending what it lacks)."""
+        s = self._state
         self._teardown()
-        last = await self._retry_connect(time.monotonic() + self.config.reconnect_timeout, cause)
-        self.reconnecting = False
+        last = await self._retry_connect(time.monotonic() + s.config.reconnect_timeout, cause)
+        s.reconnecting = False
         if last is None:
-            self.reconnects += 1
-            log.info("actor %s reconnected (resuming at seq %d)", self.actor_id, self.next_send_seq)
-            if self.subscription is not None and self.control is not None:
-                self.control.send(self.subscription)
-            with self.changed:
-                self.changed.notify_all()
-            with self.credit_cv:
-                self.credit_cv.notify_all()
-        elif not self.closing:
+            s.reconnects += 1
+            log.info("actor %s reconnected (resuming at seq %d)", s.actor_id, s.next_send_seq)
+            if s.subscription is not None and s.control is not None:
+                s.control.send(s.subscription)
+            with s.changed:
+                s.changed.notify_all()
+            with s.credit_cv:
+                s.credit_cv.notify_all()
+        elif not s.closing:
             if isinstance(last, FINAL):
                 self._fail_for_good(last)
             else:
-                self._fail_for_good(PeerLost(f"learner unreachable for {self.config.reconnect_timeout:.3g}s: {last}"))
+                self._fail_for_good(PeerLost(f"learner unreachable for {s.config.reconnect_timeout:.3g}s: {last}"))
 
     async def _retry_connect(self, deadline: float, cause: RLinkError | None) -> RLinkError | None:
         """Attempt ``connect`` until one succeeds (None), a final error, or ``deadline`` (the
         last error). With a ``cause`` (a reconnect) the first attempt waits a jittered moment too."""
+        s = self._state
         delay, last = 0.05, cause
         # An attempt made while the link is still down can be swallowed whole (a blackholed
         # route, a cut that TCP does not see), and would then hold the actor for the full
         # handshake timeout after the link is back. A healthy learner answers within a
         # heartbeat interval, so each attempt gets twice that (at least 1 s), doubling after
         # each failure up to twice the handshake timeout: a busy learner is still reached.
-        cap = 2 * self.config.handshake_timeout
-        attempt_timeout = min(cap, max(1.0, 2 * self.config.heartbeat_interval))
+        cap = 2 * s.config.handshake_timeout
+        attempt_timeout = min(cap, max(1.0, 2 * s.config.heartbeat_interval))
         waiting_logged = False
-        while not self.closing:
+        while not s.closing:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
@@ -95,7 +147,7 @@ class Reconnect:
                 delay = min(2 * delay, REFUSED_BACKOFF if _refused(last) else 2.0)
             try:
                 left = max(0.1, deadline - time.monotonic())
-                await self.connect(min(attempt_timeout, left), answered_timeout=min(cap, left))
+                await self._connector.connect(min(attempt_timeout, left), answered_timeout=min(cap, left))
                 return None
             except FINAL as exc:
                 return exc
@@ -106,90 +158,27 @@ class Reconnect:
                 if cause is None and not waiting_logged:
                     waiting_logged = True
                     log.warning("actor: waiting for the learner at %s:%s (%s); retrying for up to %.0fs",
-                             self.host, self.port, exc, self.config.connect_timeout)
+                             s.host, s.port, exc, s.config.connect_timeout)
         return last
 
     def _teardown(self) -> None:
         """Drop the broken connection (not the frames: they are resent)."""
+        s = self._state
         current = asyncio.current_task()
-        for task in self._tasks:
+        for task in s.tasks:
             if task is not current:
                 task.cancel()
-        self._tasks = [t for t in self._tasks if t is current]
-        if self.sender is not None:
-            self.sender.close()
-            self.sender = None
-        if self.control is not None:
-            self.control.close()
-            self.control = None
-        with self.credit_cv:
-            self.credit = 0
-        self._ready = self.loop.create_future()
-        if self._proposal is not None and not self._proposal.done():
-            self._proposal.set_exception(_ConnectionReplaced())  # propose() asks the new connection
-            self._proposal.exception()  # retrieved: a proposal nobody awaits any more stays quiet
-        self._proposal = None
-
-    async def _renegotiate(self) -> None:
-        assert self.schema is not None
-        reply = await self._propose_once(self.schema)
-        if isinstance(reply, _wire.Reject):
-            raise SchemaMismatch(f"after reconnecting, the learner rejected the schema: {reply.reason}")
-        self.schema_id, self.max_frame_steps = reply.schema_id, reply.max_steps
-
-    def _requeue(self, resume: int) -> None:
-        """Put every unacknowledged frame back in the queue, from where the learner stopped
-        (``resume``; -1: a learner that never saw this stream gets everything unacknowledged)."""
-        with self.changed:
-            frames = [*self.inflight, *self.queue]
-            self.outstanding += len(self.inflight)  # queued again
-            self.inflight.clear()
-            self.queue.clear()
-            if resume >= 0 and resume > self.acked:
-                self.acked = resume
-            start = self.next_send_seq
-            base = resume if resume >= 0 else self.acked  # a new learner: from what the old one lacked
-            for fb in frames:
-                fb.sent = min(fb.n, max(0, base - fb.seq))
-                if fb.sent == fb.n:  # the learner has all of it
-                    self._finished(fb)
-                else:
-                    self.queue.append(fb)
-            if self.queue:
-                start = self.queue[0].seq + self.queue[0].sent
-            known = max(self.acked, resume)
-            if start > known:
-                self.steps_lost += start - known  # sent once, never acknowledged, not kept
-            self.next_send_seq = start
-            self.changed.notify_all()
-        self._wake.set()
-
-    async def propose(self, schema: Schema) -> _wire.Accept | _wire.Reject:
-        """Propose the first schema. If the connection is replaced before the answer comes, the
-        proposal is made again on the new one (the caller's timeout bounds the whole wait)."""
-        while True:
-            while not self.connected and self.error is None:  # a reconnect is under way
-                await asyncio.sleep(0.02)
-            if self.error is not None:
-                raise self.error
-            try:
-                return await self._propose_once(schema)
-            except _ConnectionReplaced:
-                continue
-
-    async def _propose_once(self, schema: Schema) -> _wire.Accept | _wire.Reject:
-        assert self.control is not None
-        self._proposal = self.loop.create_future()
-        self.control.send(_wire.Propose(schema.to_wire()))
-        return await self._proposal
-
-    def sync(self, seq: int) -> None:
-        """Ask the learner to acknowledge once ``seq`` steps are buffered (loop thread)."""
-        if self.control is not None and self.acked < seq:
-            self.control.send(_wire.Sync(seq))
-
-
-
-class _ConnectionReplaced(Exception):
-    """The connection a proposal went out on was torn down before the answer came."""
-
+        s.tasks = [t for t in s.tasks if t is current]
+        if s.sender is not None:
+            s.sender.close()
+            s.sender = None
+        if s.control is not None:
+            s.control.close()
+            s.control = None
+        with s.credit_cv:
+            s.credit = 0
+        s.ready = s.loop.create_future()
+        if s.proposal is not None and not s.proposal.done():
+            s.proposal.set_exception(ConnectionReplaced())  # propose() asks the new connection
+            s.proposal.exception()  # retrieved: a proposal nobody awaits any more stays quiet
+        s.proposal = None

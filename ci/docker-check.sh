@@ -160,12 +160,16 @@ say "wheels: $(ls docker/wheels/*.whl | wc -l) wheels in docker/wheels/ ($(du -s
 # --- 5. build ----------------------------------------------------------------------------
 t=$SECONDS
 say "build: $IMAGE from docker/Dockerfile.cpu on $BASE (log: $LOGS/build.log)"
-DOCKER_BUILDKIT=0 docker build -f docker/Dockerfile.cpu --build-arg "BASE=$BASE" \
-  --build-arg "PIP_ARGS=--no-index --find-links /wheels" --label org.rlink.built-by=docker-check \
-  -t "$IMAGE" . > "$LOGS/build.log" 2>&1 || { show_log "$LOGS/build.log"; fail "docker build"; }
-# The image a rebuild replaced (untagged now): not a cache of anything that is still used.
-docker image prune -f --filter label=org.rlink.built-by=docker-check > /dev/null 2>&1
-say "build: $IMAGE built in $((SECONDS - t))s ($(grep -c 'Using cache' "$LOGS/build.log") steps from the cache;" \
+# The build stage gets a tag too ($IMAGE-build): untagged, it would look unused to the prune below.
+for target in build final; do
+  if [ $target = build ]; then args=(--target build -t "$IMAGE-build"); else args=(-t "$IMAGE"); fi
+  DOCKER_BUILDKIT=0 docker build -f docker/Dockerfile.cpu --build-arg "BASE=$BASE" \
+    --build-arg "PIP_ARGS=--no-index --find-links /wheels" "${args[@]}" . >> "$LOGS/build.log" 2>&1 \
+    || { show_log "$LOGS/build.log"; fail "docker build ($target)"; }
+done
+# What a rebuild replaced (untagged now, of this Dockerfile): no cache of anything still used.
+docker image prune -f --filter label=org.rlink.image=cpu > /dev/null 2>&1
+say "build: $IMAGE built in $((SECONDS - t))s ($(grep -c 'Using cache' "$LOGS/build.log") steps of 2 builds from the cache;" \
   "$(docker image inspect "$IMAGE" --format '{{.Size}}' | awk '{printf "%.0f MB", $1 / 1e6}'))"
 
 # --- 6. tests ----------------------------------------------------------------------------

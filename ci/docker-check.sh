@@ -16,6 +16,7 @@
 #               layer cache: unchanged dependencies are not reinstalled)
 #   6. test     pytest on tests/integration/test_docker_image.py with TEST_DOCKER_IMAGE set;
 #               fails when a test fails, errors, or is SKIPPED, or when none ran (junit xml)
+# Each step has a time limit (timeout(1)), so a hung mirror cannot eat CI's 90 minutes.
 # Exit status 0 only when every step passed. Under CI=true it stops the dockerd it started.
 #
 # Variables: RLINK_DOCKER_CACHE (default /var/cache/rlink-docker-check), DOCKER_CHECK_BASE
@@ -69,7 +70,7 @@ fi
 if [ ${#pkgs[@]} -gt 0 ]; then
   say "engine: apt-get install ${pkgs[*]}"
   export DEBIAN_FRONTEND=noninteractive
-  { apt-get update -q && apt-get install -y -q --no-install-recommends "${pkgs[@]}"; } > "$LOGS/apt.log" 2>&1 \
+  { timeout 600 apt-get update -q && timeout 900 apt-get install -y -q --no-install-recommends "${pkgs[@]}"; } > "$LOGS/apt.log" 2>&1 \
     || { show_log "$LOGS/apt.log"; fail "apt-get install ${pkgs[*]}"; }
 fi
 say "engine: ready in $((SECONDS - t))s ($(dockerd --version 2>/dev/null))"
@@ -104,12 +105,12 @@ if docker image inspect "$BASE" >/dev/null 2>&1; then
   say "base: $BASE is there"
 else
   command -v debootstrap >/dev/null || {
-    apt-get install -y -q --no-install-recommends debootstrap > "$LOGS/apt2.log" 2>&1 \
+    timeout 600 apt-get install -y -q --no-install-recommends debootstrap > "$LOGS/apt2.log" 2>&1 \
       || { show_log "$LOGS/apt2.log"; fail "apt-get install debootstrap"; }
   }
   rootfs=$(mktemp -d /var/tmp/rlink-base.XXXXXX)
   say "base: debootstrap bookworm into $rootfs (from $MIRROR)"
-  debootstrap --variant=minbase --include=python3,python3-venv bookworm "$rootfs" "$MIRROR" \
+  timeout 1200 debootstrap --variant=minbase --include=python3,python3-venv bookworm "$rootfs" "$MIRROR" \
     > "$LOGS/debootstrap.log" 2>&1 || { show_log "$LOGS/debootstrap.log"; rm -rf "$rootfs"; fail "debootstrap"; }
   rm -rf "$rootfs"/var/cache/apt/archives/*.deb "$rootfs"/var/lib/apt/lists/*
   tar -C "$rootfs" -c . | docker import -c 'CMD ["/bin/bash"]' -c 'ENV LANG=C.UTF-8' - "$BASE" > /dev/null \
@@ -140,7 +141,7 @@ if resolve; then
   say "wheels: $CACHE/wheels satisfies $(tr '\n' ' ' < "$req")"
 else
   say "wheels: pip download into $CACHE/wheels"
-  "$PYTHON" -m pip download -d "$CACHE/wheels" "${pip_flags[@]}" > "$LOGS/wheels.log" 2>&1 \
+  timeout 1200 "$PYTHON" -m pip download -d "$CACHE/wheels" "${pip_flags[@]}" > "$LOGS/wheels.log" 2>&1 \
     || { show_log "$LOGS/wheels.log"; fail "pip download"; }
   resolve || { show_log "$LOGS/wheels-resolve.log"; fail "resolving from $CACHE/wheels after the download"; }
 fi
@@ -163,7 +164,7 @@ say "build: $IMAGE from docker/Dockerfile.cpu on $BASE (log: $LOGS/build.log)"
 # The build stage gets a tag too ($IMAGE-build): untagged, it would look unused to the prune below.
 for target in build final; do
   if [ $target = build ]; then args=(--target build -t "$IMAGE-build"); else args=(-t "$IMAGE"); fi
-  DOCKER_BUILDKIT=0 docker build -f docker/Dockerfile.cpu --build-arg "BASE=$BASE" \
+  DOCKER_BUILDKIT=0 timeout 1800 docker build -f docker/Dockerfile.cpu --build-arg "BASE=$BASE" \
     --build-arg "PIP_ARGS=--no-index --find-links /wheels" "${args[@]}" . >> "$LOGS/build.log" 2>&1 \
     || { show_log "$LOGS/build.log"; fail "docker build ($target)"; }
 done
@@ -189,7 +190,7 @@ if ! "$TESTPY" -c 'import pytest, pytest_timeout, numpy, msgspec, xxhash' 2>/dev
 fi
 say "test: tests/integration/test_docker_image.py on $IMAGE"
 PYTHONPATH=$ROOT${PYTHONPATH:+:$PYTHONPATH} TEST_DOCKER_IMAGE=$IMAGE TEST_DOCKER_BASE=$BASE \
-  TEST_DOCKER_PIP_ARGS="--no-index --find-links /wheels" "$TESTPY" -m pytest tests/integration/test_docker_image.py -rs -p no:cacheprovider --junitxml "$junit"
+  TEST_DOCKER_PIP_ARGS="--no-index --find-links /wheels" timeout 1800 "$TESTPY" -m pytest tests/integration/test_docker_image.py -rs -p no:cacheprovider --junitxml "$junit"
 pytest_rc=$?
 # A skip is a failure here: count from the junit xml, whatever pytest's exit status was.
 counts=$("$PYTHON" - "$junit" <<'EOF'

@@ -12,8 +12,9 @@
 #               build requirements, the dependencies and the torch extra of pyproject.toml); kept
 #               in $CACHE/wheels, downloaded only when an offline resolve from it fails, then
 #               linked into docker/wheels/
-#   5. build    docker build -f docker/Dockerfile.cpu -t rlink-ucx:cpu (classic builder, its
-#               layer cache: unchanged dependencies are not reinstalled)
+#   5. build    docker build -f docker/Dockerfile.cpu -t rlink-ucx:cpu (its build stage tagged
+#               rlink-ucx:cpu-build); classic builder, its layer cache: unchanged dependencies
+#               are not reinstalled; then prunes the untagged images of earlier builds
 #   6. test     pytest on tests/integration/test_docker_image.py with TEST_DOCKER_IMAGE set;
 #               fails when a test fails, errors, or is SKIPPED, or when none ran (junit xml)
 # Each step has a time limit (timeout(1)), so a hung mirror cannot eat CI's 90 minutes.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -85,6 +86,7 @@ class Actor:
         host, port, transport = parse_endpoint(address, transport)
         self._lock = threading.Lock()  # guards the subscriber's creation
         self._subscriber: Subscriber | None = None
+        self._loaded: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # module -> version
         resolved_token = resolve_token(token)  # may raise: before the shared I/O thread is taken
         self._io = shared_io()  # one I/O thread for every Actor of this process
         self._io_released = False
@@ -233,12 +235,17 @@ class Actor:
         return state, version
 
     def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True) -> int:
-        """Copy the newest published parameters into ``module`` in place; returns the version."""
+        """Copy the newest published parameters into ``module`` in place; returns the version.
+        A module that already holds that version (loaded by this call before) is left as it is,
+        so calling this every step costs a lookup while nothing new was published."""
         import torch
 
         state, version = self.get_remote_model(timeout, latest=latest)
+        if self._loaded.get(module) == version:
+            return version
         with torch.no_grad():
             module.load_state_dict(state)
+        self._loaded[module] = version
         return version
 
     def stats(self) -> dict[str, Any]:

@@ -112,7 +112,7 @@ def missing(system: System) -> str | None:
             return "no memfd shared memory here (Linux only)"
     for module in system.requires:
         if not installed(module):
-            return f"{module} not installed"
+            return f"{module} not installed (pip install 'rlink-ucx[bench]')"
     return None
 
 

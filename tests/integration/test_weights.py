@@ -221,3 +221,28 @@ def test_a_publish_whose_copy_fails_half_way_is_abandoned_and_its_number_never_r
         leave.set()
         assert join_all(procs) == [0]
     assert reports[0]["seen"] == [1, 3] and reports[0]["state"] == as_bytes(model_state(3)), reports[0]["seen"]
+
+
+@pytest.mark.timeout(120)
+def test_load_remote_model_copies_only_when_a_new_version_came():
+    import torch
+
+    from rlink_ucx import Actor
+
+    net = torch.nn.Linear(4, 2)
+    loads = []
+    real_load = net.load_state_dict
+    net.load_state_dict = lambda state, *a, **kw: (loads.append(1), real_load(state, *a, **kw))[1]
+    with Learner("127.0.0.1:0", transport="tcp") as learner, Actor(learner.address, transport="tcp") as actor:
+        learner.publish({"weight": torch.full((2, 4), 1.0), "bias": torch.zeros(2)}, wait=True, timeout=30)
+        assert actor.load_remote_model(net, timeout=30) == 1 and len(loads) == 1
+        for _ in range(100):  # every step of an env loop: nothing new, nothing copied
+            assert actor.load_remote_model(net, timeout=30) == 1
+        assert len(loads) == 1 and float(net.weight.detach()[0, 0]) == 1.0
+        learner.publish({"weight": torch.full((2, 4), 2.0), "bias": torch.zeros(2)}, wait=True, timeout=30)
+        deadline = time.monotonic() + 30
+        while actor.load_remote_model(net, timeout=30) != 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert len(loads) == 2 and float(net.weight.detach()[0, 0]) == 2.0
+        other = torch.nn.Linear(4, 2)  # another module gets its own copy
+        assert actor.load_remote_model(other, timeout=30) == 2 and float(other.weight.detach()[0, 0]) == 2.0

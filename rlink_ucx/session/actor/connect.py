@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
+from collections.abc import Callable
 from typing import Any
 
 from ..._version import __version__
@@ -26,8 +27,14 @@ from .state import LinkState, Rejected
 __all__ = ["ConnectionReplaced", "Connector", "Rejected", "open_channel"]
 
 
-async def open_channel(state: LinkState) -> tuple[ControlConnection, _wire.Challenge]:
-    """Open a connection to the learner and read its Challenge (one attempt)."""
+async def open_channel(state: LinkState, accepted: Callable[[], None] | None = None,
+                       ) -> tuple[ControlConnection, _wire.Challenge]:  # fmt: skip
+    """Open a connection to the learner and read its Challenge (one attempt); ``accepted`` is
+    called once the TCP connection is up.
+
+    Raises:
+        Rejected: the peer sent bytes that are no rlink message: another service listens there.
+    """
     family = socket.AF_INET6 if ":" in state.host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setblocking(False)
@@ -38,7 +45,14 @@ async def open_channel(state: LinkState) -> tuple[ControlConnection, _wire.Chall
         sock.close()
         raise ConnectError(f"cannot reach learner at {state.host}:{state.port}: {exc or 'timed out'}") from exc
     conn = ControlConnection(sock, state.loop, f"{state.host}:{state.port}")
-    challenge = await conn.recv(state.config.max_preauth_bytes)
+    if accepted is not None:
+        accepted()
+    try:
+        challenge = await conn.recv(state.config.max_preauth_bytes)
+    except ProtocolError as exc:  # an rlink learner's first bytes are always its Challenge
+        conn.close()
+        raise Rejected(f"{state.host}:{state.port} is not an rlink learner: what it sent first is no rlink "
+                       f"message ({exc}); check the address and port") from exc  # fmt: skip
     if not isinstance(challenge, _wire.Challenge):
         raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
     if challenge.proto != _wire.PROTOCOL_VERSION:
@@ -67,6 +81,8 @@ class Connector:
         self._heartbeat = heartbeat
         self._outbox = outbox
         self._attempt: tuple[Any, float | None] = (None, None)  # the connect attempt's timeout scope
+        self._accepted = False  # this attempt's TCP connection is up
+        self._answered = False  # and the learner's Challenge came on it
 
     async def connect(self, timeout: float | None = None, answered_timeout: float | None = None) -> None:
         """One attempt: open the control channel, authenticate, attach the data plane, all
@@ -76,12 +92,17 @@ class Connector:
         a retry to its load."""
         if timeout is None:
             timeout = self._state.config.handshake_timeout
+        self._accepted = self._answered = False
         try:
             async with asyncio.timeout(timeout) as scope:
                 self._attempt = (scope, answered_timeout)
                 await self._connect()
         except TimeoutError as exc:
-            raise ConnectError(f"handshake with {self._state.host}:{self._state.port} timed out") from exc
+            where = f"{self._state.host}:{self._state.port}"
+            if self._accepted and not self._answered:
+                raise ConnectError(f"{where} accepted the connection but sent no rlink challenge within {timeout:g}s: "
+                                   "is an rlink learner listening there, or another service (HTTP, SSH, ...)?") from exc
+            raise ConnectError(f"handshake with {where} timed out") from exc
         except Superseded:
             raise
         except PeerLost as exc:
@@ -89,7 +110,8 @@ class Connector:
 
     async def _connect(self) -> None:
         s = self._state
-        conn, challenge = await open_channel(s)
+        conn, challenge = await open_channel(s, self._on_accepted)
+        self._answered = True
         self._learner_answered()
         s.control = conn
         token, source = self._login_token(challenge.auth)
@@ -121,6 +143,9 @@ class Connector:
         s.tasks.append(s.loop.create_task(self._heartbeat.run()))
         s.tasks.append(s.loop.create_task(self._outbox.send_loop()))
         s.connected = True
+
+    def _on_accepted(self) -> None:
+        self._accepted = True
 
     def _learner_answered(self) -> None:
         scope, longer = self._attempt

@@ -35,3 +35,34 @@ TRANSPORTS = [
     pytest.param("shm", marks=pytest.mark.skipif(not shm_possible(), reason="no memfd (not Linux)")),
 ]
 
+
+
+def _listening(port: int) -> bool:
+    """Whether something listens on ``port`` of loopback (a live learner keeps its token file)."""
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _no_stale_token_files():
+    """Learners the tests SIGKILL leave their generated token files behind (a killed process
+    cannot remove them): remove the ones this run added whose port nothing listens on any more,
+    so `rlink doctor` does not list them afterwards."""
+    from rlink_ucx import Config
+    from rlink_ucx.session.tokens import token_dirs
+
+    dirs = [d for d in token_dirs(Config()) if d.is_dir() or not d.exists()]
+    before = {p for d in dirs if d.is_dir() for p in d.glob("*.token")}
+    yield
+    for d in dirs:
+        if not d.is_dir():
+            continue
+        for path in d.glob("*.token"):
+            if path not in before and path.stem.isdigit() and not _listening(int(path.stem)):
+                path.unlink(missing_ok=True)

@@ -53,3 +53,25 @@ def test_an_http_server_that_waits_for_the_client_is_named_as_another_service():
         httpd.shutdown()
         httpd.server_close()
     assert time.monotonic() - started < 20
+
+
+@pytest.mark.timeout(120)
+def test_a_step_over_the_learners_limits_names_the_settings_to_raise_and_works_once_raised():
+    import numpy as np
+
+    from rlink_ucx import Learner, RLinkDataset, SchemaMismatch
+
+    step = {"obs": np.ones(25_000_000, np.float32)}  # a 100 MB observation
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as learner:
+        with Actor(learner.address, token=TOKEN, transport="tcp") as actor:
+            with pytest.raises(SchemaMismatch, match=r"over max_frame_bytes=67108864: start the learner with "
+                                                     r"Config\(max_frame_bytes=100000000, buffer_bytes=200000000\)"):
+                actor.put(step)
+    raised = Config(max_frame_bytes=100_000_000, buffer_bytes=200_000_000)
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=raised) as learner:
+        dataset = RLinkDataset(learner, batch_size=1)
+        with Actor(learner.address, token=TOKEN, transport="tcp") as actor:
+            actor.put(step)
+            actor.flush(60)
+            batch = dataset.fetch(timeout=60)
+        assert batch["obs"].shape == (1, 25_000_000) and float(batch["obs"][0, -1]) == 1.0

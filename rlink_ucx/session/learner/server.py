@@ -308,12 +308,16 @@ class LearnerServer:
                 raise SchemaMismatch(self._mismatch(schema))
             if schema.step_bytes > self.config.max_frame_bytes:
                 raise SchemaMismatch(
-                    f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}"
+                    f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}: "
+                    f"start the learner with Config(max_frame_bytes={schema.step_bytes}, buffer_bytes="
+                    f"{max(self.config.buffer_bytes, 2 * schema.step_bytes)}) or more (RLINK_MAX_FRAME_BYTES, "
+                    "RLINK_BUFFER_BYTES)"
                 )
             smallest_ring = 2 * schema.frame_steps(self.config.frame_bytes) * schema.step_bytes  # two frames at least
             if smallest_ring > self.config.buffer_bytes:
                 raise SchemaMismatch(f"one step is {schema.step_bytes} bytes: the receive ring must hold two frames, "
-                                     f"{smallest_ring} bytes, over buffer_bytes={self.config.buffer_bytes}")  # fmt: skip
+                                     f"{smallest_ring} bytes, over buffer_bytes={self.config.buffer_bytes}: start the "
+                                     f"learner with Config(buffer_bytes={smallest_ring}) or more (RLINK_BUFFER_BYTES)")  # fmt: skip
             reserve, self.reserve = self.reserve, None
             self.ring = _new_ring(schema, self.config, self.batch_steps, self.pin_memory, reserve)
             self.schema = schema  # only now: a refused proposal must not become the learner's schema

@@ -14,12 +14,13 @@ its seq) from one array it refills as soon as ``put`` returns, and the learner c
 byte: on the shm plane, steps of 4 MiB and more are read straight from the actor's memory,
 so this soaks that path (and its give-up rule) under the same faults.
 
-Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--step-mib N] [--json soak.json] [--trace DIR]   (not part of CI)
+Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--step-mib N] [--json soak.json] [--trace DIR]   (the test suite runs 0.3 minutes of it)
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import multiprocessing as mp
@@ -62,7 +63,7 @@ def learner_main(port: int, reports, drain, transport: str, trace_dir: str | Non
         # ended mid-chunk, so what is left need not fill a batch of 50).
         tail = RLinkDataset(learner, batch_size=1 if step_mib else 50)
         single, tail_empty = RLinkDataset(learner, batch_size=1), False
-        reports.put(("ready", None))
+        reports.put(("ready", learner.token_file))
         last = 0.0
         while True:
             try:
@@ -190,7 +191,11 @@ def main(argv: list[str] | None = None) -> int:
     stop = ctx.RawValue("b", 0)
     learner = ctx.Process(target=learner_main, args=(port, reports, drain, args.transport, args.trace, args.step_mib))
     learner.start()
-    assert reports.get(timeout=60)[0] == "ready"
+    kind, token_file = reports.get(timeout=60)
+    assert kind == "ready"
+    # The actors dial the fault proxies, not the learner's port, under which the learner's
+    # generated token is found: they are told its file.
+    os.environ["RLINK_TOKEN_FILE"] = token_file
     proxies = {a: FaultProxy(("127.0.0.1", port)) for a in (1, 2, 3)}
     actors: dict[int, tuple] = {}
     put: dict[str, int] = {}
@@ -221,7 +226,8 @@ def main(argv: list[str] | None = None) -> int:
         t = round(time.monotonic() - started, 1)
         if event == "kill":
             p, inc, counter = actors[a]
-            os.kill(p.pid, signal.SIGKILL)
+            with contextlib.suppress(ProcessLookupError):  # it may have ended by itself
+                os.kill(p.pid, signal.SIGKILL)
             p.join(10)
             put[f"{a}/{inc}"] = counter.value
             killed.append(f"{a}/{inc}")

@@ -80,3 +80,16 @@ def test_actor_cpu_measures_an_idle_and_a_putting_actor(tmp_path):
         assert 0 < row["cpu_pct"] < 100 and row["wakeups_per_s"] > 0
     assert rows[0.0]["frames_sent"] == 0 and rows[0.0]["put_us_median"] is None
     assert rows[50.0]["runs"][0]["puts"] == 50 and rows[50.0]["runs"][0]["received"] == 51
+
+
+def test_the_soak_kills_pauses_and_cuts_and_every_stream_still_balances(tmp_path):
+    # Its actors dial fault proxies, not the learner's port: they must be told the learner's
+    # generated token (they looked it up under the proxy's port and failed with AuthError).
+    out = tmp_path / "soak.json"
+    done = _run("bench/soak.py", "--minutes", "0.3", "--transport", "tcp", "--json", str(out), ok=False)
+    assert "AuthError" not in done.stderr, done.stderr[-2000:]
+    report = json.loads(out.read_text())
+    assert report["events"], "no fault was injected"
+    streams = report["streams"]
+    assert streams and all(r["balanced"] for r in streams), streams
+    assert report["order_errors"] == [] and sum(r["delivered"] for r in streams) > 1000

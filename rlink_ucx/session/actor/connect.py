@@ -172,7 +172,9 @@ class Connector:
         token, source = tokens.find(self._state.config, self._state.port)
         if token is None:
             raise AuthError(f"the learner at {where} requires a token and this actor has none ({source}): pass "
-                            "token=..., set RLINK_TOKEN / RLINK_TOKEN_FILE, or give it the learner's Config.token_dir")  # fmt: skip
+                            "token=..., set RLINK_TOKEN / RLINK_TOKEN_FILE, or give it the learner's Config.token_dir. "
+                            "A learner's generated token is found by the port it listens on: through a port "
+                            "forward or proxy, point RLINK_TOKEN_FILE at its file (learner.token_file)")  # fmt: skip
         return token, source
 
     async def _expect(self, conn: ControlConnection, kind: type) -> Any:

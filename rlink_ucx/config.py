@@ -24,7 +24,7 @@ MiB = 1024 * KiB
 
 
 _MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after",
-                "shm_direct_read", "weights_shared_memory"}  # 0 switches the feature off
+                "shm_direct_read", "weights_shared_memory", "rank_port_base"}  # 0 switches the feature off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,6 +110,13 @@ class Config:
     # live, have ended, it starts a fresh worker and moves the live ucx actors to it (they
     # reconnect once, losing nothing); 0: never.
     ucx_recycle_after: int = 16
+
+    # --- many learner ranks (Learner(distributed=True)) -------------------------------------
+    # Where a rank other than 0 listens and is reached by the actors rank 0 sends it: "" is
+    # the host of the address given where it is this host's, else all interfaces, reached at
+    # this host's address on the way to rank 0. Port rank_port_base + rank (0: a free port).
+    rank_host: str = ""
+    rank_port_base: int = 0
 
     # --- authentication -------------------------------------------------------------------
     # Where a learner given no token writes the one it generates, and where the same user's

@@ -13,6 +13,8 @@ from .errors import Closed, ConfigError
 from .observe.counters import FetchTimings
 from .observe.metrics import MetricsServer, require_prometheus, sample
 from .session import tokens
+from .session.learner.job import Home, Job, join, rank_bind, token_digest
+from .session.learner.job import rank_home as job_home
 from .session.learner.server import LearnerServer
 from .session.tokens import resolve_token
 from .store.ring import Piece, StepRing
@@ -23,6 +25,7 @@ from .transport.plane import require
 from .wire.codec import Schema
 
 log = logging.getLogger(__name__)
+_RANK_0 = Home("", 0, b"", b"")  # rank 0 itself: it tells the others, hears nothing
 
 __all__ = ["Learner", "StepFeed"]
 
@@ -73,12 +76,61 @@ class Learner:
     def __init__(self, address: str = "127.0.0.1:8443", *, token: str | bytes | None = None,
                  transport: str = "auto", config: Config | None = None,
                  schema: dict[str, Any] | Schema | None = None, metrics_port: int | None = None,
-                 metrics_host: str = "127.0.0.1", insecure: bool = False):  # fmt: skip
+                 metrics_host: str = "127.0.0.1", insecure: bool = False, distributed: bool = False):  # fmt: skip
         self.config = resolve(config)
         check_transport(transport)
         host, port, transport = parse_endpoint(address, transport)  # the address first: a typo is a typo
         require(transport)  # a plane asked for by name that cannot work here: else it would refuse every actor
+        self._job: Job | None = None
+        self._token: bytes | None = None
+        self._server: LearnerServer
+        if not distributed:
+            self._start(host, port, transport, token, schema, metrics_port, metrics_host, insecure, None)
+            return
+        self._job = job = join(self.config)  # every rank of the job calls this, in the same order
+        error: BaseException | None = None
+        try:
+            home = job.hear() if job.rank else None
+            self._start(host, port, transport, token, schema, metrics_port, metrics_host, insecure, home)
+        except Exception as exc:  # every rank must hear that this one failed, then it raises
+            error = exc
+        try:
+            job.agree(None if error is None else f"learner rank {job.rank} of {job.world} did not start: {error}")
+        except BaseException:
+            if error is None:
+                self.close()
+            job.close()
+            raise
+        log.info("learner rank %d of %d listening on %s", job.rank, job.world, self.address)
+
+    def _start(self, host: str, port: int, transport: str, token: str | bytes | None,
+               schema: dict[str, Any] | Schema | None, metrics_port: int | None, metrics_host: str, insecure: bool,
+               home: Home | None) -> None:  # fmt: skip
+        """Listen (``home``: rank 0's word, for a rank other than 0 of a job of many)."""
+        job = self._job
+        if job is not None and job.rank == 0 and home is None:
+            try:
+                self._start(host, port, transport, token, schema, metrics_port, metrics_host, insecure, _RANK_0)
+            except BaseException as exc:
+                job.tell(Home(str(exc) or type(exc).__name__, 0, b"", b""))
+                raise
+            job.tell(Home("", self.port, self._token if self._server.publish_token and self._token else b"",
+                          token_digest(self._token)))  # fmt: skip
+            return
+        rank_home: tuple[str, int] | None = None
+        advertised = ""
+        if job is not None and home is not None and home is not _RANK_0:
+            if home.error:
+                raise ConfigError(f"rank 0 did not start: {home.error}")
+            rank_home = (job_home(host), home.port)
+            host, port, advertised = rank_bind(host, rank_home[0], job.rank, self.config)
         self._token = resolve_token(token)
+        if rank_home is not None and home is not None:
+            if self._token is None and home.token and not insecure:
+                self._token = home.token  # rank 0 generated it: the job's ranks share it
+            if token_digest(self._token) != home.digest:
+                raise ConfigError(f"learner rank {job.rank if job else 0} holds another token than rank 0 (or none, or one "
+                                  "runs with insecure=True): give every rank the same RLINK_TOKEN / RLINK_TOKEN_FILE")  # fmt: skip
         if self._token is None and not is_loopback(host):
             only_loopback = (f"insecure=True (--insecure) works on loopback addresses only, not {host!r}; "
                              if insecure else "")  # fmt: skip
@@ -91,8 +143,8 @@ class Learner:
         if insecure and self._token is not None:
             raise ConfigError("insecure=True turns authentication off, but a token was given (token=, RLINK_TOKEN "
                               "or RLINK_TOKEN_FILE): drop one of them")  # fmt: skip
-        generated = self._token is None and not insecure
-        if generated:  # written for the same user's local actors once the port is bound
+        generated = (self._token is None or (home is not None and self._token == home.token)) and not insecure
+        if self._token is None and not insecure:  # written for the same user's local actors once the port is bound
             self._token = tokens.new_token().encode()
         declared = Schema.from_spec(schema) if isinstance(schema, dict) else schema
         if metrics_port is not None:  # before anything starts: nothing to undo
@@ -103,25 +155,34 @@ class Learner:
         self._metrics: MetricsServer | None = None
         self._timings: FetchTimings | None = None  # the dataset and publish() feed it while metrics are on
         self._io = IOThread(name="rlink-learner-io")
+        rank, world = (job.rank, job.world) if job is not None else (0, 1)
         self._server = LearnerServer(host, port, token=self._token, transport=transport, config=self.config,
-                                     loop=self._io.loop, schema=declared, publish_token=generated)  # fmt: skip
+                                     loop=self._io.loop, schema=declared, publish_token=generated, rank=rank,
+                                     world=world)  # fmt: skip
         try:  # the UCX plane's own start is bounded by connect_timeout: give it a margin
             self._io.call(self._server.start(), self.config.connect_timeout + self.config.close_timeout, "learner start")
+            if rank_home is not None:
+                self._io.call(self._server.link_to_rank_0(rank_home, (advertised, self._server.port),
+                                                          self.config.connect_timeout),
+                              self.config.connect_timeout + self.config.close_timeout, "linking to rank 0")  # fmt: skip
+        except TimeoutError as exc:
+            self._abort_start()
+            raise ConfigError(f"learner rank {rank} could not link to rank 0 at {rank_home}: {exc}") from exc
         except OSError as exc:
             self._abort_start()
-            raise ConfigError(f"cannot listen on {address}: {exc}") from exc
+            raise ConfigError(f"cannot listen on {format_address(host, port)}: {exc}") from exc
         except BaseException:
             self._abort_start()
             raise
         self._address = format_address(host, self._server.port)
-        if metrics_port is not None:
-            self._start_metrics(metrics_host, metrics_port)
+        if metrics_port is not None:  # ranks of a job on one host: a port each
+            self._start_metrics(metrics_host, metrics_port + rank if metrics_port else 0)
         # Closes at interpreter exit (so actors hear the learner finished) or when collected.
         # Datasets' close methods, called before the server stops; weak: a dropped dataset's own
         # finalizer stops its threads, and the learner must not keep its memory alive.
         self._closers: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config, self._metrics,
-                                           self._closers)  # fmt: skip
+                                           self._closers, self._job)  # fmt: skip
         if insecure:
             log.warning("learner on %s runs with insecure=True: any local process may connect and stream", self.address)
         log.info("learner listening on %s (transport=%s, auth=%s)", self.address, transport, self._token is not None)
@@ -164,7 +225,8 @@ class Learner:
             return sample(server, timings)
 
         try:  # the snapshot holds the server, not the learner: a dropped learner is still collected
-            self._metrics = MetricsServer(host, port, lambda: io.call(on_loop(), timeout, "metrics scrape"))
+            self._metrics = MetricsServer(host, port, lambda: io.call(on_loop(), timeout, "metrics scrape"),
+                                          self._server.rank)  # fmt: skip
         except OSError as exc:
             _shutdown(self._server, self._io, self.config, None, [])
             raise ConfigError(f"cannot serve metrics on {format_address(host, port)}: {exc}") from exc
@@ -309,7 +371,7 @@ class StepFeed:
 
 
 def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: MetricsServer | None,
-              closers: list[weakref.WeakMethod[Callable[[], None]]]) -> None:  # fmt: skip
+              closers: list[weakref.WeakMethod[Callable[[], None]]], job: Job | None = None) -> None:  # fmt: skip
     """Close a learner's datasets, metrics endpoint, server and I/O thread (once: from close(),
     at exit, or when collected)."""
     for ref in closers:
@@ -332,3 +394,5 @@ def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: Metr
         if server.ring is not None:
             server.ring.close()
         io.stop(config.close_timeout)
+        if job is not None:
+            job.close()

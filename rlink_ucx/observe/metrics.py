@@ -39,6 +39,7 @@ def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
     ring = server.ring
     weights = server.publisher.snapshot_stats()
     out: dict[str, Any] = {
+        "rank": server.rank,
         "connected_actors": len(open_sessions),
         "handshakes_in_flight": server.admission.in_flight,
         "shed_handshakes": server.admission.shed,
@@ -127,33 +128,45 @@ def _get(s: dict[str, Any], key: str) -> Any:
 
 
 def families(s: dict[str, Any]) -> Iterator[Any]:
-    """Prometheus metric families for one :func:`sample`."""
+    """Prometheus metric families for one :func:`sample`; each carries the learner's ``rank``
+    (0 for a lone learner), so the ranks of a job of many add up in one query."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-    yield GaugeMetricFamily("rlink_up", "1 when the learner answered this scrape.", value=1)
+    rank = str(s.get("rank", 0))
+    yield _one(GaugeMetricFamily("rlink_up", _UP, labels=["rank"]), rank, 1)
     for name, doc, key in _COUNTERS:
-        yield CounterMetricFamily(name, doc, value=_get(s, key))
+        yield _one(CounterMetricFamily(name, doc, labels=["rank"]), rank, _get(s, key))
     for name, doc, key in _GAUGES:
-        yield GaugeMetricFamily(name, doc, value=_get(s, key))
+        yield _one(GaugeMetricFamily(name, doc, labels=["rank"]), rank, _get(s, key))
     for metric, what in (("steps", "Steps"), ("bytes", "Payload bytes"), ("frames", "Data frames")):
         family = CounterMetricFamily(f"rlink_actor_{metric}_received",
                                      f'{what} received per actor (the first actors seen; the rest as actor="other").',
-                                     labels=["actor"])  # fmt: skip
+                                     labels=["rank", "actor"])  # fmt: skip
         for label, row in sorted(s["per_actor"].items()):
-            family.add_metric([label], row[metric])
+            family.add_metric([rank, label], row[metric])
         yield family
     for name, doc, key in _HISTOGRAMS:
         if key not in s:
             continue
         cum, total = s[key]
         les = [repr(float(b)) for b in _BOUNDS[key]] + ["+Inf"]
-        yield HistogramMetricFamily(name, doc, buckets=list(zip(les, cum)), sum_value=total)
+        histogram = HistogramMetricFamily(name, doc, labels=["rank"])
+        histogram.add_metric([rank], buckets=list(zip(les, cum)), sum_value=total)
+        yield histogram
+
+
+_UP = "1 when the learner answered this scrape."
+
+
+def _one(family: Any, rank: str, value: float) -> Any:
+    family.add_metric([rank], value)
+    return family
 
 
 class MetricsServer:
     """The HTTP endpoint (``GET /metrics``) of one learner, on a thread of its own."""
 
-    def __init__(self, host: str, port: int, snapshot: Callable[[], dict[str, Any]]):
+    def __init__(self, host: str, port: int, snapshot: Callable[[], dict[str, Any]], rank: int = 0):
         from prometheus_client import CollectorRegistry, make_wsgi_app
         from prometheus_client.registry import Collector
 
@@ -165,7 +178,7 @@ class MetricsServer:
                     log.debug("metrics scrape found no learner: %s", exc)
                     from prometheus_client.core import GaugeMetricFamily
 
-                    yield GaugeMetricFamily("rlink_up", "1 when the learner answered this scrape.", value=0)
+                    yield _one(GaugeMetricFamily("rlink_up", _UP, labels=["rank"]), str(rank), 0)
                     return
                 yield from families(s)
 

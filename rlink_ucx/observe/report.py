@@ -77,7 +77,21 @@ def report(server: Any) -> dict[str, Any]:
         "total": total,
         "weights": server.publisher.snapshot_stats(),
         "staleness": server.staleness.summary(ring.stats.stale_dropped if ring else 0),
+        **ranks(server),
     }
+
+
+def ranks(server: Any) -> dict[str, Any]:
+    """This learner's place in a job of many (rank 0 of 1 alone): rank 0 also lists every
+    rank with its address and the actors placed on it; another rank, whether it is linked."""
+    out: dict[str, Any] = {"rank": server.rank, "world_size": server.world}
+    if server.ranks is not None:
+        out["ranks"] = server.ranks.describe()
+        out["redirected_actors"] = server.redirected
+        out["moved_actors"] = server.ranks.moved
+    if server.rank_link is not None:
+        out["linked_to_rank_0"] = server.rank_link.linked.is_set()
+    return out
 
 
 def describe_session(session: Any) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 7
+PROTOCOL_VERSION = 8
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -84,6 +84,38 @@ class Welcome(_Msg, frozen=True):
     heartbeat_timeout: float
     resume_seq: int  # this (actor, incarnation) already delivered every seq below this; -1: unknown
     shm: list[Any] | None = None  # shm plane: [learner pid, memfd number, nonce, ring bytes]
+
+
+class Redirect(_Msg, frozen=True):
+    """Learner rank 0 -> actor, answering its Hello: stream to rank ``rank`` of the job at
+    ``host:port``, as actor ``actor_id`` (this connection ends here)."""
+
+    rank: int
+    host: str
+    port: int
+    actor_id: ActorId
+
+
+class RankHello(_Msg, frozen=True):
+    """Learner rank ``rank`` of ``world`` -> rank 0, after Login: actors may be sent to
+    ``host:port``; this connection stays up while the rank lives."""
+
+    rank: int
+    world: int
+    host: str
+    port: int
+
+
+class RankWelcome(_Msg, frozen=True):
+    """Rank 0 -> a rank: registered; rank 0 sends actors to it from now on."""
+
+    world: int
+
+
+class RankActors(_Msg, frozen=True):
+    """A rank -> rank 0: the actor ids it serves now (sent when the set changes)."""
+
+    actors: list[ActorId]
 
 
 class Propose(_Msg, frozen=True):
@@ -279,7 +311,8 @@ class AttachProof(_Msg, frozen=True):
 Message: TypeAlias = (
     Challenge | Login | Proof | Attach | Hello | Welcome | Propose | Accept | Reject | Ready | Credit | Sync | Ack |
     Heartbeat | Bye | Error | Subscribe | Version | Group | Publish | Sealed | Got | Pull | Revoke | Returned |
-    KeyedSubscribe | KeyedPull | WeightsKey | Seal | StoreRequest | StoreReply | AttachProof | Mapped
+    KeyedSubscribe | KeyedPull | WeightsKey | Seal | StoreRequest | StoreReply | AttachProof | Mapped | Redirect |
+    RankHello | RankWelcome | RankActors
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -60,6 +60,7 @@ def scrape(address: str) -> dict[tuple[str, tuple], float]:
 
 
 def value(samples: dict, name: str, **labels: str) -> float:
+    labels.setdefault("rank", "0")  # every series carries the learner's rank
     return samples[(name, tuple(sorted(labels.items())))]
 
 

@@ -128,13 +128,14 @@ def test_families_expose_bounded_actor_series_and_the_values_given():
 
     class Fixed(prometheus_client.registry.Collector):
         def collect(self):
-            return families(fake_sample(actors=20))
+            return families({**fake_sample(actors=20), "rank": 2})
 
     registry = prometheus_client.CollectorRegistry(auto_describe=False)
     registry.register(Fixed())
     text = prometheus_client.generate_latest(registry).decode()
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for fam in text_string_to_metric_families(text) for s in fam.samples}  # fmt: skip
+    parsed = [s for fam in text_string_to_metric_families(text) for s in fam.samples]
+    assert parsed and {s.labels["rank"] for s in parsed} == {"2"}  # every series names the learner's rank
+    samples = {(s.name, tuple(sorted((k, v) for k, v in s.labels.items() if k != "rank"))): s.value for s in parsed}
     actors = sorted(dict(k[1])["actor"] for k in samples if k[0] == "rlink_actor_steps_received_total")
     assert actors == ["0", "1", "2", "3", "other"]
     assert samples[("rlink_actor_steps_received_total", (("actor", "other"),))] == 160

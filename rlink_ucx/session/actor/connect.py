@@ -4,6 +4,7 @@ have the data plane attached, and propose the schema (again after a reconnect)."
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import socket
 from collections.abc import Callable
@@ -25,6 +26,8 @@ from .outbox import Outbox
 from .state import LinkState, Rejected
 
 __all__ = ["ConnectionReplaced", "Connector", "Rejected", "open_channel"]
+
+log = logging.getLogger(__name__)
 
 
 async def open_channel(state: LinkState, accepted: Callable[[], None] | None = None,
@@ -130,7 +133,10 @@ class Connector:
                                 "pass token=... or set RLINK_TOKEN)") from exc  # fmt: skip
         conn.send(_wire.Hello(s.actor_id, s.incarnation, __version__, s.transport_wanted, ucx_available(),
                               cuda_visible(), hostname(), os.getpid(), shm.available()))  # fmt: skip
-        welcome = await self._expect(conn, _wire.Welcome)
+        welcome = await self._expect(conn, (_wire.Welcome, _wire.Redirect))
+        if isinstance(welcome, _wire.Redirect):
+            await self._follow(conn, welcome)
+            return
         s.welcome = welcome
         s.latest_version = welcome.version
         s.actor_id = welcome.actor_id
@@ -143,6 +149,23 @@ class Connector:
         s.tasks.append(s.loop.create_task(self._heartbeat.run()))
         s.tasks.append(s.loop.create_task(self._outbox.send_loop()))
         s.connected = True
+
+    async def _follow(self, conn: ControlConnection, redirect: _wire.Redirect) -> None:
+        """Rank 0 of a job of many learners sent this actor to another rank: connect there
+        (same attempt, same timeout), as the actor id it was given, with the token it proved."""
+        s = self._state
+        conn.close()
+        s.control = None
+        if (s.host, s.port) != s.home or redirect.rank == 0:
+            raise ProtocolError(f"learner at {s.host}:{s.port} sent this actor on to rank {redirect.rank} although "
+                                "only rank 0 places actors")  # fmt: skip
+        log.debug("actor %s: rank 0 sends it to rank %d at %s:%d", s.actor_id, redirect.rank, redirect.host, redirect.port)
+        s.host, s.port, s.rank = redirect.host, redirect.port, redirect.rank
+        s.actor_id = redirect.actor_id
+        if s.token is None:
+            s.token_for_ranks = s.proved_token  # the job's ranks share rank 0's token
+        self._accepted = self._answered = False
+        await self._connect()
 
     def _on_accepted(self) -> None:
         self._accepted = True
@@ -166,6 +189,8 @@ class Connector:
             return None, None
         if self._state.token is not None:
             return self._state.token, None
+        if self._state.rank != 0 and self._state.token_for_ranks is not None:
+            return self._state.token_for_ranks, None
         if not is_loopback(self._state.host):  # the generated token never leaves the learner's host
             raise AuthError(f"the learner at {where} requires a token: pass token=... or set RLINK_TOKEN / "
                             "RLINK_TOKEN_FILE (make one with `rlink token`)")  # fmt: skip
@@ -177,7 +202,7 @@ class Connector:
                             "forward or proxy, point RLINK_TOKEN_FILE at its file (learner.token_file)")  # fmt: skip
         return token, source
 
-    async def _expect(self, conn: ControlConnection, kind: type) -> Any:
+    async def _expect(self, conn: ControlConnection, kind: type | tuple[type, ...]) -> Any:
         msg = await conn.recv(self._state.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
             # "auth", "superseded" and "refused" are final; "timeout" (the learner was too busy
@@ -186,7 +211,8 @@ class Connector:
             kind = {"auth": AuthError, "superseded": Superseded, "refused": Rejected}.get(msg.kind, ConnectError)
             raise kind(f"learner refused: {msg.text}")
         if not isinstance(msg, kind):
-            raise ProtocolError(f"expected {kind.__name__}, got {type(msg).__name__}")
+            expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
+            raise ProtocolError(f"expected {expected}, got {type(msg).__name__}")
         return msg
 
     # --- the schema ----------------------------------------------------------------------------

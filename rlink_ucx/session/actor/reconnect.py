@@ -134,17 +134,19 @@ class Reconnect:
         cap = 2 * s.config.handshake_timeout
         attempt_timeout = min(cap, max(1.0, 2 * s.config.heartbeat_interval))
         waiting_logged = False
+        at_once = False  # the next attempt goes without a wait (to rank 0, after a rank did not answer)
         while not s.closing:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
-            if last is not None:
+            if last is not None and not at_once:
                 # Jitter spreads the retries of many actors that lost (or wait for) one learner.
                 await asyncio.sleep(min(left, delay * (0.5 + random.random())))
                 # Nobody listening yet (refused: the kernel answers, the learner does no work)
                 # is retried at least every 0.75 s, so an actor started first meets a learner
                 # soon after it comes up; a busy or unanswering learner backs off to 3 s.
                 delay = min(2 * delay, REFUSED_BACKOFF if _refused(last) else 2.0)
+            at_once = False
             try:
                 left = max(0.1, deadline - time.monotonic())
                 await self._connector.connect(min(attempt_timeout, left), answered_timeout=min(cap, left))
@@ -155,6 +157,11 @@ class Reconnect:
                 last = map_plane_error(exc)
                 attempt_timeout = min(cap, 2 * attempt_timeout)
                 self._teardown()
+                if (s.host, s.port) != s.home:  # the rank it was sent to did not answer: rank 0 places it anew
+                    log.info("actor %s: learner rank %d at %s:%s did not answer (%s); asking rank 0 at %s:%s",
+                             s.actor_id, s.rank, s.host, s.port, exc, *s.home)  # fmt: skip
+                    s.go_home()
+                    at_once, delay = True, 0.05  # rank 0 is asked at once
                 if cause is None and not waiting_logged:
                     waiting_logged = True
                     log.warning("actor: waiting for the learner at %s:%s (%s); retrying for up to %.0fs",

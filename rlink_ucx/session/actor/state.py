@@ -33,9 +33,11 @@ __all__ = ["LinkState", "Rejected"]
 class LinkState:
     """One actor's connection to its learner: what more than one of its parts reads or writes."""
 
-    # Fixed at construction.
+    # The learner this actor talks to now: the address it was given (rank 0 of a job of many
+    # learners), or the rank that rank 0 sent it to (loop thread; see ``home``).
     host: str
     port: int
+    # Fixed at construction.
     token: bytes | None  # None: the learner's generated token, looked up at each attempt
     insecure: bool  # accept a learner that does not authenticate
     transport_wanted: str
@@ -44,11 +46,16 @@ class LinkState:
     loop: asyncio.AbstractEventLoop
     actor_id: int | None  # the given id; the learner's Welcome sets the assigned one (loop thread)
 
+    # The address the actor was given, where every placement starts (set from host and port).
+    home: tuple[str, int] = ("", 0)
+    rank: int = 0  # the learner rank serving this actor (0 unless a job of many learners sent it on)
+
     # The session: written on the loop thread only; other threads read these references whole.
     # The token the last handshake proved (None: a learner that does not authenticate): the
     # session's keys derive from it, and it is never looked up again while the session lives,
     # so a token file left on the port by another learner cannot make a data proof wrong.
     proved_token: bytes | None = None
+    token_for_ranks: bytes | None = None  # the generated token rank 0 took: the other ranks' too
     control: ControlConnection | None = None
     sender: FrameSender | None = None  # the data plane; any thread sends on it under send_lock
     welcome: _wire.Welcome | None = None
@@ -106,6 +113,13 @@ class LinkState:
 
     def __post_init__(self) -> None:
         self.ready = self.loop.create_future()
+        self.home = (self.host, self.port)
+
+    def go_home(self) -> None:
+        """Talk to the address the actor was given again (its rank did not answer): rank 0
+        places it anew."""
+        self.host, self.port = self.home
+        self.rank = 0
 
     @property
     def resend(self) -> bool:

@@ -13,6 +13,8 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from ..._memory import Reserve
 from ...config import Config
 from ...errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
@@ -33,6 +35,8 @@ from .. import tokens
 from .admission import Admission, listen_backlog, raise_file_limit
 from .attach import attach_data_connection
 from .credit import CreditGranter
+from .rank_link import RankLinkClient
+from .ranks import RankTable
 from .session import LearnerSession
 
 log = logging.getLogger(__name__)
@@ -59,8 +63,12 @@ class PreauthTimeout(TimeoutError):
 class LearnerServer:
     def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, config: Config,
                  loop: asyncio.AbstractEventLoop, schema: Schema | None = None,
-                 publish_token: bool = False):  # fmt: skip
+                 publish_token: bool = False, rank: int = 0, world: int = 1):  # fmt: skip
         self.host, self.port = host, port
+        self.rank, self.world = rank, world  # this learner's rank in a job of many (0 of 1: alone)
+        self.ranks: RankTable | None = None  # rank 0 of many: where each actor goes
+        self.rank_link: RankLinkClient | None = None  # another rank: its link to rank 0
+        self.redirected = 0  # actors rank 0 sent on to another rank
         self.token = token
         self.publish_token = publish_token  # a generated token: written for local actors once bound
         self.token_path: Any = None  # where it was written
@@ -87,7 +95,9 @@ class LearnerServer:
         self.resume: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
         self.incarnations: dict[int, int] = {}  # newest incarnation seen per actor id
         self._ids = itertools.count(1)
-        self._auto_actor_ids = itertools.count(1)
+        # Automatic actor ids: rank 0 gives every actor of the job one; an actor that reaches
+        # another rank directly gets one of that rank's own range.
+        self._auto_actor_ids = itertools.count(1 + (rank << 40))
         self.credit = CreditGranter(self.sessions, config, loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listener: socket.socket | None = None
@@ -119,6 +129,8 @@ class LearnerServer:
                 raise
             log.info("learner token for local actors written to %s", self.token_path)
         await self.planes.start()  # asked for by name: fail here, not at the first actor
+        if self.rank == 0 and self.world > 1:
+            self.ranks = RankTable(self.world, self.host, self.port, self.config, self.quiet_log)
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
 
@@ -134,8 +146,25 @@ class LearnerServer:
         if path is not None and self.token is not None:
             tokens.withdraw(path, self.token)
 
+    async def link_to_rank_0(self, home: tuple[str, int], advertised: tuple[str, int], timeout: float) -> None:
+        """A rank other than 0: keep a link to rank 0 at ``home``, saying actors reach this
+        rank at ``advertised``; return once it is up.
+
+        Raises:
+            TimeoutError: no link within ``timeout`` (it is still tried in the background).
+        """
+        self.rank_link = RankLinkClient(self.rank, self.world, home, advertised, self.token, self.config,
+                                        lambda: {s.actor_id for s in self.sessions.values()})  # fmt: skip
+        self._spawn(self.rank_link.run())
+        async with asyncio.timeout(timeout):
+            await self.rank_link.linked.wait()
+
     async def stop(self) -> None:
         self.withdraw_token()
+        if self.rank_link is not None:
+            self.rank_link.close()
+        if self.ranks is not None:
+            self.ranks.close()
         for session in list(self.sessions.values()):
             session.control.send(_wire.Bye("learner closing"))
             session.close("learner closing", lost=False)
@@ -187,6 +216,10 @@ class LearnerServer:
             if isinstance(result, tuple):  # a weights pull
                 await self.publisher.serve_pull(conn, *result)
                 return
+            if isinstance(result, _wire.RankHello):  # another rank of the job, linking to rank 0
+                assert self.ranks is not None
+                await self.ranks.serve(conn, result)
+                return
             session = result
             await session.serve()
         except AuthError as exc:
@@ -213,7 +246,8 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
-    async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[Member, int] | None:
+    async def _handshake(self, conn: ControlConnection
+                         ) -> LearnerSession | tuple[Member, int] | _wire.RankHello | None:  # fmt: skip
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
@@ -240,12 +274,31 @@ class LearnerServer:
             self.admission.finished(asyncio.current_task())  # authenticated: no longer a pre-auth slot
             conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
         hello = await conn.recv(self.config.max_control_bytes)
+        if isinstance(hello, _wire.RankHello):
+            if self.ranks is None:
+                raise Refused(f"a learner rank linked to rank {self.rank} of {self.world}: only rank 0 of a job of "
+                              "many learners takes ranks (are two jobs given the same address?)")  # fmt: skip
+            return hello
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
+        if self.ranks is not None:  # rank 0 of many: this actor may belong to another rank
+            actor_id = hello.actor_id if hello.actor_id is not None else self._new_actor_id()
+            rank = self.ranks.place(actor_id, [s.actor_id for s in self.sessions.values()])
+            if rank != self.rank:
+                conn.send(self.ranks.redirect(rank, actor_id))
+                self.redirected += 1
+                return None
+            hello = msgspec.structs.replace(hello, actor_id=actor_id)
         plane = self._choose(hello)[0]
         if plane is not None:
             await plane.prepare()  # a plane that cannot start is no longer offered: chosen again below
         return self._open_session(conn, hello)
+
+    def _new_actor_id(self) -> int:
+        in_use = {s.actor_id for s in self.sessions.values()}
+        if self.ranks is not None:
+            in_use |= self.ranks.in_use()
+        return next(i for i in self._auto_actor_ids if i not in in_use)
 
     def _choose(self, hello: _wire.Hello) -> tuple[Plane | None, str]:
         return self.planes.choose(hello, same_host=hello.host == hostname())
@@ -273,8 +326,7 @@ class LearnerServer:
                     why = "reconnected" if other.incarnation == hello.incarnation else f"replaced by incarnation {hello.incarnation}"
                     other.close(why, lost=True)
         else:
-            in_use = {s.actor_id for s in self.sessions.values()}
-            actor_id = next(i for i in self._auto_actor_ids if i not in in_use)
+            actor_id = self._new_actor_id()
         try:  # opened last: every path from here on closes it with the session
             opening = plane.open(reason)
         except Rejected as exc:
@@ -346,6 +398,8 @@ class LearnerServer:
             now = time.monotonic()
             for session in list(self.sessions.values()):
                 session.heartbeat(now, late)
+            if self.ranks is not None:
+                self.ranks.heartbeat()
             self.credit.reclaim_idle(now)
 
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:

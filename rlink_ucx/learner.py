@@ -56,6 +56,17 @@ class Learner:
             address (the endpoint has no authentication).
         insecure: turn authentication off, so that any local process may connect and stream
             (loopback addresses only, and no token with it).
+        distributed: one learner per rank of a torch.distributed job (torchrun, srun, a
+            Kubernetes job), called on every rank with the same arguments. It meets the other
+            ranks in the default process group where one is initialised (any backend), else in
+            one it initialises from the launcher's environment (``RANK``/``WORLD_SIZE`` or
+            ``SLURM_PROCID``/``SLURM_NTASKS``, with ``MASTER_ADDR``/``MASTER_PORT``); rlink's
+            own traffic goes in a gloo group of its own. Rank 0 binds ``address``, the one
+            address actors are given, and sends each actor to a rank (the counts differ by at
+            most one; an actor keeps its rank while that rank lives). Every other rank binds an
+            address of its own (``Config.rank_host`` / ``rank_port_base``; by default the same
+            host where it is this host's, a free port). Each rank's datasets see its own
+            actors' steps; call :meth:`publish` on every rank. docs/multi-learner.md.
 
     Closing the learner (``close()``, the end of a ``with`` block, or the end of the process)
     tells every actor, whose next call then raises :class:`Closed`.
@@ -92,14 +103,16 @@ class Learner:
         try:
             home = job.hear() if job.rank else None
             self._start(host, port, transport, token, schema, metrics_port, metrics_host, insecure, home)
-        except Exception as exc:  # every rank must hear that this one failed, then it raises
+        except Exception as exc:  # noqa: BLE001 - every rank must hear that this one failed; raised below
             error = exc
         try:
             job.agree(None if error is None else f"learner rank {job.rank} of {job.world} did not start: {error}")
-        except BaseException:
+        except BaseException as exc:
             if error is None:
                 self.close()
             job.close()
+            if error is not None and exc.__cause__ is None:
+                exc.__cause__ = error
             raise
         log.info("learner rank %d of %d listening on %s", job.rank, job.world, self.address)
 
@@ -201,6 +214,16 @@ class Learner:
         return self._address
 
     @property
+    def rank(self) -> int:
+        """This learner's rank in a job of many (``distributed=True``); 0 for a lone learner."""
+        return self._server.rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of learner ranks in the job (1 for a lone learner)."""
+        return self._server.world
+
+    @property
     def port(self) -> int:
         """The port the learner listens on."""
         return self._server.port
@@ -247,6 +270,10 @@ class Learner:
 
     def publish(self, model_or_state_dict: Any, *, wait: bool = False, timeout: float | None = None) -> int:
         """Publish new parameters to every subscribed actor; returns the new version.
+
+        In a job of many learners (``distributed=True``) call it on every rank with the same
+        parameters, as DDP holds them: each rank sends the version to its own actors, so the
+        fan-out work is split between the ranks and versions agree across them.
 
         The tensors are copied first, so training may modify them as soon as this returns; the
         fan-out (torch.distributed broadcast in a group of its own, or pulls) runs in the

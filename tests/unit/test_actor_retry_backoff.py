@@ -21,11 +21,18 @@ class Attempts(Reconnect):
         self.config = Config(connect_timeout=3600)
         self.closing = False
         self.host, self.port = "127.0.0.1", 9
+        self.home, self.rank, self.actor_id = (self.host, self.port), 0, 7
         self.error, self.left = error, attempts
+        self.targets: list[tuple[str, int]] = []
         self.slept: list[float] = []
         super().__init__(self, self)  # type: ignore[arg-type]  # its own state and connector
 
+    def go_home(self) -> None:
+        self.host, self.port = self.home
+        self.rank = 0
+
     async def connect(self, timeout: float, answered_timeout: float) -> None:
+        self.targets.append((self.host, self.port))
         self.left -= 1
         if self.left == 0:
             self.closing = True  # stop the loop after this attempt
@@ -79,3 +86,13 @@ def test_a_learner_that_does_not_answer_gets_the_longer_backoff(monkeypatch):
     slept, last = run(Attempts(timed_out, 30), monkeypatch)
     assert isinstance(last, ConnectError)
     assert max(slept) > 1.5 * REFUSED_BACKOFF and max(slept) <= 3.0, slept
+
+
+def test_an_actor_whose_rank_does_not_answer_asks_rank_0_at_once(monkeypatch):
+    # Rank 0 of a job of many learners sent the actor to rank 2 at port 7002; rank 2 is gone.
+    attempts = Attempts(refused, 3)
+    attempts.host, attempts.port, attempts.rank = "127.0.0.1", 7002, 2
+    slept, last = run(attempts, monkeypatch)
+    assert attempts.targets == [("127.0.0.1", 7002), ("127.0.0.1", 9), ("127.0.0.1", 9)]
+    assert len(slept) == 1 and attempts.rank == 0  # no wait before asking rank 0; rank 0's refusal backs off
+    assert isinstance(last, ConnectError)

@@ -298,7 +298,9 @@ class Outbox:
     def sync(self, seq: int) -> None:
         """Ask the learner to acknowledge once ``seq`` steps are buffered (loop thread)."""
         s = self._state
-        if s.control is not None and s.acked < seq:
+        # Only on a session that is up: while a reconnect is handshaking, a Sync would reach
+        # the learner before the Hello and end the new connection (wait_acked asks again).
+        if s.control is not None and s.connected and s.acked < seq:
             s.control.send(_wire.Sync(seq))
 
     def sync_soon(self, seq: int) -> None:

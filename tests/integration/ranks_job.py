@@ -1,0 +1,85 @@
+"""One learner rank of a job of many, as the multi-learner tests start it (under torchrun, or
+as a process given RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT as torchrun would set them).
+
+Each rank makes ``Learner(address, distributed=True)``; rank 0 writes its address to
+``<out>/address``. Every rank appends each step it fetches to ``<out>/rank<r>.steps`` as
+``actor seq value`` lines, flushed per batch (a killed rank's deliveries stay on record),
+publishes ``--versions`` versions (in lockstep with the other ranks, as DDP steps: a barrier
+on the default group before each), and at the end writes ``<out>/rank<r>.json``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--address", default="127.0.0.1:0")
+    p.add_argument("--transport", default="tcp")
+    p.add_argument("--versions", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=90.0, help="give up after this long")
+    args = p.parse_args(argv)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+
+    import numpy as np
+    import torch.distributed as dist
+
+    from rlink_ucx import Closed, Config, Learner, RLinkDataset
+    from rlink_ucx import TimeoutError as RLinkTimeout
+
+    config = Config(reconnect_timeout=20.0)
+    started = time.monotonic()
+    with Learner(args.address, distributed=True, transport=args.transport, config=config) as learner:
+        rank = learner.rank
+        if rank == 0:
+            tmp = os.path.join(args.out, "address.tmp")
+            with open(tmp, "w") as fh:
+                fh.write(learner.address)
+            os.replace(tmp, os.path.join(args.out, "address"))
+        dataset = RLinkDataset(learner, batch_size=16, stop_when_actors_done=True)
+        steps = open(os.path.join(args.out, f"rank{rank}.steps"), "w")
+        published: list[int] = []
+        fetched, last_publish = 0, 0.0
+        while time.monotonic() - started < args.seconds:
+            go = os.path.exists(os.path.join(args.out, "go"))  # every actor connected and subscribed
+            if go and len(published) < args.versions and time.monotonic() - last_publish > 0.3:
+                dist.barrier()  # the ranks publish in lockstep, as DDP steps
+                weights = _tensor(np.full(4, len(published) + 1, np.float32))
+                published.append(learner.publish({"w": weights}, wait=True, timeout=30))
+                last_publish = time.monotonic()
+            try:
+                batch = dataset.fetch(timeout=0.5)
+            except RLinkTimeout:
+                continue
+            except Closed:  # this rank's actors are done
+                break
+            rows = zip(batch.actor_id.tolist(), batch.seq.tolist(), batch["x"][:, 0].tolist())
+            steps.write("".join(f"{a} {s} {int(x)}\n" for a, s, x in rows))
+            steps.flush()
+            fetched += len(batch.seq)
+        while len(published) < args.versions:  # the other ranks still wait at their barriers
+            dist.barrier()
+            published.append(learner.publish({"w": _tensor(np.full(4, len(published) + 1, np.float32))}))
+        steps.close()
+        stats = learner.stats()
+        summary = {"rank": rank, "world_size": learner.world_size, "published": published, "fetched": fetched,
+                   "actors": sorted(a["actor_id"] for a in stats["actors"] + stats["ended_actors"]),
+                   "version": learner.version, "ranks": stats.get("ranks"), "address": learner.address}  # fmt: skip
+    with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
+        json.dump(summary, fh)
+    return 0
+
+
+def _tensor(array):
+    import torch
+
+    return torch.from_numpy(array)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--versions", type=int, default=0, help="follow published versions up to this one")
     p.add_argument("--pace", type=float, default=0.002, help="seconds between puts")
     p.add_argument("--transport", default="tcp")
+    p.add_argument("--host", default=None, help="rank 0's host as this actor reaches it (default: from the file)")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -37,6 +38,8 @@ def main(argv: list[str] | None = None) -> int:
         time.sleep(0.05)
     with open(address_file) as fh:
         address = fh.read().strip()
+    if args.host is not None:  # rank 0 listens on all interfaces: the file has 0.0.0.0
+        address = f"{args.host}:{address.rsplit(':', 1)[1]}"
     result: dict = {"index": args.index, "seen": [], "error": None}
     config = Config(reconnect_timeout=float(os.environ.get("RLINK_RECONNECT_TIMEOUT", "30")))
     try:

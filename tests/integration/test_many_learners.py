@@ -13,6 +13,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -22,6 +23,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+
+from tests.integration.test_netns import two_hosts  # noqa: F401 - a fixture
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = ROOT / "tests" / "integration" / "ranks_job.py"
@@ -62,12 +65,12 @@ def ranks_by_hand(world: int, out: Path, *args: str, prefix: tuple[str, ...] = (
 
 
 def actors(out: Path, count: int, steps: int, versions: int = 0, prefix: tuple[str, ...] = (), pace: float = 0.002,
-           **env: str) -> list[subprocess.Popen]:  # fmt: skip
+           first: int = 0, extra: tuple[str, ...] = (), **env: str) -> list[subprocess.Popen]:  # fmt: skip
     procs = []
-    for i in range(count):
+    for i in range(first, first + count):
         given = ["--actor-id", str(100 + i)] if i % 2 else []  # half given ids, half given one by rank 0
         procs.append(subprocess.Popen([*prefix, sys.executable, str(ACTOR), "--out", str(out), "--index", str(i),
-                                       "--steps", str(steps), "--versions", str(versions), "--pace", str(pace), *given], cwd=ROOT,
+                                       "--steps", str(steps), "--versions", str(versions), "--pace", str(pace), *given, *extra], cwd=ROOT,
                                       env=clean_env(**env), stdout=open(out / f"actor{i}.log", "w"),
                                       stderr=subprocess.STDOUT, text=True))  # fmt: skip
     return procs
@@ -241,3 +244,41 @@ def test_rank_0_killed_other_ranks_keep_their_actors_and_rank_0_s_wait_then_fail
         else:  # rank 0's: retried its address for reconnect_timeout, then gave up
             assert got["error"].startswith("PeerLost") and "unreachable" in got["error"], got
     assert sum(got["error"] is not None for got in results(tmp_path, n_actors)) == 2
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
+def test_two_ranks_on_two_hosts_share_actors_that_know_only_rank_0(two_hosts, tmp_path):  # noqa: F811 - the fixture
+    ns_a, ns_b, va = two_hosts
+    vb = "vb" + va[2:]
+    n_actors, steps, versions = 6, 400, 2
+    common = {"RLINK_TOKEN": "ranks-" + uuid.uuid4().hex, "WORLD_SIZE": "2", "MASTER_ADDR": "10.77.0.1",
+              "MASTER_PORT": "29517"}  # fmt: skip
+    ranks = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(JOB), "--out", str(tmp_path), "--address",
+                               "0.0.0.0:7447", "--versions", str(versions)], cwd=ROOT,
+                              env=clean_env(RANK=str(r), GLOO_SOCKET_IFNAME=dev, **common),
+                              stdout=open(tmp_path / f"rank{r}.log", "w"), stderr=subprocess.STDOUT)
+             for r, (ns, dev) in enumerate(((ns_a, va), (ns_b, vb)))]  # fmt: skip
+    acts: list[subprocess.Popen] = []
+    try:
+        wait_files(tmp_path, ["address"], 90, ranks)
+        token = {"RLINK_TOKEN": common["RLINK_TOKEN"]}
+        half = n_actors // 2  # on each host, all told rank 0's address
+        acts = [*actors(tmp_path, half, steps, versions, prefix=("ip", "netns", "exec", ns_a), extra=("--host", "10.77.0.1"),
+                        **token),
+                *actors(tmp_path, half, steps, versions, prefix=("ip", "netns", "exec", ns_b), first=half,
+                        extra=("--host", "10.77.0.1"), **token)]  # fmt: skip
+        wait_files(tmp_path, [f"actor{i}.connected" for i in range(n_actors)], 90, [*ranks, *acts])
+        (tmp_path / "go").touch()
+        finish(acts, 120)
+        finish(ranks, 60)
+    finally:
+        for p in [*ranks, *acts]:
+            p.kill()
+    home = check_exactly_once(tmp_path, 2, n_actors, steps)
+    assert collections.Counter(home.values()) == {0: 3, 1: 3}, home
+    summaries = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert summaries[0]["ranks"]["1"]["address"] == "10.77.0.2:" + summaries[1]["address"].rsplit(":", 1)[1]
+    assert summaries[1]["address"].startswith("0.0.0.0:")  # all interfaces, advertised as the address toward rank 0
+    for got in results(tmp_path, n_actors):
+        assert got["error"] is None and got["seen"][-1] == versions and got["w"] == versions, got

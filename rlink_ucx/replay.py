@@ -199,9 +199,10 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         """Write a consistent snapshot to the directory ``path`` (replaced if it exists).
 
         Inserts pause while the fields stream to disk (the actors wait on credit, nothing is
-        dropped); sampling goes on.
+        dropped); sampling goes on. On a learner rank of a job of many (``distributed=True``),
+        each rank writes its own table to ``path/rank-<r>`` (call it on every rank).
         """
-        save(self._core, path, self._settings)
+        save(self._core, rank_path(path, self.learner), self._settings)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str], learner: Learner, *, device: str | torch.device = "cpu",
@@ -215,6 +216,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
             CheckpointError: missing, truncated or corrupted files, or another format.
             SchemaMismatch: the learner's actors send another schema than the checkpoint's.
         """
+        path = rank_path(path, learner)  # a rank of a job of many: its own table
         settings = read_manifest(path)["settings"]
         try:
             return cls(learner, **settings, device=device, timeout=timeout, seed=seed, storage=storage,
@@ -275,3 +277,11 @@ def _check(capacity: int, batch_size: int, sampler: str, sequence_length: int | 
         raise ConfigError("priority_exponent and importance_exponent must be >= 0")
     if min_size > capacity:
         raise ConfigError(f"min_size {min_size} exceeds capacity {capacity}: sampling could never start")
+
+
+def rank_path(path: str | os.PathLike[str], learner: Learner) -> str:
+    """Where ``learner``'s table is kept under ``path``: ``path`` itself for a lone learner,
+    ``path/rank-<r>`` for rank r of a job of many (one checkpoint per rank under one path)."""
+    if learner.world_size == 1:
+        return os.fspath(path)
+    return os.path.join(os.fspath(path), f"rank-{learner.rank}")

@@ -23,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="tcp")
     p.add_argument("--versions", type=int, default=3)
     p.add_argument("--seconds", type=float, default=90.0, help="give up after this long")
+    p.add_argument("--replay", default=None, help="keep steps in a ReplayDataset, save it here and load it back")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -41,6 +42,11 @@ def main(argv: list[str] | None = None) -> int:
             with open(tmp, "w") as fh:
                 fh.write(learner.address)
             os.replace(tmp, os.path.join(args.out, "address"))
+        if args.replay:
+            summary = _replay_round_trip(learner, args)
+            with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
+                json.dump(summary, fh)
+            return 0
         dataset = RLinkDataset(learner, batch_size=16, stop_when_actors_done=True)
         steps = open(os.path.join(args.out, f"rank{rank}.steps"), "w")
         published: list[int] = []
@@ -73,6 +79,33 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(summary, fh)
     return 0
+
+
+def _replay_round_trip(learner, args) -> dict:
+    """Take this rank's actors' steps into a replay until they are done, save it under
+    ``args.replay`` (each rank its own), load it back beside, and say what each held."""
+    import torch.distributed as dist
+
+    from rlink_ucx import ReplayDataset
+
+    replay = ReplayDataset(learner, capacity=100_000, batch_size=8, prefetch=0)
+    deadline = time.monotonic() + args.seconds
+    while time.monotonic() < deadline:
+        stats = learner.stats()
+        if stats["ended_actors"] and not stats["actors"] and len(replay) == stats["total"]["steps"]:
+            break
+        time.sleep(0.1)
+    held = len(replay)
+    batch = replay.sample(timeout=10)
+    mine = {a["actor_id"] for a in learner.stats()["ended_actors"]}
+    assert set(batch.actor_id.tolist()) <= mine, "a rank samples only its own actors' steps"
+    replay.save(args.replay)
+    replay.close()
+    dist.barrier()  # every rank saved
+    again = ReplayDataset.load(args.replay, learner, prefetch=0)
+    summary = {"rank": learner.rank, "held": held, "loaded": len(again), "actors": sorted(mine)}
+    again.close()
+    return summary
 
 
 def _tensor(array):

@@ -282,3 +282,23 @@ def test_two_ranks_on_two_hosts_share_actors_that_know_only_rank_0(two_hosts, tm
     assert summaries[1]["address"].startswith("0.0.0.0:")  # all interfaces, advertised as the address toward rank 0
     for got in results(tmp_path, n_actors):
         assert got["error"] is None and got["seen"][-1] == versions and got["w"] == versions, got
+
+
+@pytest.mark.timeout(240)
+def test_each_rank_keeps_and_checkpoints_a_replay_of_its_own_actors(tmp_path):
+    world, n_actors, steps = 2, 4, 300
+    ranks = ranks_by_hand(world, tmp_path, "--replay", str(tmp_path / "replay"))
+    acts: list[subprocess.Popen] = []
+    try:
+        wait_files(tmp_path, ["address"], 90, ranks)
+        acts = actors(tmp_path, n_actors, steps)
+        finish(acts, 120)
+        finish(ranks, 90)
+    finally:
+        for p in [*ranks, *acts]:
+            p.kill()
+    summaries = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(world)]
+    assert sorted(p.name for p in (tmp_path / "replay").iterdir()) == ["rank-0", "rank-1"]
+    for got in summaries:
+        assert len(got["actors"]) == 2 and got["held"] == got["loaded"] == 2 * steps, got
+    assert set(summaries[0]["actors"]).isdisjoint(summaries[1]["actors"])

@@ -93,3 +93,16 @@ def test_the_soak_kills_pauses_and_cuts_and_every_stream_still_balances(tmp_path
     streams = report["streams"]
     assert streams and all(r["balanced"] for r in streams), streams
     assert report["order_errors"] == [] and sum(r["delivered"] for r in streams) > 1000
+
+
+def test_many_learners_compares_one_rank_with_two_on_the_same_actors(tmp_path):
+    out = tmp_path / "ml.json"
+    _run("bench/many_learners.py", "--ranks", "2", "--actors", "2", "--seconds", "1.5", "--repeats", "1",
+         "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    one, two = report["runs"]["1"][0], report["runs"]["2"][0]
+    assert [r["rank"] for r in one["per_rank"]] == [0] and [r["rank"] for r in two["per_rank"]] == [0, 1]
+    for run in (one, two):
+        assert run["gb_per_s"] > 0 and abs(sum(r["gb_per_s"] for r in run["per_rank"]) - run["gb_per_s"]) < 1e-9
+        assert all(r["gb_per_s"] > 0 and r["cpu_s_per_gb"] > 0 for r in run["per_rank"]), run  # every rank ingests
+    assert report["ratio"] == report["many"] / report["one"]

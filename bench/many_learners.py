@@ -67,7 +67,7 @@ def rank_main(rank: int, world: int, master_port: int, transport: str, window, a
         time.sleep(1.0)
 
 
-def actor_main(address_q, stop) -> None:
+def actor_main(address_q, ready_q, stop) -> None:
     import numpy as np
 
     from rlink_ucx import Actor
@@ -76,25 +76,30 @@ def actor_main(address_q, stop) -> None:
     address_q.put(address)  # for the next actor
     obs = np.random.default_rng().integers(0, 255, (CHUNK, *OBS), dtype=np.uint8)
     with Actor(address) as actor:
+        actor.put_many({"obs": obs})
+        actor.flush(timeout=60)
+        ready_q.put(1)
         while not stop.is_set():
             actor.put_many({"obs": obs})
         actor.flush(timeout=30)
 
 
-def one_run(world: int, actors: int, seconds: float, transport: str, warmup: float = 3.0) -> dict:
+def one_run(world: int, actors: int, seconds: float, transport: str, warmup: float = 1.0) -> dict:
     ctx = mp.get_context("spawn")
     window = ctx.Array("d", [0.0, 0.0])
-    address_q, out_q, stop = ctx.Queue(), ctx.Queue(), ctx.Event()
+    address_q, ready_q, out_q, stop = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Event()
     port = _free_port()
     ranks = [ctx.Process(target=rank_main, args=(r, world, port, transport, window, address_q, out_q))
              for r in range(world)]  # fmt: skip
     for p in ranks:
         p.start()
-    procs = [ctx.Process(target=actor_main, args=(address_q, stop)) for _ in range(actors)]
+    procs = [ctx.Process(target=actor_main, args=(address_q, ready_q, stop)) for _ in range(actors)]
     for p in procs:
         p.start()
     try:
-        start = time.time() + warmup + 2.0  # spawned actors connect within the warm-up
+        for _ in range(actors):  # every actor streams (at its rank) before the window opens
+            ready_q.get(timeout=120)
+        start = time.time() + warmup
         window[0], window[1] = start, start + seconds
         rows = [out_q.get(timeout=seconds + warmup + 120) for _ in range(world)]
     finally:

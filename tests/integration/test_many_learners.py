@@ -54,12 +54,13 @@ def torchrun(world: int, out: Path, *args: str) -> subprocess.Popen:
                             text=True)  # fmt: skip
 
 
-def ranks_by_hand(world: int, out: Path, *args: str, prefix: tuple[str, ...] = (), **env: str) -> list[subprocess.Popen]:
+def ranks_by_hand(world: int, out: Path, *args: str, prefix: tuple[str, ...] = (), per_rank: list[dict] | None = None,
+                  **env: str) -> list[subprocess.Popen]:  # fmt: skip
     """The ranks started as torchrun starts its workers (without its agent, which would end the
     whole job when one rank dies)."""
     master = {"WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), **env}
     return [subprocess.Popen([*prefix, sys.executable, str(JOB), "--out", str(out), *args], cwd=ROOT,
-                             env=clean_env(RANK=str(r), LOCAL_RANK=str(r), **master),
+                             env=clean_env(RANK=str(r), LOCAL_RANK=str(r), **master, **(per_rank or [{}] * world)[r]),
                              stdout=open(out / f"rank{r}.log", "w"), stderr=subprocess.STDOUT, text=True)
             for r in range(world)]  # fmt: skip
 
@@ -302,3 +303,20 @@ def test_each_rank_keeps_and_checkpoints_a_replay_of_its_own_actors(tmp_path):
     for got in summaries:
         assert len(got["actors"]) == 2 and got["held"] == got["loaded"] == 2 * steps, got
     assert set(summaries[0]["actors"]).isdisjoint(summaries[1]["actors"])
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_with_another_token_stops_every_rank_with_a_config_error(tmp_path):
+    tokens = [{"RLINK_TOKEN": "first-" + uuid.uuid4().hex}, {"RLINK_TOKEN": "second-" + uuid.uuid4().hex}]
+    ranks = ranks_by_hand(2, tmp_path, per_rank=tokens)
+    try:
+        for proc in ranks:
+            proc.wait(timeout=90)
+    finally:
+        for p in ranks:
+            p.kill()
+    assert [p.returncode for p in ranks] == [1, 1]
+    rank0, rank1 = (tmp_path / "rank0.log").read_text(), (tmp_path / "rank1.log").read_text()
+    assert "ConfigError: learner rank 1 holds another token than rank 0" in rank1, rank1[-2000:]
+    assert "ConfigError: learner rank 1 of 2 did not start" in rank0, rank0[-2000:]
+    assert not (tmp_path / "address").exists() or not (tmp_path / "rank0.json").exists()

@@ -249,7 +249,8 @@ class Actor:
         return version
 
     def stats(self) -> dict[str, Any]:
-        """Counters: steps put and sent, frames, bytes, credit waits, acknowledgements."""
+        """Counters: steps put and sent, frames, bytes, credit waits, acknowledgements; the learner
+        (rank, in a job of many learners) serving this actor."""
         return {
             "actor_id": self.actor_id,
             "transport": self.transport,

@@ -59,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
             if follower is not None:
                 follower.join(90)
             result["actor_id"] = actor.actor_id
+            result["learner_rank"] = actor.stats()["learner_rank"]
             result["weights"] = actor.stats()["weights"]
     except RLinkError as exc:
         result["error"] = f"{type(exc).__name__}: {exc}"

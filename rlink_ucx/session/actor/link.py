@@ -129,6 +129,8 @@ class ActorConnection:
             "steps_lost": s.steps_lost,
             "connected": s.connected,
             "error": repr(s.error) if s.error else None,
+            "learner_address": f"{s.host}:{s.port}",  # the rank serving it, in a job of many learners
+            "learner_rank": s.rank,
         }
 
     # --- closing -----------------------------------------------------------------------------------

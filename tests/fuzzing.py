@@ -74,6 +74,8 @@ def valid_examples() -> list[Any]:
         _wire.Seal(1, [bytes(16)], mac), _wire.StoreRequest(1, 1, "get", ["rlink/1/0/0"], [], 0, 10.0),
         _wire.StoreReply(1, True, [b"addr"], 0, ""), _wire.AttachProof(mac),
         _wire.Mapped(manifest, [os.getpid(), 3, bytes(16), 16]),
+        _wire.Redirect(1, "127.0.0.1", 9, 7), _wire.RankHello(1, 2, "127.0.0.1", 9), _wire.RankWelcome(2),
+        _wire.RankActors([1, 2, 3]),
     ]  # fmt: skip
 
 

@@ -66,7 +66,7 @@ def stream(ring: StepRing, actor: int, seq: int, n: int, frame: int = 64, timeou
 
 
 class FakeLearner:
-    """What ReplayDataset uses of a Learner: its version, config, closed flag and feed (this
+    """What ReplayDataset uses of a Learner: its version, rank, config, closed flag and feed (this
     object itself: a ring that is there at once, or once ``ready`` is set)."""
 
     def __init__(self, ring: StepRing | None):
@@ -74,6 +74,7 @@ class FakeLearner:
 
         self.ring = ring
         self.version = 0
+        self.rank, self.world_size = 0, 1  # a lone learner
         self.closed = False
         self.config = Config()
         self.ready = threading.Event()

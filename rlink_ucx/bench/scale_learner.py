@@ -29,6 +29,7 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
         actors: list[np.ndarray] = []
         seqs: list[np.ndarray] = []
         lat_ns: list[np.ndarray] = []
+        put_ns: list[np.ndarray] = []
         window: CpuWindow | None = None
         connected: dict[str, Any] = {}
         source, draining = dataset, False
@@ -53,7 +54,8 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
                     continue
                 break
             now = time.time_ns()
-            lat_ns.append(now - batch["t_ns"].numpy())
+            put_ns.append(batch["t_ns"].numpy().astype(np.int64))
+            lat_ns.append(now - put_ns[-1])
             actors.append(batch["actor"].numpy().astype(np.int64))
             seqs.append(batch["seq"].numpy().astype(np.int64))
         else:
@@ -66,6 +68,7 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
 
         reports.put(("learner-result", None, {
             "actor": cat(actors, np.int64), "seq": cat(seqs, np.int64), "lat_ns": cat(lat_ns, np.int64),
+            "t_ns": cat(put_ns, np.int64),
             "cpu_s": cpu, "wall_s": wall, "connected": connected, "rss_end_mib": rss_mib(),
             "stats": {k: stats.get(k) for k in ("connected_actors", "lost_actors", "rejected_connections")},
         }))  # fmt: skip

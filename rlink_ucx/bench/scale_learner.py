@@ -20,6 +20,8 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
     from .. import TimeoutError as FetchTimeout
 
     deadline = time.time() + timeout
+    if os.environ.get("STORM_INSTR"):  # TEMP
+        import sys; sys.path.insert(0, "/tmp/storm/instr"); import storm_instr  # noqa
     learner = Learner("127.0.0.1:0", transport=transport, config=Config.from_env())
     try:
         dataset = RLinkDataset(learner, batch_size=batch_size)
@@ -70,7 +72,8 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
             "actor": cat(actors, np.int64), "seq": cat(seqs, np.int64), "lat_ns": cat(lat_ns, np.int64),
             "t_ns": cat(put_ns, np.int64),
             "cpu_s": cpu, "wall_s": wall, "connected": connected, "rss_end_mib": rss_mib(),
-            "stats": {k: stats.get(k) for k in ("connected_actors", "lost_actors", "rejected_connections")},
+            "stats": {k: stats.get(k) for k in ("connected_actors", "lost_actors", "rejected_connections", "shed_handshakes",
+                                                    "shed_handshakes_per_peer", "preauth_timeouts")},
         }))  # fmt: skip
         wait_message(cmd, deadline)  # "stop": the actors are closed by then
     finally:

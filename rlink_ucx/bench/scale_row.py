@@ -113,6 +113,11 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
         procs_all.append(learner)
         phase = "learner start"
         pump(lambda: bool(learner_info), "the learner to listen")
+        import os, subprocess  # TEMP profiling hack
+        if os.environ.get("STORM_PYSPY"):
+            subprocess.Popen(["/tmp/storm/pyspy_inst/bin/py-spy", "record", "--pid", str(learner_info["pid"]),
+                              "--duration", os.environ.get("STORM_PYSPY_S", "8"), "--rate", "250", "--format", "raw",
+                              "--threads", "-o", os.environ["STORM_PYSPY"]], stdout=subprocess.DEVNULL)
         shares = [list(range(w, actors, procs)) for w in range(procs)]
         workers = [ctx.Process(target=child_main, name=f"scale-worker-{w}", daemon=True,
                                args=("worker-error", w, worker_process, reports, w, learner_info["port"], transport,

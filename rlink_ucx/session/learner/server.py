@@ -172,6 +172,7 @@ class LearnerServer:
         try:
             try:
                 async with asyncio.timeout(self.config.handshake_timeout):
+                    await self.admission.turn(asyncio.current_task())  # a storm from one host: its line
                     result = await self._handshake(conn)
                 self.admission.finished(asyncio.current_task())
             except TimeoutError as exc:
@@ -335,7 +336,7 @@ class LearnerServer:
                 f"{self.schema.compare(schema)}")  # fmt: skip
 
     def grant_credits(self) -> None:
-        self.credit.grant()
+        self.credit.soon()  # coalesced: one walk of the sessions per loop pass
 
     def credit_low(self) -> None:
         self.credit.credit_low()

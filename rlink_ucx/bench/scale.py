@@ -23,7 +23,8 @@ connecting at once; together: the release -> the last one connected), how many c
 (what the actors' puts returned for) / delivered / duplicated / lost, put->fetch latency
 p50 / p99 / p99.9 over the whole run, the same p50 / p99 of each actor's first step (seq 0) and
 of the steady state (steps put 3 s or more after the stream's start), with how many first steps
-took over 200 ms (the learner's ``time.time_ns()`` when the batch is returned minus ``t_ns``:
+took over 200 ms and when the first steps were fetched, counted from the stream's start (p50,
+p99, max: ``first_fetched_*_s``; in together mode that includes connecting) (the learner's ``time.time_ns()`` when the batch is returned minus ``t_ns``:
 it includes waiting for the batch to fill, which is why the default batch size follows the
 aggregate rate: about 5 ms of steps, 1 to 32), the learner's CPU (fraction of a core over the
 streaming window, ``os.times`` of its process), actor CPU per connected actor (the worker

@@ -20,8 +20,6 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
     from .. import TimeoutError as FetchTimeout
 
     deadline = time.time() + timeout
-    if os.environ.get("STORM_INSTR"):  # TEMP
-        import sys; sys.path.insert(0, "/tmp/storm/instr"); import storm_instr  # noqa
     learner = Learner("127.0.0.1:0", transport=transport, config=Config.from_env())
     try:
         dataset = RLinkDataset(learner, batch_size=batch_size)

@@ -113,11 +113,6 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
         procs_all.append(learner)
         phase = "learner start"
         pump(lambda: bool(learner_info), "the learner to listen")
-        import os, subprocess  # TEMP profiling hack
-        if os.environ.get("STORM_PYSPY"):
-            subprocess.Popen(["/tmp/storm/pyspy_inst/bin/py-spy", "record", "--pid", str(learner_info["pid"]),
-                              "--duration", os.environ.get("STORM_PYSPY_S", "8"), "--rate", "250", "--format", "raw",
-                              "--threads", "-o", os.environ["STORM_PYSPY"]], stdout=subprocess.DEVNULL)
         shares = [list(range(w, actors, procs)) for w in range(procs)]
         workers = [ctx.Process(target=child_main, name=f"scale-worker-{w}", daemon=True,
                                args=("worker-error", w, worker_process, reports, w, learner_info["port"], transport,
@@ -206,6 +201,13 @@ def _phases(row: dict[str, Any], lat: np.ndarray, result: dict[str, Any]) -> Non
         row.update(first_p50_ms=float(p50), first_p99_ms=float(p99), first_max_ms=float(first.max()),
                    first_over_200ms=int((first > 200).sum()))  # fmt: skip
     if "start_at" in row and "t_ns" in result:
+        # when each actor's first step was fetched, from the stream's start (the release, in
+        # together mode): connecting, negotiating and the first step's trip together
+        fetched = (result["t_ns"][result["seq"] == 0] / 1e9 + first / 1e3) - row["start_at"]
+        if len(fetched):
+            p50, p99 = np.percentile(fetched, [50, 99])
+            row.update(first_fetched_p50_s=float(p50), first_fetched_p99_s=float(p99),
+                       first_fetched_max_s=float(fetched.max()))  # fmt: skip
         steady = lat[result["t_ns"] >= int((row["start_at"] + STEADY_AFTER_S) * 1e9)]
         if len(steady):
             p50, p99 = np.percentile(steady, [50, 99])

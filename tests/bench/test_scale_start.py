@@ -46,6 +46,8 @@ def test_start_together_reports_first_step_steady_and_connect_time(tmp_path):
     # seq 0 of each of the 6 actors: its connect's schema negotiation is part of that put
     assert 0 < r["first_p50_ms"] <= r["first_p99_ms"] <= r["first_max_ms"] <= r["max_ms"]
     assert 0 <= r["first_over_200ms"] <= 6
+    # counted from the release: it includes connecting
+    assert 0 < r["first_fetched_p50_s"] <= r["first_fetched_p99_s"] <= r["first_fetched_max_s"] < 4
     # steps put from 3 s after the release on: about 1 s of 6 actors at 25 steps/s
     assert 6 * 20 <= r["steady_steps"] <= 6 * 27, r["steady_steps"]
     assert 0 < r["steady_p50_ms"] <= r["steady_p99_ms"] <= r["max_ms"]

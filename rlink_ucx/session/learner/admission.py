@@ -7,10 +7,10 @@ lingers is a slow link or a slowloris, and a dropped actor retries with backoff.
 address (an IPv6 peer: its /64) may hold at most ``Config.max_handshakes_per_peer`` of them; at
 that cap its own oldest goes if it is older than half the pre-auth timeout (a slowloris), else
 the newcomer waits in that peer's line (a storm of one host's actors starting together: each
-starts its handshake, in arrival order, as soon as one of the peer's ends, with no retry and no
-backoff) for at most the pre-auth timeout; the lines of all peers hold at most
-``Config.max_connections`` connections, past which a newcomer is refused (it retries with
-backoff). So a flood from one address never touches other peers' handshakes. A connection that has not authenticated within
+is sent its challenge, so it knows the learner is there and waits for it, and goes on, in
+arrival order, as soon as one of the peer's handshakes ends, with no retry and no backoff),
+for at most the pre-auth timeout; the lines of all peers hold at most ``Config.max_connections``
+connections, past which a newcomer is refused (it retries with backoff). So a flood from one address never touches other peers' handshakes. A connection that has not authenticated within
 ``Config.preauth_timeout`` is dropped too. ``Config.max_connections`` caps the actors
 themselves. The listen backlog and the file limit are sized for a storm of them.
 """
@@ -100,8 +100,9 @@ class Admission:
         self._register(task, key, now)
 
     async def turn(self, task: asyncio.Task[Any] | None) -> None:
-        """Wait until ``task`` (admitted) may start its handshake: at once, unless it is in its
-        peer's line. Raises TimeoutError after ``preauth_timeout`` in the line."""
+        """Wait until ``task`` (admitted, its challenge sent) may go on with its handshake: at
+        once, unless it is in its peer's line. Raises TimeoutError after ``preauth_timeout`` in
+        the line (a silent connection waits no longer there than in a place of its own)."""
         turn = self._turns.get(id(task)) if task is not None else None
         if turn is None:
             return

@@ -39,10 +39,13 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
             except queue.Empty:
                 msg = None
             if msg is not None:
-                if msg[0] == "go":  # every actor that will connect has: measure, then time the window
-                    connected = {"rss_mib": rss_mib(), "fds": open_fds()}
+                if msg[0] == "go":  # time the window; spread: every actor that will connect has, measure
+                    if msg[3]:
+                        connected = {"rss_mib": rss_mib(), "fds": open_fds()}
                     window = CpuWindow(msg[1], msg[2])
                     window.start()
+                elif msg[0] == "measure":  # together: the last actor connected
+                    connected = {"rss_mib": rss_mib(), "fds": open_fds()}
                 elif msg[0] == "drain":  # every actor flushed: what is left is in the ring
                     source, draining = tail, True
                 elif msg[0] == "stop":

@@ -64,6 +64,8 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
         if kind == "connected":
             conn[key] = (value[0], value[1])
             transports[value[2]] += 1
+            if together and len(conn) == actors:  # the learner's RSS and fds with every actor connected
+                learner_cmd.put(("measure",))
         elif kind == "failed":
             conn.pop(key, None)
             failed[key] = ("connect", value[2], value[3])
@@ -135,7 +137,7 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
         start_at = time.time() + (RELEASE_S if together else 0.5)
         end_at = start_at + seconds
         row["start_at"] = start_at
-        learner_cmd.put(("go", start_at, end_at))
+        learner_cmd.put(("go", start_at, end_at, not together))  # together: measured once all connected
         for q in worker_cmds:
             q.put(("go", start_at, end_at))
         pump(lambda: len(done) == procs, "the actors to stream, flush and close")

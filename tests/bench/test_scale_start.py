@@ -51,6 +51,8 @@ def test_start_together_reports_first_step_steady_and_connect_time(tmp_path):
     # steps put from 3 s after the release on: about 1 s of 6 actors at 25 steps/s
     assert 6 * 20 <= r["steady_steps"] <= 6 * 27, r["steady_steps"]
     assert 0 < r["steady_p50_ms"] <= r["steady_p99_ms"] <= r["max_ms"]
+    # measured once the last actor connected: each holds a control and a data connection
+    assert r["learner_fds"] >= r["learner_fds_before"] + 2 * 6 and r["learner_rss_after_mib"] > 0
     text = done.stdout
     for header in ("1st_p50", "1st_p99", "st_p50", "st_p99", "conn_s", "together"):
         assert header in text, header

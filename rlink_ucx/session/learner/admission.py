@@ -9,7 +9,7 @@ that cap its own oldest goes if it is older than half the pre-auth timeout (a sl
 the newcomer waits in that peer's line (a storm of one host's actors starting together: each
 is sent its challenge, so it knows the learner is there and waits for it, and goes on, in
 arrival order, as soon as one of the peer's handshakes ends, with no retry and no backoff),
-for at most the pre-auth timeout; the lines of all peers hold at most ``Config.max_connections``
+within the handshake timeout; the lines of all peers hold at most ``Config.max_connections``
 connections, past which a newcomer is refused (it retries with backoff). So a flood from one address never touches other peers' handshakes. A connection that has not authenticated within
 ``Config.preauth_timeout`` is dropped too. ``Config.max_connections`` caps the actors
 themselves. The listen backlog and the file limit are sized for a storm of them.
@@ -101,17 +101,13 @@ class Admission:
 
     async def turn(self, task: asyncio.Task[Any] | None) -> None:
         """Wait until ``task`` (admitted, its challenge sent) may go on with its handshake: at
-        once, unless it is in its peer's line. Raises TimeoutError after ``preauth_timeout`` in
-        the line (a silent connection waits no longer there than in a place of its own)."""
+        once, unless it is in its peer's line. The caller's ``handshake_timeout`` bounds the
+        wait: a line of 2,048 connections (1,024 actors starting together on one host) takes
+        the loop longer than ``preauth_timeout`` to serve, and a connection timed out of it
+        only comes back with backoff. A silent connection in the line costs a descriptor."""
         turn = self._turns.get(id(task)) if task is not None else None
-        if turn is None:
-            return
-        try:
-            async with asyncio.timeout(self.config.preauth_timeout):
-                await asyncio.shield(turn)
-        except TimeoutError:
-            self.preauth_expired("a connection in its peer's line")
-            raise
+        if turn is not None:
+            await asyncio.shield(turn)
 
     def _register(self, task: asyncio.Task[Any], key: str, now: float) -> None:
         self._pending[id(task)] = (task, key)

@@ -63,7 +63,6 @@ def report(server: Any) -> dict[str, Any]:
         "shed_handshakes": server.admission.shed,  # unauthenticated, dropped by either cap
         "shed_handshakes_per_peer": server.admission.shed_per_peer,  # ... of which by max_handshakes_per_peer
         "preauth_timeouts": server.admission.timed_out,  # no login within preauth_timeout
-        "handshakes_waited": server.admission.waited,  # waited in their peer's line (max_handshakes_per_peer)
         "auth_failures": server.auth_failures,
         **server.planes.counters(),  # e.g. ucx_workers_recycled
         "buffer": {

@@ -6,11 +6,8 @@ actor's place; at the cap the oldest is dropped: a real handshake takes millisec
 lingers is a slow link or a slowloris, and a dropped actor retries with backoff. One peer
 address (an IPv6 peer: its /64) may hold at most ``Config.max_handshakes_per_peer`` of them; at
 that cap its own oldest goes if it is older than half the pre-auth timeout (a slowloris), else
-the newcomer waits in that peer's line (a storm of one host's actors starting together: each
-is sent its challenge, so it knows the learner is there and waits for it, and goes on, in
-arrival order, as soon as one of the peer's handshakes ends, with no retry and no backoff),
-within the handshake timeout; the lines of all peers hold at most ``Config.max_connections``
-connections, past which a newcomer is refused (it retries with backoff). So a flood from one address never touches other peers' handshakes. A connection that has not authenticated within
+the newcomer is refused (a storm of one host's actors: they retry with backoff), so a flood
+from one address never touches other peers' handshakes. A connection that has not authenticated within
 ``Config.preauth_timeout`` is dropped too. ``Config.max_connections`` caps the actors
 themselves. The listen backlog and the file limit are sized for a storm of them.
 """
@@ -58,60 +55,30 @@ class Admission:
         self.shed = 0  # dropped to make room for newer ones, by either cap
         self.shed_per_peer = 0  # ... of which by the per-peer cap
         self.timed_out = 0  # dropped for not authenticating within preauth_timeout
-        # A peer at its cap: the newcomers waiting for a turn, in arrival order (task, turn).
-        self._lines: dict[str, collections.deque[tuple[asyncio.Task[Any], asyncio.Future[None]]]] = {}
-        self._turns: dict[int, asyncio.Future[None]] = {}  # task id -> its turn, while it waits
-        self.waited = 0  # handshakes that waited in their peer's line
         self._log = RateLimitedLog(log, every=LOG_EVERY, burst=1)
 
     def admit(self, task: asyncio.Task[Any], host: str) -> None:
-        """``task`` starts a handshake with a peer at ``host``; at that peer's cap, drop its
-        oldest if that is old, else put ``task`` in the peer's line (``turn`` waits for its
-        place); drop the oldest unauthenticated one of all while there are too many."""
+        """``task`` starts a handshake with a peer at ``host``; drop the oldest unauthenticated
+        one of that peer, then of all, while there are too many."""
         key = peer_key(host)
         now = time.monotonic()
-        mine = self._by_peer.get(key)
-        if mine is not None and len(mine) >= self.config.max_handshakes_per_peer:
-            # A young handshake is most likely a real one held up by a storm of its peer's
-            # actors connecting at once (all of a host's actors share its address): the
-            # newcomer waits for it rather than churn the ones nearly done. An old one is a
-            # slowloris or a dead link: it goes.
-            oldest, since = next(iter(mine.items()))
-            if now - since >= self.config.preauth_timeout / 2:
-                self._drop(oldest)  # its place goes to the first of the line, if any
-                self.shed_per_peer += 1
-                self._log.warning("peer", "more than max_handshakes_per_peer=%d unauthenticated connections from "
-                                  "%s: dropping one older than preauth_timeout/2 (%d so far)",
-                                  self.config.max_handshakes_per_peer, key, self.shed_per_peer)  # fmt: skip
-            if len(mine) >= self.config.max_handshakes_per_peer or self._lines.get(key):
-                if len(self._turns) >= self.config.max_connections:
-                    task.cancel()  # the lines are full: it retries with backoff
-                    self.shed += 1
-                    self.shed_per_peer += 1
-                    self._log.warning("line", "%d connections wait for a handshake slot (max_connections): "
-                                      "refusing the newest from %s (%d so far)", len(self._turns), key,
-                                      self.shed_per_peer)  # fmt: skip
-                    return
-                turn = asyncio.get_running_loop().create_future()
-                self._lines.setdefault(key, collections.deque()).append((task, turn))
-                self._turns[id(task)] = turn
-                self.waited += 1
-                return
-        self._register(task, key, now)
-
-    async def turn(self, task: asyncio.Task[Any] | None) -> None:
-        """Wait until ``task`` (admitted, its challenge sent) may go on with its handshake: at
-        once, unless it is in its peer's line. The caller's ``handshake_timeout`` bounds the
-        wait: a line of 2,048 connections (1,024 actors starting together on one host) takes
-        the loop longer than ``preauth_timeout`` to serve, and a connection timed out of it
-        only comes back with backoff. A silent connection in the line costs a descriptor."""
-        turn = self._turns.get(id(task)) if task is not None else None
-        if turn is not None:
-            await asyncio.shield(turn)
-
-    def _register(self, task: asyncio.Task[Any], key: str, now: float) -> None:
         self._pending[id(task)] = (task, key)
-        self._by_peer.setdefault(key, collections.OrderedDict())[id(task)] = now
+        mine = self._by_peer.setdefault(key, collections.OrderedDict())
+        mine[id(task)] = now
+        while len(mine) > self.config.max_handshakes_per_peer:
+            # A young handshake is most likely a real one held up by a storm of its peer's
+            # actors connecting at once (all of a host's actors share its address): refuse the
+            # newcomer, which retries with backoff, rather than churn the ones nearly done.
+            # An old one is a slowloris or a dead link: it goes.
+            oldest, since = next(iter(mine.items()))
+            young = now - since < self.config.preauth_timeout / 2
+            self._drop(id(task) if young else oldest)
+            self.shed_per_peer += 1
+            self._log.warning("peer", "more than max_handshakes_per_peer=%d unauthenticated connections from %s: "
+                       "refusing the newest or dropping one older than preauth_timeout/2 (%d so far)",
+                       self.config.max_handshakes_per_peer, key, self.shed_per_peer)  # fmt: skip
+            if young:
+                return
         while len(self._pending) > self.config.max_handshakes:
             self._drop(next(iter(self._pending)))
             self._log.warning("all", "more than max_handshakes=%d connections are handshaking: dropping the oldest "
@@ -127,32 +94,12 @@ class Admission:
         """``task`` authenticated, or its handshake ended (a session, a data connection, a failure)."""
         if task is None:
             return
-        turn = self._turns.pop(id(task), None)
-        if turn is not None:  # left its line (cancelled, timed out): skipped when its place comes
-            turn.cancel()
         entry = self._pending.pop(id(task), None)
         if entry is not None:
-            key = entry[1]
-            mine = self._by_peer[key]
+            mine = self._by_peer[entry[1]]
             mine.pop(id(task), None)
-            self._next_in_line(key)
             if not mine:
-                del self._by_peer[key]
-
-    def _next_in_line(self, key: str) -> None:
-        """A handshake of peer ``key`` ended: the first of its line still waiting takes its place
-        (not past ``max_handshakes``: a place freed by that cap stays free)."""
-        line = self._lines.get(key)
-        while line and len(self._pending) < self.config.max_handshakes:
-            task, turn = line.popleft()
-            if turn.done() or task.done():
-                continue
-            del self._turns[id(task)]
-            self._register(task, key, time.monotonic())
-            turn.set_result(None)
-            break
-        if not line:
-            self._lines.pop(key, None)
+                del self._by_peer[entry[1]]
 
     def preauth_expired(self, peer: str) -> None:
         """Count (and log, rate-limited) a connection dropped for not authenticating in time."""

@@ -216,7 +216,6 @@ class LearnerServer:
     async def _handshake(self, conn: ControlConnection) -> LearnerSession | tuple[Member, int] | None:
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
-        await self.admission.turn(asyncio.current_task())  # a storm from one host: its line (answered already)
         limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
         try:  # what follows is verified at once: only this wait is unauthenticated
             async with asyncio.timeout(limit):

@@ -177,6 +177,7 @@ class Soak:
         self.lost_in_learner_ring_bytes = 0
         self.learner_duplicates = 0  # duplicate_steps of the learners that were killed
         self.started = time.time()
+        self.ended = 0.0
 
     def start_learner(self) -> None:
         self.learner_cmd = self.ctx.Queue()
@@ -277,6 +278,7 @@ class Soak:
 
     def finish(self) -> dict:
         a = self.args
+        self.ended = time.time()
         self.stop.value = 1
         finals: dict[tuple[int, int], dict] = {}
         while not all((self.groups[p][0], self.gen[p]) in finals for p in range(a.procs)):
@@ -325,7 +327,8 @@ class Soak:
         totals = {k: int(sum(r[k] for r in rows)) for k in ("put", "delivered", "repeats", "reported_lost",
                                                              "lost_in_kill", "lost_at_learner_restart")}  # fmt: skip
         totals["learner_duplicates"] = self.learner_duplicates + last_duplicates
-        minutes = per_minute(self.samples, self.started, self.events)
+        window = min(self.ended, self.started + self.args.minutes * 60)  # the drain after it is the harness's
+        minutes = per_minute([x for x in self.samples if x["time"] < window], self.started, self.events)
         flat = resource_slopes(minutes)
         out = {"args": vars(self.args), "events": self.events, "totals": totals, "minutes": minutes,
                "unbalanced": [r for r in rows if not r["balanced"]][:50], "streams": len(rows),

@@ -14,6 +14,10 @@ its seq) from one array it refills as soon as ``put`` returns, and the learner c
 byte: on the shm plane, steps of 4 MiB and more are read straight from the actor's memory,
 so this soaks that path (and its give-up rule) under the same faults.
 
+With ``--actors N`` it is the soak at scale instead (bench/soak_scale.py: N actors over P
+processes, an actor process SIGKILLed every 30 s, the learner killed and restarted, a per-minute
+table of the learner's RSS, open files, threads and p99).
+
 Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--step-mib N] [--json soak.json] [--trace DIR]   (the test suite runs 0.3 minutes of it)
 """
 
@@ -165,6 +169,11 @@ def find_stalls(trace_dir: str) -> list[dict]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if any(a == "--actors" or a.startswith("--actors=") for a in argv):
+        from bench.soak_scale import main as scale_main
+
+        return scale_main(argv)
     from tests.integration.faultproxy import FaultProxy
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -12,10 +12,19 @@ Per row (one transport, N actors):
   after all are connected, then ``flush()`` and ``close()``;
 - the learner then drains what is left with a batch size of 1.
 
-Reported per row: connect time (the first actor's start -> the last one connected, all
-connecting at once), how many connected / failed to connect (with the error), steps expected
+``--start together`` instead models a cluster launch: every actor is released at one instant
+(``start_at``), builds its ``Actor`` with no schema (its first ``put`` infers and negotiates it),
+puts its first step at once and then in lockstep with the others (on the grid ``start_at + k /
+rate``; a late actor skips the points it missed). ``--seconds`` then counts from the release,
+connecting included.
+
+Reported per row: connect time (spread: the first actor's start -> the last one connected, all
+connecting at once; together: the release -> the last one connected), how many connected / failed to connect (with the error), steps expected
 (what the actors' puts returned for) / delivered / duplicated / lost, put->fetch latency
-p50 / p99 / p99.9 (the learner's ``time.time_ns()`` when the batch is returned minus ``t_ns``:
+p50 / p99 / p99.9 over the whole run, the same p50 / p99 of each actor's first step (seq 0) and
+of the steady state (steps put 3 s or more after the stream's start), with how many first steps
+took over 200 ms and when the first steps were fetched, counted from the stream's start (p50,
+p99, max: ``first_fetched_*_s``; in together mode that includes connecting) (the learner's ``time.time_ns()`` when the batch is returned minus ``t_ns``:
 it includes waiting for the batch to fill, which is why the default batch size follows the
 aggregate rate: about 5 ms of steps, 1 to 32), the learner's CPU (fraction of a core over the
 streaming window, ``os.times`` of its process), actor CPU per connected actor (the worker
@@ -28,7 +37,7 @@ Every wait has a timeout and a row is bounded by ``--timeout``; a row that fails
 with what it measured so far, and the processes are killed.
 
 Usage: rlink bench --suite scale [--actors 1,16,64,256] [--procs 8] [--rate 20] [--seconds 10]
-       [--transport auto|tcp|shm|ucx[,...]] [--json out.json] [--plot out.png]
+       [--start spread|together] [--transport auto|tcp|shm|ucx[,...]] [--json out.json] [--plot out.png]
 """
 
 from __future__ import annotations
@@ -75,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         default="auto",
         help="auto (tcp, shm where it works, ucx when ucxx imports) or a comma list of tcp, shm, ucx",
     )
+    parser.add_argument("--start", choices=("spread", "together"), default="spread",
+                        help="spread: connect first with the schema, phases spread over the period (default); "
+                             "together: all released at once, schema inferred from the first put, lockstep")  # fmt: skip
     parser.add_argument(
         "--batch", type=int, default=0, help="learner batch size (default: about 5 ms of the aggregate stream, 1 to 32)"
     )
@@ -93,19 +105,22 @@ def main(argv: list[str] | None = None) -> int:
     transports = _transports(args.transport)
     info = machine()
     print(f"rlink bench --suite scale: {info.get('cpus')} CPUs, python {info['python']}, git {info.get('git', '?')}; "
-          f"{args.rate:g} steps/s per actor for {args.seconds:g}s; load average {info['loadavg']}", flush=True)  # fmt: skip
+          f"start {args.start}, {args.rate:g} steps/s per actor for {args.seconds:g}s; load average {info['loadavg']}", flush=True)  # fmt: skip
     rows = []
     started = time.monotonic()
     for transport in transports:
         for n in counts:
-            row = run_row(transport, n, min(args.procs, n), args.rate, args.seconds, args.timeout, args.batch or None)
+            row = run_row(transport, n, min(args.procs, n), args.rate, args.seconds, args.timeout, args.batch or None,
+                          args.start)  # fmt: skip
             rows.append(row)
             state = (
                 f"error: {row['error']}"
                 if row["error"]
                 else (
                     f"connected {row['connected']}/{n} in {row['connect_s']:.2f}s, delivered {row.get('delivered')}"
-                    f"/{row.get('expected')}, p50 {row.get('p50_ms', float('nan')):.2f} ms"
+                    f"/{row.get('expected')}, p50 {row.get('p50_ms', float('nan')):.2f} ms, "
+                    f"p99 {row.get('p99_ms', float('nan')):.2f} ms, first p99 {row.get('first_p99_ms', float('nan')):.1f}"
+                    f" ms, steady p99 {row.get('steady_p99_ms', float('nan')):.2f} ms"
                 )
             )
             print(f"[{transport} x{n}] {state} ({row['wall_s']:.1f}s)", flush=True)

@@ -29,6 +29,7 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
         actors: list[np.ndarray] = []
         seqs: list[np.ndarray] = []
         lat_ns: list[np.ndarray] = []
+        put_ns: list[np.ndarray] = []
         window: CpuWindow | None = None
         connected: dict[str, Any] = {}
         source, draining = dataset, False
@@ -38,10 +39,13 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
             except queue.Empty:
                 msg = None
             if msg is not None:
-                if msg[0] == "go":  # every actor that will connect has: measure, then time the window
-                    connected = {"rss_mib": rss_mib(), "fds": open_fds()}
+                if msg[0] == "go":  # time the window; spread: every actor that will connect has, measure
+                    if msg[3]:
+                        connected = {"rss_mib": rss_mib(), "fds": open_fds()}
                     window = CpuWindow(msg[1], msg[2])
                     window.start()
+                elif msg[0] == "measure":  # together: the last actor connected
+                    connected = {"rss_mib": rss_mib(), "fds": open_fds()}
                 elif msg[0] == "drain":  # every actor flushed: what is left is in the ring
                     source, draining = tail, True
                 elif msg[0] == "stop":
@@ -53,7 +57,8 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
                     continue
                 break
             now = time.time_ns()
-            lat_ns.append(now - batch["t_ns"].numpy())
+            put_ns.append(batch["t_ns"].numpy().astype(np.int64))
+            lat_ns.append(now - put_ns[-1])
             actors.append(batch["actor"].numpy().astype(np.int64))
             seqs.append(batch["seq"].numpy().astype(np.int64))
         else:
@@ -66,8 +71,10 @@ def learner_process(reports: Any, transport: str, batch_size: int, cmd: Any, tim
 
         reports.put(("learner-result", None, {
             "actor": cat(actors, np.int64), "seq": cat(seqs, np.int64), "lat_ns": cat(lat_ns, np.int64),
+            "t_ns": cat(put_ns, np.int64),
             "cpu_s": cpu, "wall_s": wall, "connected": connected, "rss_end_mib": rss_mib(),
-            "stats": {k: stats.get(k) for k in ("connected_actors", "lost_actors", "rejected_connections")},
+            "stats": {k: stats.get(k) for k in ("connected_actors", "lost_actors", "rejected_connections", "shed_handshakes",
+                                                    "shed_handshakes_per_peer", "preauth_timeouts")},
         }))  # fmt: skip
         wait_message(cmd, deadline)  # "stop": the actors are closed by then
     finally:

@@ -41,7 +41,7 @@ def open_fds() -> int | None:
         return None
 
 
-def _sleep_until(t: float) -> None:
+def sleep_until(t: float) -> None:
     while True:
         left = t - time.time()
         if left <= 0:
@@ -59,9 +59,9 @@ class CpuWindow(threading.Thread):
         self.wall: float | None = None
 
     def run(self) -> None:
-        _sleep_until(self.start_at)
+        sleep_until(self.start_at)
         c0, w0 = cpu_s(), time.time()
-        _sleep_until(self.end_at)
+        sleep_until(self.end_at)
         self.cpu, self.wall = cpu_s() - c0, time.time() - w0
 
     def result(self, timeout: float) -> tuple[float | None, float | None]:

@@ -5,11 +5,14 @@ from __future__ import annotations
 from typing import Any
 
 COLUMNS = [  # (header, key, format)
-    ("plane", "transport", "{}"), ("N", "actors", "{}"), ("P", "procs", "{}"), ("B", "batch", "{}"),
+    ("plane", "transport", "{}"), ("start", "start", "{}"), ("N", "actors", "{}"), ("P", "procs", "{}"), ("B", "batch", "{}"),
     ("conn", "connected", "{}"), ("fail", "connect_failed", "{}"), ("conn_s", "connect_s", "{:.2f}"),
     ("expected", "expected", "{}"), ("delivered", "delivered", "{}"), ("dup", "duplicated", "{}"),
     ("lost", "lost", "{}"), ("p50_ms", "p50_ms", "{:.2f}"), ("p99_ms", "p99_ms", "{:.2f}"),
-    ("p99.9_ms", "p999_ms", "{:.2f}"), ("lrn_cpu", "learner_cpu", "{:.3f}"),
+    ("p99.9_ms", "p999_ms", "{:.2f}"), ("1st_p50", "first_p50_ms", "{:.1f}"), ("1st_p99", "first_p99_ms", "{:.1f}"),
+    ("1st>200ms", "first_over_200ms", "{}"),
+    ("1st_at_p99_s", "first_fetched_p99_s", "{:.2f}"), ("st_p50", "steady_p50_ms", "{:.2f}"), ("st_p99", "steady_p99_ms", "{:.2f}"),
+    ("lrn_cpu", "learner_cpu", "{:.3f}"),
     ("act_cpu/a", "actor_cpu_per_actor", "{:.4f}"), ("rss_MiB/a", "learner_rss_mib_per_actor", "{:.2f}"),
     ("fds", "learner_fds", "{}"), ("died", "died", "{}"),
 ]  # fmt: skip

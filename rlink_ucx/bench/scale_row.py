@@ -16,6 +16,8 @@ from .scale_process import child_main, get_message
 from .scale_worker import worker_process
 
 BATCH_FILL_S = 0.005  # --batch auto: about this many seconds of steps per batch (1 to 32)
+STEADY_AFTER_S = 3.0  # steady percentiles: steps put this long after the stream's start
+RELEASE_S = 1.0  # --start together: the actors are released this long after "go" is sent
 
 
 def auto_batch(actors: int, rate: float) -> int:
@@ -24,12 +26,16 @@ def auto_batch(actors: int, rate: float) -> int:
 
 
 def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float, timeout: float,
-            batch: int | None = None) -> dict[str, Any]:  # fmt: skip
-    """Run one (transport, N) row; returns its record (``error`` set when it did not finish)."""
+            batch: int | None = None, start: str = "spread") -> dict[str, Any]:  # fmt: skip
+    """Run one (transport, N) row; returns its record (``error`` set when it did not finish).
+    ``start``: "spread" (connect with the schema first, then stream with phases spread over the
+    period) or "together" (every actor released at one instant, connecting with no schema,
+    putting in lockstep)."""
     procs = max(1, min(procs, actors))
     batch = batch or auto_batch(actors, rate)
+    together = start == "together"
     row: dict[str, Any] = {"transport": transport, "actors": actors, "procs": procs, "rate": rate,
-                           "seconds": seconds, "batch": batch, "error": None}  # fmt: skip
+                           "seconds": seconds, "batch": batch, "start": start, "error": None}  # fmt: skip
     started = time.time()
     deadline = started + timeout
 
@@ -58,6 +64,8 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
         if kind == "connected":
             conn[key] = (value[0], value[1])
             transports[value[2]] += 1
+            if together and len(conn) == actors:  # the learner's RSS and fds with every actor connected
+                learner_cmd.put(("measure",))
         elif kind == "failed":
             conn.pop(key, None)
             failed[key] = ("connect", value[2], value[3])
@@ -110,7 +118,7 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
         shares = [list(range(w, actors, procs)) for w in range(procs)]
         workers = [ctx.Process(target=child_main, name=f"scale-worker-{w}", daemon=True,
                                args=("worker-error", w, worker_process, reports, w, learner_info["port"], transport,
-                                     shares[w], rate, limits, worker_cmds[w]))
+                                     shares[w], rate, limits, worker_cmds[w], start))
                    for w in range(procs)]  # fmt: skip
         for p in workers:
             p.start()
@@ -120,25 +128,21 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
         phase = "connect"
         for q in worker_cmds:
             q.put(("connect",))
-        connect_deadline = time.time() + limits["connect"] + 15  # the actor's own connect budget, and slack
-        pump(lambda: len(conn) + len(failed) >= actors or time.time() >= connect_deadline, "the actors to connect")
-        row["connected"] = len(conn)
-        pending = [i for i in range(actors) if i not in conn and i not in failed]
-        for i in pending:
-            failed[i] = ("connect", "TimeoutError", "still connecting when the connect phase ended")
-        row["connect_failed"] = len(failed)
-        starts = [t0 for t0, _ in conn.values()] + [t0 for t0, _ in conn_times]
-        row["connect_s"] = max(t1 for _, t1 in conn.values()) - min(starts) if conn else None
-        row["planes"] = dict(transports)
-        if not conn:
-            raise RuntimeError("no actor connected")
+        if not together:
+            connect_deadline = time.time() + limits["connect"] + 15  # the actor's own connect budget, and slack
+            pump(lambda: len(conn) + len(failed) >= actors or time.time() >= connect_deadline,
+                 "the actors to connect")  # fmt: skip
+            _connected(row, actors, conn, failed, conn_times, transports, None)
         phase = "stream"
-        start_at = time.time() + 0.5
+        start_at = time.time() + (RELEASE_S if together else 0.5)
         end_at = start_at + seconds
-        learner_cmd.put(("go", start_at, end_at))
+        row["start_at"] = start_at
+        learner_cmd.put(("go", start_at, end_at, not together))  # together: measured once all connected
         for q in worker_cmds:
             q.put(("go", start_at, end_at))
         pump(lambda: len(done) == procs, "the actors to stream, flush and close")
+        if together:  # they connected as they started
+            _connected(row, actors, conn, failed, conn_times, transports, start_at)
         phase = "drain"
         learner_cmd.put(("drain",))
         pump(lambda: result is not None, "the learner to drain")
@@ -162,6 +166,24 @@ def run_row(transport: str, actors: int, procs: int, rate: float, seconds: float
     return row
 
 
+def _connected(row: dict[str, Any], actors: int, conn: dict[int, tuple[float, float]],
+               failed: dict[int, tuple[str, str, str]], conn_times: list[tuple[float, float]],
+               transports: Counter[str], start_at: float | None) -> None:  # fmt: skip
+    """Count the actors connected (and those not: failed), and the time to connect them all:
+    from ``start_at`` (the release), or from the first attempt."""
+    row["connected"] = len(conn)
+    for i in range(actors):
+        if i not in conn and i not in failed:
+            failed[i] = ("connect", "TimeoutError", "still connecting when the connect phase ended")
+    row["connect_failed"] = len(failed)
+    starts = [t0 for t0, _ in conn.values()] + [t0 for t0, _ in conn_times]
+    first = start_at if start_at is not None else min(starts, default=0.0)
+    row["connect_s"] = max(t1 for _, t1 in conn.values()) - first if conn else None
+    row["planes"] = dict(transports)
+    if not conn:
+        raise RuntimeError("no actor connected")
+
+
 def _stop(procs: list[Any], timeout: float) -> None:
     end = time.monotonic() + timeout
     for p in procs:
@@ -170,6 +192,28 @@ def _stop(procs: list[Any], timeout: float) -> None:
         if p.is_alive():
             p.kill()
             p.join(5)
+
+
+def _phases(row: dict[str, Any], lat: np.ndarray, result: dict[str, Any]) -> None:
+    """First-step percentiles (each actor's seq 0: its connect and schema included in
+    together mode) and steady ones (steps put ``STEADY_AFTER_S`` after the stream's start)."""
+    first = lat[result["seq"] == 0]
+    if len(first):
+        p50, p99 = np.percentile(first, [50, 99])
+        row.update(first_p50_ms=float(p50), first_p99_ms=float(p99), first_max_ms=float(first.max()),
+                   first_over_200ms=int((first > 200).sum()))  # fmt: skip
+    if "start_at" in row and "t_ns" in result:
+        # when each actor's first step was fetched, from the stream's start (the release, in
+        # together mode): connecting, negotiating and the first step's trip together
+        fetched = (result["t_ns"][result["seq"] == 0] / 1e9 + first / 1e3) - row["start_at"]
+        if len(fetched):
+            p50, p99 = np.percentile(fetched, [50, 99])
+            row.update(first_fetched_p50_s=float(p50), first_fetched_p99_s=float(p99),
+                       first_fetched_max_s=float(fetched.max()))  # fmt: skip
+        steady = lat[result["t_ns"] >= int((row["start_at"] + STEADY_AFTER_S) * 1e9)]
+        if len(steady):
+            p50, p99 = np.percentile(steady, [50, 99])
+            row.update(steady_p50_ms=float(p50), steady_p99_ms=float(p99), steady_steps=len(steady))
 
 
 def _summarize(row: dict[str, Any], actors: int, conn: dict[int, Any], failed: dict[int, tuple[str, str, str]],
@@ -209,6 +253,7 @@ def _summarize(row: dict[str, Any], actors: int, conn: dict[int, Any], failed: d
     if len(lat):
         p50, p99, p999 = np.percentile(lat, [50, 99, 99.9])
         row.update(p50_ms=float(p50), p99_ms=float(p99), p999_ms=float(p999), max_ms=float(lat.max()))
+    _phases(row, lat, result)
     connected = max(1, row["connected"])
     if result["cpu_s"] is not None and result["wall_s"]:
         row["learner_cpu"] = result["cpu_s"] / result["wall_s"]

@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from .scale_process import SCHEMA, CpuWindow, describe_error, tell, wait_message
+from .scale_process import SCHEMA, CpuWindow, describe_error, sleep_until, tell, wait_message
 
 GOLDEN = 0.6180339887498949  # spreads the actors' phases over the step period
 
@@ -21,9 +21,21 @@ class _Slot:
         self.error: tuple[str, str, str] | None = None  # (phase, type, message)
 
 
+def next_due(due: float, period: float, start_at: float, now: float, together: bool) -> float:
+    """The next put's time. Spread: one period on (a late actor catches up). Together: the next
+    point of the shared grid ``start_at + k * period`` (lockstep; a late actor skips the points
+    it missed, as a vectorised environment that steps at its own speed would)."""
+    due += period
+    if together and due < now:
+        due = start_at + (int((now - start_at) / period) + 1) * period
+    return due
+
+
 def worker_process(reports: Any, w: int, port: int, transport: str, indices: list[int], rate: float,
-                   limits: dict[str, float], cmd: Any) -> None:  # fmt: skip
-    """Run under ``child_main``: connect the actors on "connect", stream on "go", report what each put."""
+                   limits: dict[str, float], cmd: Any, start: str = "spread") -> None:  # fmt: skip
+    """Run under ``child_main``. Spread: connect the actors on "connect" (schema declared), stream
+    on "go". Together: on "go" every actor connects at ``start_at`` with no schema (the first put
+    infers it) and puts in lockstep. Then report what each put."""
     from .. import Actor, Config
 
     deadline = time.time() + limits["timeout"]
@@ -37,15 +49,22 @@ def worker_process(reports: Any, w: int, port: int, transport: str, indices: lis
     slots = [_Slot(i) for i in indices]
     period = 1.0 / rate
 
+    together = start == "together"
+
     def run(slot: _Slot) -> None:
+        if together:  # released with the others at start_at
+            if not go.wait(max(0.0, deadline - time.time())):
+                return
+            sleep_until(plan["start_at"])
         t0 = time.time()
         try:
-            actor = Actor(f"127.0.0.1:{port}", transport=transport, config=config, schema=SCHEMA)
+            actor = Actor(f"127.0.0.1:{port}", transport=transport, config=config,
+                          schema=None if together else SCHEMA)  # fmt: skip
         except BaseException as exc:  # noqa: BLE001 - reported
             slot.error = ("connect", *describe_error(exc))
             tell(reports, ("failed", slot.index, (t0, time.time(), *describe_error(exc))))
             return
-        if go.is_set():  # the stream started without it: the orchestrator counted it as not connected
+        if go.is_set() and not together:  # the stream started without it: the orchestrator counted it as not connected
             slot.error = ("connect", "TimeoutError", "connected after the stream had started")
             actor.close()
             return
@@ -59,7 +78,8 @@ def worker_process(reports: Any, w: int, port: int, transport: str, indices: lis
                     "actor": np.full((), slot.index, np.int32), "seq": np.zeros((), np.int64)}  # fmt: skip
             t_ns, seq, obs = step["t_ns"], step["seq"], step["obs"]
             put = actor.put
-            due = plan["start_at"] + ((slot.index * GOLDEN) % 1.0) * period
+            start_at = plan["start_at"]
+            due = start_at if together else start_at + ((slot.index * GOLDEN) % 1.0) * period
             n = 0
             while due < end_at:
                 left = due - time.time()
@@ -71,7 +91,7 @@ def worker_process(reports: Any, w: int, port: int, transport: str, indices: lis
                 put(step)
                 n += 1
                 slot.puts = n
-                due += period
+                due = next_due(due, period, start_at, time.time(), together)
             phase = "flush"
             actor.flush(limits["flush"])
         except BaseException as exc:  # noqa: BLE001 - reported

@@ -15,6 +15,7 @@ import re
 import socket
 import struct
 import sys
+import time
 from typing import Any, cast
 
 _TABLES = ("/proc/self/net/tcp", "/proc/self/net/tcp6")
@@ -110,21 +111,62 @@ def peer_socket_inode(sock: socket.socket) -> int | None:
     return None
 
 
+SCAN_TTL = 5.0  # seconds a scan of a process's sockets answers for it (a storm of its actors attaching)
+_MAX_SCANS = 4096
+# pid -> (its start time, when scanned, the socket links it held): one scan of an actor process's
+# descriptors answers for the other actors of that process that attach in the next seconds (a
+# process of 64 actors holds hundreds of descriptors; read for each attach, that was O(N^2)).
+_scans: dict[int, tuple[str, float, frozenset[str]]] = {}
+
+
+def _start_time(pid: int) -> str | None:
+    """The start time of process ``pid`` (``/proc/<pid>/stat``, field 22): with the pid, it
+    names one process, never a later one that reused the pid."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return stat[stat.rindex(b")") + 2 :].split()[19].decode()
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _socket_links(pid: int) -> frozenset[str] | None:
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return None
+    links = set()
+    for fd in fds:
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # closed meanwhile
+            continue
+        if link.startswith("socket:"):
+            links.add(link)
+    return frozenset(links)
+
+
 def holds_peer_socket(sock: socket.socket, pid: int) -> bool:
     """Whether process ``pid`` holds the socket at the other end of the connection ``sock``
-    (``False`` when that cannot be found out: no permission, no such process, no socket)."""
+    (``False`` when that cannot be found out: no permission, no such process, no socket).
+    A scan of that process from the last ``SCAN_TTL`` seconds that saw the socket answers yes
+    (the same process: same pid and start time); else its descriptors are read again."""
     inode = peer_socket_inode(sock)
     if inode is None or pid <= 0:
         return False
     target = f"socket:[{inode}]"
-    try:
-        fds = os.listdir(f"/proc/{pid}/fd")
-    except OSError:
+    start = _start_time(pid)
+    if start is None:
         return False
-    for fd in fds:
-        try:
-            if os.readlink(f"/proc/{pid}/fd/{fd}") == target:
-                return True
-        except OSError:  # closed meanwhile
-            continue
-    return False
+    now = time.monotonic()
+    cached = _scans.get(pid)
+    if cached is not None and cached[0] == start and now - cached[1] < SCAN_TTL and target in cached[2]:
+        return True
+    links = _socket_links(pid)
+    if links is None or _start_time(pid) != start:  # gone, or replaced by another process meanwhile
+        return False
+    if len(_scans) >= _MAX_SCANS:
+        for old in [p for p, (_, when, _) in _scans.items() if now - when >= SCAN_TTL] or list(_scans):
+            del _scans[old]
+    _scans[pid] = (start, now, links)
+    return target in links

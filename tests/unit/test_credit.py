@@ -183,3 +183,47 @@ def test_room_freed_while_the_grant_looks_at_the_ring_is_not_lost():
     assert raced and g._pending  # the release it missed is made up for at once
     g._grant_now()
     assert session.credit == window
+
+
+def test_a_storm_of_grant_requests_in_one_loop_pass_walks_the_sessions_once():
+    # 1,024 actors' proposals (or Returned, or frames at their low mark) in one pass of the I/O
+    # loop: each used to walk every session, O(N^2) at a start-up storm; now one walk serves all.
+    ring = new_ring()
+    sessions = {i: Session(ring) for i in range(1024)}
+    g = granter(sessions, ring)
+    walks = []
+    real = g.grant
+
+    def counted() -> None:
+        walks.append(len(sessions))
+        real()
+
+    g.grant = counted  # type: ignore[method-assign]
+    for _ in range(1024):
+        g.request_grant()
+    g.loop.call_soon(g.loop.stop)  # one pass: what was scheduled before it, then stop
+    g.loop.run_forever()
+    g.loop.close()
+    assert walks == [1024]
+    window = g.window(ring, 1024)
+    assert all(s.credit == window for s in sessions.values())
+
+
+def test_the_server_s_grant_requests_in_one_loop_pass_walk_the_sessions_once():
+    from rlink_ucx.session.learner.server import LearnerServer
+
+    loop = asyncio.new_event_loop()
+    server = LearnerServer("127.0.0.1", 0, token=None, transport="tcp", config=Config(buffer_bytes=1 << 20), loop=loop)
+    try:
+        walks = []
+        server.credit.grant = lambda: walks.append(1)  # type: ignore[method-assign]
+        for _ in range(300):  # proposals, Returned, attaches and session ends of one pass
+            server.grant_credits()
+        assert walks == []  # not walked once per request any more
+        loop.call_soon(loop.stop)
+        loop.run_forever()
+        assert walks == [1]
+    finally:
+        if server.reserve is not None:
+            server.reserve.close()
+        loop.close()

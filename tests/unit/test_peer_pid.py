@@ -109,3 +109,38 @@ def test_sock_diag_and_the_proc_tables_find_the_same_peer_socket(monkeypatch):
     finally:
         for s in (client, server, listener):
             s.close()
+
+
+def test_one_scan_answers_for_a_process_s_other_sockets_and_never_for_another_process(monkeypatch):
+    reads: list[int] = []
+    real = peer._socket_links
+
+    def counting(pid: int):
+        reads.append(pid)
+        return real(pid)
+
+    monkeypatch.setattr(peer, "_socket_links", counting)
+    monkeypatch.setattr(peer, "_scans", {})
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        clients = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        conns = [server.accept()[0] for _ in clients]
+        try:
+            assert all(peer.holds_peer_socket(c, os.getpid()) for c in conns)
+            assert reads == [os.getpid()]  # the first scan saw all three sockets: one read of the descriptors
+            late = socket.create_connection(("127.0.0.1", port))  # opened after the scan: read again
+            late_conn = server.accept()[0]
+            with late, late_conn:
+                assert peer.holds_peer_socket(late_conn, os.getpid())
+                assert reads == [os.getpid()] * 2
+            # a scan cached under our pid, but another start time (a process that reused the pid): ignored
+            start, when, links = peer._scans[os.getpid()]
+            peer._scans[os.getpid()] = ("1", when, links)
+            assert peer.holds_peer_socket(conns[0], os.getpid()) and len(reads) == 3
+            assert peer._scans[os.getpid()][0] == start
+            # a stale scan is read again
+            peer._scans[os.getpid()] = (start, when - peer.SCAN_TTL, links)
+            assert peer.holds_peer_socket(conns[1], os.getpid()) and len(reads) == 4
+        finally:
+            for s in clients + conns:
+                s.close()

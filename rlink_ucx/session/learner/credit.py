@@ -60,7 +60,9 @@ class CreditGranter:
             self.request_grant()
 
     def request_grant(self) -> None:
-        """Run grant on the loop soon (any thread); at most one pending at a time."""
+        """Run grant on the loop soon (any thread); at most one pending at a time: the events
+        of one loop pass (a storm of proposals, attaches or Returned, each of which used to
+        walk every session) share one walk."""
         if not self._pending:
             self._pending = True
             call_soon_any_thread(self.loop, self._grant_now)

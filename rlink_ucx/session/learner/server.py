@@ -387,7 +387,7 @@ class LearnerServer:
                 f"{self.schema.compare(schema)}")  # fmt: skip
 
     def grant_credits(self) -> None:
-        self.credit.grant()
+        self.credit.request_grant()  # coalesced: one walk of the sessions per loop pass
 
     def credit_low(self) -> None:
         self.credit.credit_low()

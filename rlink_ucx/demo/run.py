@@ -16,6 +16,7 @@ import multiprocessing as mp
 import os
 import signal
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -40,6 +41,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--envs-per-actor", type=int, default=4, help="environments each actor steps together")
     p.add_argument("--unroll", type=int, default=32, help="steps per trajectory")
     p.add_argument("--batch", type=int, default=16, help="trajectories per update")
+    p.add_argument("--learners", type=int, default=1,
+                   help="learner ranks training one model with DDP (gloo on CPU, NCCL on CUDA), each on its own "
+                        "actors; --batch is split over them")
     p.add_argument("--quick", action="store_true", help="a short run (45 s at most, target 150), for tests")
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--kill-one-actor-after", type=float, default=None, metavar="SECONDS",
@@ -52,6 +56,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.target_return = min(args.target_return, 150.0)
     if args.actors < 1:
         p.error("--actors must be at least 1")
+    if args.learners < 1:
+        p.error("--learners must be at least 1")
+    if args.actors < args.learners:
+        p.error("--actors must be at least --learners: each learner rank trains on actors of its own")
     return args
 
 
@@ -78,40 +86,43 @@ def trajectory_bytes(obs_dim: int, act_dim: int, discrete: bool, unroll: int) ->
     return (unroll + 1) * obs_dim * 4 + unroll * (action + 4 + 4 + 1 + 4)
 
 
-def main(argv: list[str] | None = None) -> int:
-    import torch
+class Setup:
+    """What every learner process of the demo derives from the arguments before it starts."""
 
-    from .actor import StopFlag, make_envs, run_actor
-    from .policy import ActorCritic, space_spec
-    from .ppo import PPO, PPOConfig
-    from .progress import Progress
-    from .report import plot_curve, write_summary
+    def __init__(self, args: argparse.Namespace):
+        from .actor import make_envs
+        from .policy import space_spec
 
-    args = parse_args(argv)
-    os.makedirs(args.out, exist_ok=True)
-    torch.manual_seed(args.seed)
-    torch.set_num_threads(1)  # the actors need the other core(s)
-    probe = make_envs(args.env, 1)
-    kind, n = space_spec(probe.single_action_space)
-    obs_dim = int(np.prod(probe.single_observation_space.shape))
-    probe.close()
-    baseline = random_return(args.env)
+        probe = make_envs(args.env, 1)
+        self.kind, self.n = space_spec(probe.single_action_space)
+        self.obs_dim = int(np.prod(probe.single_observation_space.shape))
+        probe.close()
+        self.batch = per_rank_batch(args)
+        # Small buffers keep the policy lag low: actors wait for credit instead of running ahead.
+        step_bytes = trajectory_bytes(self.obs_dim, self.n, self.kind == "discrete", args.unroll)
+        self.config = Config(frame_bytes=args.envs_per_actor * step_bytes, buffer_bytes=3 * self.batch * step_bytes,
+                             actor_window_bytes=2 * args.envs_per_actor * step_bytes)  # fmt: skip
 
-    # Small buffers keep the policy lag low: actors wait for credit instead of running ahead.
-    step_bytes = trajectory_bytes(obs_dim, n, kind == "discrete", args.unroll)
-    config = Config(frame_bytes=args.envs_per_actor * step_bytes, buffer_bytes=3 * args.batch * step_bytes,
-                    actor_window_bytes=2 * args.envs_per_actor * step_bytes)  # fmt: skip
-    token = None
-    learner = Learner("127.0.0.1:0", token=token, transport=args.transport, config=config)
-    dataset = RLinkDataset(learner, batch_size=args.batch, device=args.device)
-    model = ActorCritic(obs_dim, (kind, n)).to(args.device)
-    ppo = PPO(model, PPOConfig())
-    learner.publish(model)
+    def model(self, device: str) -> Any:
+        from .policy import ActorCritic
+
+        return ActorCritic(self.obs_dim, (self.kind, self.n)).to(device)
+
+
+def per_rank_batch(args: argparse.Namespace) -> int:
+    """Trajectories per update on each learner rank: ``--batch`` split over ``--learners``, so
+    the ranks together (DDP averages their gradients) update on the single learner's batch."""
+    return max(1, args.batch // args.learners)
+
+
+def start_actors(args: argparse.Namespace, address: str) -> tuple[Any, Any, list[Any]]:
+    """The actor processes, given ``address`` (the learner's, or rank 0's), started."""
+    from .actor import StopFlag, run_actor
 
     ctx = mp.get_context("spawn")
     stop, reports = StopFlag(ctx), ctx.Queue()
     procs = [ctx.Process(target=run_actor, name=f"rlink-demo-actor-{i}",
-                         args=(learner.address, token, args.transport, args.env, args.envs_per_actor, args.unroll,
+                         args=(address, None, args.transport, args.env, args.envs_per_actor, args.unroll,
                                args.seed + 1000 * (i + 1), stop, reports))
              for i in range(args.actors)]  # fmt: skip
     # Children inherit an ignored SIGINT through exec, so Ctrl-C during their start-up does not
@@ -122,6 +133,31 @@ def main(argv: list[str] | None = None) -> int:
             p.start()
     finally:
         signal.signal(signal.SIGINT, previous)
+    return stop, reports, procs
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+
+    from .ppo import PPO, PPOConfig
+    from .progress import Progress
+
+    args = parse_args(argv)
+    os.makedirs(args.out, exist_ok=True)
+    if args.learners > 1:
+        from .ranks import main as ranks_main
+
+        return ranks_main(args)
+    torch.manual_seed(args.seed)
+    torch.set_num_threads(1)  # the actors need the other core(s)
+    setup = Setup(args)
+    baseline = random_return(args.env)
+    learner = Learner("127.0.0.1:0", transport=args.transport, config=setup.config)
+    dataset = RLinkDataset(learner, batch_size=args.batch, device=args.device)
+    model = setup.model(args.device)
+    ppo = PPO(model, PPOConfig())
+    learner.publish(model)
+    stop, reports, procs = start_actors(args, learner.address)
 
     progress = Progress(plain=args.plain)
     returns: collections.deque[float] = collections.deque(maxlen=100)
@@ -156,18 +192,9 @@ def main(argv: list[str] | None = None) -> int:
             env_steps = stats["total"]["steps"] * args.unroll
             if returns:
                 curve.append((env_steps, round(elapsed, 3), mean_return))
-            if (args.kill_one_actor_after is not None and killed is None and elapsed > args.kill_one_actor_after
-                    and stats["connected_actors"] == len(procs)):  # fmt: skip
-                procs[0].kill()  # SIGKILL, mid-stream: the run must carry on without it
-                killed = {"pid": procs[0].pid, "after_seconds": round(elapsed, 2)}
-            progress.update({
-                "steps": env_steps, "steps_per_s": env_steps / max(elapsed, 1e-9), "transport": _transports(stats),
-                "mb_per_s": stats["total"]["bytes"] / max(elapsed, 1e-9) / 1e6, "mean_return": mean_return,
-                "target": args.target_return, "episodes": episodes, "lag_mean": stats["staleness"]["mean"],
-                "lag_max": stats["staleness"]["max"], "version": learner.version,
-                "actors": stats["connected_actors"], "lost": stats["lost_actors"], "elapsed": elapsed,
-                "max_seconds": args.max_seconds,
-            })  # fmt: skip
+            if killed is None and stats["connected_actors"] == len(procs):
+                killed = kill_one_actor(args, procs, elapsed)
+            progress.update(progress_values(args, stats, elapsed, mean_return, episodes, learner.version, env_steps))
             if len(returns) == returns.maxlen and mean_return >= args.target_return:
                 outcome = "target reached"
                 break
@@ -176,14 +203,41 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         progress.close()
         wall = time.monotonic() - started
-        actor_reports = _stop_actors(stop, procs, reports, dataset)
+        actor_reports = _stop_actors(stop, procs, reports, lambda: dataset.fetch(timeout=0.2))
         stats = learner.stats()
         learner.close()
+    summary = summarize(args, outcome, stats, wall, updates, episodes, returns, baseline, actor_reports, killed)
+    return report(args, summary, curve)
 
+
+def kill_one_actor(args: argparse.Namespace, procs: list[Any], elapsed: float) -> dict[str, Any] | None:
+    """``--kill-one-actor-after``: SIGKILL the first actor, mid-stream, once; the run must carry on."""
+    if args.kill_one_actor_after is None or elapsed <= args.kill_one_actor_after:
+        return None
+    procs[0].kill()
+    return {"pid": procs[0].pid, "after_seconds": round(elapsed, 2)}
+
+
+def progress_values(args: argparse.Namespace, stats: dict[str, Any], elapsed: float, mean_return: float,
+                    episodes: int, version: int, env_steps: int) -> dict[str, Any]:  # fmt: skip
+    return {
+        "steps": env_steps, "steps_per_s": env_steps / max(elapsed, 1e-9), "transport": _transports(stats),
+        "mb_per_s": stats["total"]["bytes"] / max(elapsed, 1e-9) / 1e6, "mean_return": mean_return,
+        "target": args.target_return, "episodes": episodes, "lag_mean": stats["staleness"]["mean"],
+        "lag_max": stats["staleness"]["max"], "version": version,
+        "actors": stats["connected_actors"], "lost": stats["lost_actors"], "elapsed": elapsed,
+        "max_seconds": args.max_seconds,
+    }  # fmt: skip
+
+
+def summarize(args: argparse.Namespace, outcome: str, stats: dict[str, Any], wall: float, updates: int, episodes: int,
+              returns: collections.deque[float], baseline: float, actor_reports: list[dict[str, Any]],
+              killed: dict[str, Any] | None) -> dict[str, Any]:  # fmt: skip
+    """summary.json: ``stats`` is the learner's (with many ranks, theirs merged: see ranks.py)."""
     mean_return = float(np.mean(returns)) if returns else 0.0
     lost = [a for a in stats["ended_actors"] if a["state"] == "lost"]
     received = stats["total"]["steps"] * args.unroll
-    summary = {
+    return {
         "outcome": outcome,
         "target_reached": outcome == "target reached",
         "config": {k: v for k, v in vars(args).items()},
@@ -208,8 +262,16 @@ def main(argv: list[str] | None = None) -> int:
                         for a in lost],
         "killed_on_purpose": killed,
     }
-    print(f"[rlink demo] {outcome}: mean return {mean_return:.1f} (random policy {baseline:.1f}) after "
-          f"{received:,} env steps in {wall:.0f} s ({received / max(wall, 1e-9):,.0f} steps/s, {_transports(stats)})")  # fmt: skip
+
+
+def report(args: argparse.Namespace, summary: dict[str, Any], curve: list[tuple[int, float, float]]) -> int:
+    """The closing lines, summary.json and learning_curve.png; the exit code."""
+    from .report import plot_curve, write_summary
+
+    outcome, received, wall = summary["outcome"], summary["total_env_steps"], summary["wall_seconds"]
+    print(f"[rlink demo] {outcome}: mean return {summary['final_mean_return_100']:.1f} (random policy "
+          f"{summary['random_policy_return']:.1f}) after {received:,} env steps in {wall:.0f} s "
+          f"({received / max(wall, 1e-9):,.0f} steps/s, {summary['transport']})")  # fmt: skip
     print(f"[rlink demo] wrote {write_summary(args.out, summary)} and {plot_curve(args.out, curve, args.target_return)}")
     return {"target reached": 0, "interrupted": 130}.get(outcome, 2)
 
@@ -219,14 +281,15 @@ def _transports(stats: dict[str, Any]) -> str:
     return ",".join(chosen) if chosen else "-"
 
 
-def _stop_actors(stop: Any, procs: list[Any], reports: Any, dataset: RLinkDataset) -> list[dict[str, Any]]:
-    """Tell the actors to finish; keep draining the learner so none of them waits for credit."""
+def _stop_actors(stop: Any, procs: list[Any], reports: Any, drain: Callable[[], Any]) -> list[dict[str, Any]]:
+    """Tell the actors to finish; keep draining the learner (``drain`` takes a batch or times
+    out) so none of them waits for credit."""
     stop.set()
     got: list[dict[str, Any]] = []
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
         with contextlib.suppress(Exception):  # draining: a timeout or a closed learner just means "no batch"
-            dataset.fetch(timeout=0.2)
+            drain()
         while not reports.empty():
             got.append(reports.get())
     for p in procs:

@@ -48,6 +48,22 @@ def check_summary(path: Path, actors: list[str], steps: int) -> dict:
     return summary
 
 
+def check_rank_summaries(summary: Path, learners: int, actors: list[str], steps: int) -> list[dict]:
+    """Each learner rank's summary: every actor's steps at exactly one rank, in order, exactly
+    once; the total counted by every rank. (Not the balance: actors that connect while the
+    learner ranks are still starting all stay on rank 0, see docs/deploy/README.md.)"""
+    got = [json.loads(summary.with_name(f"{summary.stem}.rank{r}.json").read_text()) for r in range(learners)]
+    assert [g["rank"] for g in got] == list(range(learners)) and {g["world_size"] for g in got} == {learners}, got
+    assert all(g["complete"] and g["in_order"] for g in got), got
+    placed = [set(g["per_actor"]) for g in got]
+    assert sum(map(len, placed)) == len(actors) and set().union(*placed) == set(actors), got  # one rank each
+    assert all(n == steps for g in got for n in g["per_actor"].values()), got
+    assert all(g["steps"] == steps * len(g["per_actor"]) for g in got), got
+    assert {g["total_steps"] for g in got} == {steps * len(actors)}, got
+    assert len({g["address"] for g in got}) == learners, got
+    return got
+
+
 @pytest.mark.timeout(240)
 def test_torchrun_recipe_learner_on_rank_0_actors_on_the_others(tmp_path):
     summary = tmp_path / "summary.json"
@@ -61,6 +77,22 @@ def test_torchrun_recipe_learner_on_rank_0_actors_on_the_others(tmp_path):
     assert "learner for 2 actors at" in out and f":{port}" in out, out[-3000:]
     got = check_summary(summary, ["1", "2"], STEPS)
     assert got["address"] == f"0.0.0.0:{port}"
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_recipe_with_two_learner_ranks_sharing_three_actors(tmp_path):
+    summary = tmp_path / "summary.json"
+    port = free_port()
+    env = base_env(RLINK_TOKEN="torchrun-" + uuid.uuid4().hex, RLINK_PORT=str(port), RLINK_GROUP_PORT=str(free_port()),
+                   RLINK_LEARNERS="2", NPROC_PER_NODE="5", TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+                   OMP_NUM_THREADS="1")  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "docs/deploy/torchrun.sh"), "--steps", str(STEPS), "--summary",
+                           str(summary)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "learner rank 0 of 2" in out and "learner rank 1 of 2" in out and "for 3 actors" in out, out[-3000:]
+    got = check_rank_summaries(summary, 2, ["2", "3", "4"], STEPS)
+    assert got[0]["address"] == f"0.0.0.0:{port}" and not summary.exists()
 
 
 def test_torchrun_recipe_refuses_to_start_without_a_token(tmp_path):
@@ -105,6 +137,37 @@ def test_slurm_script_with_a_fake_environment_and_no_scontrol(tmp_path):
     assert "rank 0 of 3: learner for 2 actors" in logs["task0.log"]
     assert all("actor sent 3000 steps" in logs[f"task{i}.log"] for i in (1, 2)), logs
     check_summary(summary, ["1", "2"], STEPS)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_script_with_two_learner_ranks(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    if shutil.which("scontrol", path=path):
+        pytest.skip("scontrol is installed here: the script would not use its fallback")
+    port, summary = free_port(), tmp_path / "summary.json"
+    env = base_env(PATH=path, SLURM_JOB_ID="4243", SLURM_NTASKS="5", SLURM_JOB_NODELIST="127.0.0.[1-3]",
+                   SLURM_SUBMIT_DIR=str(ROOT), RLINK_PORT=str(port), RLINK_GROUP_PORT=str(free_port()),
+                   RLINK_LEARNERS="2", PYTHON=sys.executable, FAKE_SRUN_LOGS=str(tmp_path), OMP_NUM_THREADS="1")  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "docs/deploy/slurm.sbatch"), "--steps", str(STEPS), "--summary",
+                           str(summary)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)  # fmt: skip
+    logs = {p.name: p.read_text() for p in tmp_path.glob("task*.log")}
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:] + json.dumps(logs)[-3000:]
+    assert f"learner at 127.0.0.1:{port}, 5 tasks (2 learner ranks)" in proc.stdout
+    assert all(f"learner rank {r} of 2" in logs[f"task{r}.log"] for r in (0, 1)), logs
+    assert all(f"actor sent {STEPS} steps" in logs[f"task{i}.log"] for i in (2, 3, 4)), logs
+    check_rank_summaries(summary, 2, ["2", "3", "4"], STEPS)
+
+
+def test_launch_counts_learner_ranks():
+    assert launch.learner_count({}, 4) == 1
+    assert launch.learner_count({"RLINK_LEARNERS": "3"}, 4) == 3
+    for bad in ("0", "4", "two"):
+        with pytest.raises(SystemExit, match="RLINK_LEARNERS"):
+            launch.learner_count({"RLINK_LEARNERS": bad}, 4)
 
 
 @pytest.mark.parametrize("nodelist,hosts", [

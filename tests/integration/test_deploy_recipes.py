@@ -227,11 +227,44 @@ def test_kubernetes_manifests_take_the_token_from_a_secret_and_size_dev_shm():
     assert actors["spec"]["completionMode"] == "Indexed" and "job-completion-index" in str(env["RLINK_ACTOR_ID"])
 
 
-def test_kubernetes_manifests_pass_kubectl():
+def test_kubernetes_many_learners_manifest_makes_an_indexed_learner_job_behind_rank_0():
+    docs = list(_yaml().safe_load_all((ROOT / "docs/deploy/k8s/rlink-learners.yaml").read_text()))
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    jobs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Job"}
+    assert set(services) == {"rlink-learner", "rlink-learner-ranks"} and set(jobs) == {"rlink-learners", "rlink-actors"}
+    learners, actors, front = jobs["rlink-learners"], jobs["rlink-actors"], services["rlink-learner"]
+    spec, pod = learners["spec"], learners["spec"]["template"]["spec"]
+    (lc,) = pod["containers"]
+    env = {e["name"]: e for e in lc["env"]}
+    world = int(env["WORLD_SIZE"]["value"])
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == world >= 2
+    assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    headless = services[pod["subdomain"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert env["MASTER_ADDR"]["value"] == f"{learners['metadata']['name']}-0.{pod['subdomain']}"  # rank 0's pod
+    ports = {p["name"]: p["containerPort"] for p in lc["ports"]}
+    assert ports["rendezvous"] == int(env["MASTER_PORT"]["value"]) and ports[front["spec"]["ports"][0]["targetPort"]] == 8443
+    assert lc["command"][:3] == ["python", "examples/deploy/learner.py", "--distributed"] and lc["command"][-1] == "0.0.0.0:8443"
+    assert (ROOT / lc["command"][1]).is_file()
+    labels = learners["spec"]["template"]["metadata"]["labels"]
+    selector = front["spec"]["selector"]  # actors reach rank 0 only: the pod of completion index 0
+    assert selector == {**labels, "batch.kubernetes.io/job-completion-index": "0"}
+    assert headless["spec"]["selector"] == labels
+    (ac,) = actors["spec"]["template"]["spec"]["containers"]
+    aenv = {e["name"]: e for e in ac["env"]}
+    assert aenv["RLINK_ADDRESS"]["value"] == f"rlink-learner:{front['spec']['ports'][0]['port']}"
+    for container in (lc, ac):
+        assert _token_from_secret(container) == {"name": "rlink-token", "key": "token"}
+    for job in (learners, actors):
+        assert job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize("name", ["rlink.yaml", "rlink-learners.yaml"])
+def test_kubernetes_manifests_pass_kubectl(name):
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    manifest = str(ROOT / "docs/deploy/k8s/rlink.yaml")
+    manifest = str(ROOT / "docs/deploy/k8s" / name)
     applied = subprocess.run([kubectl, "apply", "--dry-run=client", "--validate=false", "-f", manifest],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     if applied.returncode == 0:  # a cluster is configured: its schema checked the objects

@@ -30,7 +30,7 @@ from typing import Any
 
 from .. import Learner, RLinkDataset
 from .. import TimeoutError as RLinkTimeout
-from .run import Setup, _stop_actors, kill_one_actor, progress_values, random_return, report, start_actors, summarize
+from .parts import Setup, kill_one_actor, progress_values, random_return, report, start_actors, stop_actors, summarize
 
 _STOP, _LR, _HAVE, _STEPS, _BYTES, _CONNECTED, _LOST = range(7)
 _HEADER = 7  # the fields above, then the finished episodes' returns (NaN-padded)
@@ -239,7 +239,7 @@ def _rank_zero(args: argparse.Namespace, world: int, port: int) -> int:
         progress.close()
         signal.signal(signal.SIGINT, previous)
     wall = time.monotonic() - started
-    actor_reports = _stop_actors(stop, procs, reports, lambda: trainer.drain(False))
+    actor_reports = stop_actors(stop, procs, reports, lambda: trainer.drain(False))
     trainer.drain(True)
     mine = trainer.close()
     per_rank = [mine] + [_read_rank(args.out, r) for r in range(1, world)]

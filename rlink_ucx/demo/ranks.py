@@ -11,7 +11,11 @@ The ranks move in lockstep: each round they gather one row each (rank 0's decisi
 and its learning-rate fraction, whether the rank holds a batch, its counters, the returns of
 the episodes its batch finished); they update together once every rank holds a batch. Rank 0
 reports progress and writes summary.json and learning_curve.png; every rank writes
-``rank<r>.json`` (its actors, steps and counters) to ``--out``.
+``rank<r>.json`` (its actors, steps and counters) to ``--out``. A rank process that dies, or
+a round that waits more than ``COLLECTIVE_TIMEOUT``, ends the run: rank 0 stops the actors and
+reports the outcome "a learner rank failed" (exit code 2) with its own counters only. Ctrl-C
+reaches rank 0 only (the other ranks and the actors ignore it); it stops every rank at the next
+round.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import datetime
 import json
 import math
 import multiprocessing as mp
@@ -34,6 +39,7 @@ from .parts import Setup, kill_one_actor, progress_values, random_return, report
 
 _STOP, _LR, _HAVE, _STEPS, _BYTES, _CONNECTED, _LOST = range(7)
 _HEADER = 7  # the fields above, then the finished episodes' returns (NaN-padded)
+COLLECTIVE_TIMEOUT = 180.0
 
 
 def free_port() -> int:
@@ -69,7 +75,9 @@ class RankTrainer:
         backend = "nccl" if self.device.startswith("cuda") else "gloo"
         if backend == "nccl":
             torch.cuda.set_device(self.device)
-        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+        # A round takes well under a second: a rank silent for COLLECTIVE_TIMEOUT died or hangs.
+        dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
+                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT))  # fmt: skip
         # The collectives below carry this rank's row on the backend's device.
         self.collective_device = self.device if backend == "nccl" else "cpu"
         setup = Setup(args)
@@ -130,8 +138,9 @@ class RankTrainer:
         dist.broadcast(flag, src=0)
         return bool(flag.item())
 
-    def close(self) -> dict[str, Any]:
-        """Write ``rank<r>.json``, wait for the other ranks to have written theirs, close."""
+    def close(self, together: bool = True) -> dict[str, Any]:
+        """Write ``rank<r>.json``, wait for the other ranks to have written theirs (unless a rank
+        failed: ``together=False``), close."""
         import torch.distributed as dist
 
         stats = self.learner.stats()
@@ -144,9 +153,11 @@ class RankTrainer:
                 **{k: stats[k] for k in ("total", "version", "staleness", "weights", "ended_actors")}}  # fmt: skip
         with open(os.path.join(self.args.out, f"rank{self.rank}.json"), "w") as fh:
             json.dump(mine, fh, indent=2, default=str)
-        dist.barrier()
+        if together:
+            dist.barrier()
         self.learner.close()
-        dist.destroy_process_group()
+        with contextlib.suppress(Exception):  # after a rank failed the group may be broken: gone either way
+            dist.destroy_process_group()
         return mine
 
 
@@ -177,7 +188,7 @@ def main(args: argparse.Namespace) -> int:
     finally:
         signal.signal(signal.SIGINT, previous)
     try:
-        return _rank_zero(args, world, port)
+        return _rank_zero(args, world, port, ranks)
     finally:
         for p in ranks:
             p.join(60)
@@ -186,7 +197,7 @@ def main(args: argparse.Namespace) -> int:
                 p.join(5)
 
 
-def _rank_zero(args: argparse.Namespace, world: int, port: int) -> int:
+def _rank_zero(args: argparse.Namespace, world: int, port: int, ranks: list[Any]) -> int:
     from .progress import Progress
 
     interrupted: list[bool] = []
@@ -208,6 +219,9 @@ def _rank_zero(args: argparse.Namespace, world: int, port: int) -> int:
     try:
         while True:
             elapsed = time.monotonic() - started
+            for p in ranks:
+                if p.exitcode is not None:  # the round would wait for it until COLLECTIVE_TIMEOUT
+                    raise RuntimeError(f"{p.name} exited with code {p.exitcode}")
             if not outcome and interrupted:
                 outcome = "interrupted"
             elif not outcome and elapsed > args.max_seconds:
@@ -235,20 +249,33 @@ def _rank_zero(args: argparse.Namespace, world: int, port: int) -> int:
                                             env_steps))  # fmt: skip
             if len(returns) == returns.maxlen and mean_return >= args.target_return:
                 outcome = "target reached"  # the others hear it next round
+    except Exception as exc:  # noqa: BLE001 - a collective failed or timed out: a rank died; stop the actors, report
+        outcome = f"a learner rank failed: {type(exc).__name__}: {str(exc)[:200]}"
     finally:
         progress.close()
         signal.signal(signal.SIGINT, previous)
     wall = time.monotonic() - started
-    actor_reports = stop_actors(stop, procs, reports, lambda: trainer.drain(False))
-    trainer.drain(True)
-    mine = trainer.close()
-    per_rank = [mine] + [_read_rank(args.out, r) for r in range(1, world)]
+    together = not outcome.startswith("a learner rank failed")
+    actor_reports = stop_actors(stop, procs, reports,
+                                (lambda: trainer.drain(False)) if together else _local_drain(trainer))  # fmt: skip
+    if together:
+        trainer.drain(True)
+    mine = trainer.close(together)
+    per_rank = [mine] + ([_read_rank(args.out, r) for r in range(1, world)] if together else [])
     summary = summarize(args, outcome, merge_ranks(per_rank), wall, updates, episodes, returns, baseline,
                         actor_reports, killed)  # fmt: skip
     summary["ranks"] = [{"rank": r["rank"], "address": r["address"], "actors": r["actors"],
                          "env_steps": r["total"]["steps"] * args.unroll, "batch_per_rank": r["batch_per_rank"],
                          "version": r["version"]} for r in per_rank]  # fmt: skip
     return report(args, summary, curve)
+
+
+def _local_drain(trainer: RankTrainer) -> Any:
+    def drain() -> None:
+        with contextlib.suppress(Exception):
+            trainer.dataset.fetch(timeout=0.2)
+
+    return drain
 
 
 def _merged_live(stats: dict[str, Any], table: Any) -> dict[str, Any]:

@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -93,6 +94,36 @@ def test_torchrun_recipe_with_two_learner_ranks_sharing_three_actors(tmp_path):
     assert "learner rank 0 of 2" in out and "learner rank 1 of 2" in out and "for 3 actors" in out, out[-3000:]
     got = check_rank_summaries(summary, 2, ["2", "3", "4"], STEPS)
     assert got[0]["address"] == f"0.0.0.0:{port}" and not summary.exists()
+
+
+@pytest.mark.timeout(240)
+def test_learner_only_torchrun_job_with_actors_started_apart(tmp_path):
+    """The Kubernetes shape on loopback: a torchrun job of 2 learner ranks (learner.py
+    --distributed), then 3 actors given rank 0's address once the ranks are up: balanced."""
+    port, summary = free_port(), tmp_path / "summary.json"
+    env = base_env(RLINK_TOKEN="learners-" + uuid.uuid4().hex, OMP_NUM_THREADS="1")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(DEPLOY / "learner.py"), "--distributed", "--listen", f"127.0.0.1:{port}",
+                            "--expect-steps", str(3 * STEPS), "--batch-size", "200", "--summary", str(summary)],
+                           cwd=tmp_path, env=env, stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "learner rank 0 of 2 listening" not in (tmp_path / "job.log").read_text():  # every rank is up
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        procs = [subprocess.Popen([sys.executable, str(DEPLOY / "actor.py"), "--address", f"127.0.0.1:{port}",
+                                   "--actor-id", str(i), "--steps", str(STEPS)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                 for i in (11, 12, 13)]
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+        assert all(p.returncode == 0 and f"actor sent {STEPS} steps" in o for p, o in zip(procs, outs)), outs
+        assert job.wait(timeout=60) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    got = check_rank_summaries(summary, 2, ["11", "12", "13"], STEPS)
+    assert sorted(len(g["per_actor"]) for g in got) == [1, 2], got  # balanced: started after the ranks were up
 
 
 def test_torchrun_recipe_refuses_to_start_without_a_token(tmp_path):

@@ -11,6 +11,14 @@ listens on ``RLINK_LISTEN`` (default ``0.0.0.0:<port>``), so every rank needs th
 
     torchrun --standalone --nproc-per-node 4 examples/deploy/launch.py --steps 10000
     python examples/deploy/launch.py --first-host      # the learner's host, for job scripts
+
+Many learners: with ``RLINK_LEARNERS=N`` the first N ranks are learner ranks
+(``learner.py --distributed``: ``Learner(distributed=True)``), the others actors. The launcher's
+process group spans every rank, actors included, so the learner ranks make a group of their own
+before the learner starts: ``torch.distributed.init_process_group`` (gloo here; a training job
+uses nccl) over ``tcp://<rank 0's host>:RLINK_GROUP_PORT`` (default the learner's port + 1),
+with rank = this rank and world size N. It becomes the default group, which DDP and
+``Learner(distributed=True)`` use. Rank 0 of the job is learner rank 0, the address actors know.
 """
 
 from __future__ import annotations
@@ -87,6 +95,35 @@ def learner_address(env: dict[str, str]) -> str:
     raise SystemExit("launch.py: no learner address: set RLINK_ADDRESS, MASTER_ADDR or SLURM_JOB_NODELIST")
 
 
+def learner_count(env: dict[str, str], world: int) -> int:
+    """``RLINK_LEARNERS`` (default 1): how many of the first ranks are learners; at least one rank is left for actors."""
+    try:
+        learners = int(env.get("RLINK_LEARNERS") or 1)
+    except ValueError:
+        raise SystemExit(f"launch.py: RLINK_LEARNERS={env['RLINK_LEARNERS']!r} is not a number") from None
+    if not 1 <= learners < world:
+        raise SystemExit(f"launch.py: RLINK_LEARNERS={learners} of {world} ranks: at least 1, and fewer than the ranks "
+                         "(the rest are actors)")  # fmt: skip
+    return learners
+
+
+def learner_group(env: dict[str, str], address: str, rank: int, learners: int) -> str:
+    """Make the learner ranks' own default process group; its rendezvous address."""
+    import datetime
+
+    import torch.distributed as dist
+
+    host, port = address.rsplit(":", 1)
+    # Under torchrun, init_process_group would meet the agent's store (on MASTER_PORT) instead of
+    # making one for this group: the learner ranks' group is not torchrun's.
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    where = f"tcp://{host}:{env.get('RLINK_GROUP_PORT') or int(port) + 1}"
+    dist.init_process_group("gloo", init_method=where, rank=rank, world_size=learners,
+                            timeout=datetime.timedelta(seconds=float(env.get("RLINK_GROUP_TIMEOUT", "300"))))  # fmt: skip
+    os.environ.setdefault("MASTER_ADDR", host.strip("[]"))  # where the other learner ranks reach rank 0
+    return where
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", type=int, default=10_000, help="steps per actor (0: stream until stopped)")
@@ -100,12 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = rank_and_world(env)
     address = learner_address(env)
     port = address.rsplit(":", 1)[1]
-    if rank == 0:
-        print(f"rank 0 of {world}: learner for {world - 1} actors at {address}", flush=True)
-        largs = learner.parse(["--listen", env.get("RLINK_LISTEN", f"0.0.0.0:{port}"),
-                               "--expect-steps", str(args.steps * (world - 1))]
-                              + (["--summary", args.summary] if args.summary else []))  # fmt: skip
-        return learner.run(largs)
+    learners = learner_count(env, world)
+    if rank < learners:
+        listen = ["--listen", env.get("RLINK_LISTEN", f"0.0.0.0:{port}"), "--expect-steps", str(args.steps * (world - learners))]
+        if learners == 1:
+            print(f"rank 0 of {world}: learner for {world - 1} actors at {address}", flush=True)
+            return learner.run(learner.parse(listen + (["--summary", args.summary] if args.summary else [])))
+        where = learner_group(env, address, rank, learners)
+        print(f"rank {rank} of {world}: learner rank {rank} of {learners} (group {where}) for {world - learners} actors "
+              f"at {address}", flush=True)  # fmt: skip
+        listen += ["--distributed", "--batch-size", str(learner.batch_size_for(args.steps, 256))]  # divides each rank's share
+        return learner.run(learner.parse(listen + (["--summary", args.summary] if args.summary else [])))
     return actor.run(actor.parse(["--address", address, "--actor-id", str(rank), "--steps", str(args.steps)]))
 
 

@@ -40,8 +40,16 @@ class ActorCritic(nn.Module):
         if self.kind == "box":
             self.log_std = nn.Parameter(torch.zeros(self.n))
 
+    def forward(self, obs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The policy head's output and the value: what a ``DistributedDataParallel`` wrapper
+        calls (DDP averages the gradients of what passes through ``forward``)."""
+        return self.pi(obs), self.value(obs)
+
     def dist(self, obs: torch.Tensor) -> torch.distributions.Distribution:
-        out = self.pi(obs)
+        return self.dist_from(self.pi(obs))
+
+    def dist_from(self, out: torch.Tensor) -> torch.distributions.Distribution:
+        """The action distribution for the policy head's output ``out``."""
         if self.kind == "discrete":
             return torch.distributions.Categorical(logits=out)
         return torch.distributions.Independent(torch.distributions.Normal(out, self.log_std.exp().expand_as(out)), 1)

@@ -25,8 +25,12 @@ class PPOConfig:
 
 
 class PPO:
-    def __init__(self, model: ActorCritic, config: PPOConfig):
+    """``net``: what the loss calls, the model itself or a ``DistributedDataParallel`` wrapping it
+    (``rlink demo --learners N``), whose backward averages the gradients over the ranks."""
+
+    def __init__(self, model: ActorCritic, config: PPOConfig, net: torch.nn.Module | None = None):
         self.model = model
+        self.net = model if net is None else net
         self.config = config
         self.opt = torch.optim.Adam(model.parameters(), lr=config.lr, eps=1e-5)
 
@@ -66,13 +70,13 @@ class PPO:
             order = torch.randperm(n)
             for start in range(0, n - size + 1, size):
                 idx = order[start : start + size]
-                d = self.model.dist(flat["obs"][idx])
+                out, v = self.net(flat["obs"][idx])
+                d = self.model.dist_from(out)
                 logp = d.log_prob(flat["action"][idx])
                 ratio = (logp - flat["logp"][idx]).exp()
                 a = flat["adv"][idx]
                 a = (a - a.mean()) / (a.std() + 1e-8)
                 pg = -torch.min(ratio * a, ratio.clamp(1 - c.clip, 1 + c.clip) * a).mean()
-                v = self.model.value(flat["obs"][idx])
                 loss = pg + c.value_coef * (flat["ret"][idx] - v).pow(2).mean() - c.entropy_coef * d.entropy().mean()
                 self.opt.zero_grad(set_to_none=True)
                 loss.backward()

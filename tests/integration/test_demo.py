@@ -57,3 +57,52 @@ def test_killing_one_actor_leaves_the_demo_running_and_is_recorded(tmp_path):
     assert summary["actors_reported"] == 2
     assert summary["outcome"] in ("target reached", "time limit")
     assert summary["final_mean_return_100"] > 2 * summary["random_policy_return"], brief(summary)
+
+
+def check_ranks(tmp_path, summary: dict, world: int) -> list[dict]:
+    """Every rank trained on steps of actors of its own, in lockstep, and kept the same model."""
+    ranks = summary["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(world)), ranks
+    actors = [set(r["actors"]) for r in ranks]
+    assert all(actors) and sum(map(len, actors)) == len(set().union(*actors)), ranks  # each actor at one rank
+    assert len(set().union(*actors)) == summary["actors_started"], ranks
+    assert all(r["env_steps"] > 0 for r in ranks) and sum(r["env_steps"] for r in ranks) == summary["total_env_steps"]
+    assert len({r["address"] for r in ranks}) == world
+    files = [json.loads((tmp_path / "demo" / f"rank{r}.json").read_text()) for r in range(world)]
+    assert [f["world_size"] for f in files] == [world] * world
+    assert {f["updates"] for f in files} == {summary["updates"]}  # every update taken by every rank
+    assert {f["version"] for f in files} == {summary["model_version"]}
+    assert len({f["parameter_sum"] for f in files}) == 1, files  # DDP kept the replicas identical
+    assert {f["batch_per_rank"] for f in files} == {16 // world}
+    return files
+
+
+@pytest.mark.timeout(200)
+def test_quick_demo_with_two_learner_ranks_trains_one_model_with_ddp(tmp_path):
+    rc, summary, stdout = run_demo(tmp_path, "--transport", "tcp", "--learners", "2")
+    check_accounting(summary)
+    assert summary["actors_reported"] == summary["actors_started"] == 2 and summary["lost_actors"] == []
+    check_ranks(tmp_path, summary, 2)
+    assert summary["final_mean_return_100"] > 2 * summary["random_policy_return"], brief(summary)
+    assert summary["target_reached"] == (rc == 0)
+    assert "[rlink demo]" in stdout
+
+
+@pytest.mark.slow  # the full target, as the single-learner demo's: 20-300 s on 2 shared cores
+@pytest.mark.timeout(420)
+def test_demo_with_two_learner_ranks_reaches_the_full_target(tmp_path):
+    out = tmp_path / "demo"
+    proc = subprocess.run([sys.executable, "-m", "rlink_ucx", "demo", "--learners", "2", "--plain", "--transport", "tcp",
+                           "--out", str(out)], capture_output=True, text=True, timeout=400)  # fmt: skip
+    summary = json.loads((out / "summary.json").read_text())
+    assert proc.returncode == 0 and summary["target_reached"], brief(summary)
+    assert summary["final_mean_return_100"] >= 475
+    check_accounting(summary)
+    check_ranks(tmp_path, summary, 2)
+
+
+@pytest.mark.timeout(60)
+def test_more_learner_ranks_than_actors_is_refused(tmp_path):
+    proc = subprocess.run([sys.executable, "-m", "rlink_ucx", "demo", "--learners", "3", "--actors", "2", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert proc.returncode == 2 and "--actors must be at least --learners" in proc.stderr

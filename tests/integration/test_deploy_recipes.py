@@ -15,6 +15,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 import uuid
 from pathlib import Path
 
@@ -48,6 +49,22 @@ def check_summary(path: Path, actors: list[str], steps: int) -> dict:
     return summary
 
 
+def check_rank_summaries(summary: Path, learners: int, actors: list[str], steps: int) -> list[dict]:
+    """Each learner rank's summary: every actor's steps at exactly one rank, in order, exactly
+    once; the total counted by every rank. (Not the balance: actors that connect while the
+    learner ranks are still starting all stay on rank 0, see docs/deploy/README.md.)"""
+    got = [json.loads(summary.with_name(f"{summary.stem}.rank{r}.json").read_text()) for r in range(learners)]
+    assert [g["rank"] for g in got] == list(range(learners)) and {g["world_size"] for g in got} == {learners}, got
+    assert all(g["complete"] and g["in_order"] for g in got), got
+    placed = [set(g["per_actor"]) for g in got]
+    assert sum(map(len, placed)) == len(actors) and set().union(*placed) == set(actors), got  # one rank each
+    assert all(n == steps for g in got for n in g["per_actor"].values()), got
+    assert all(g["steps"] == steps * len(g["per_actor"]) for g in got), got
+    assert {g["total_steps"] for g in got} == {steps * len(actors)}, got
+    assert len({g["address"] for g in got}) == learners, got
+    return got
+
+
 @pytest.mark.timeout(240)
 def test_torchrun_recipe_learner_on_rank_0_actors_on_the_others(tmp_path):
     summary = tmp_path / "summary.json"
@@ -61,6 +78,52 @@ def test_torchrun_recipe_learner_on_rank_0_actors_on_the_others(tmp_path):
     assert "learner for 2 actors at" in out and f":{port}" in out, out[-3000:]
     got = check_summary(summary, ["1", "2"], STEPS)
     assert got["address"] == f"0.0.0.0:{port}"
+
+
+@pytest.mark.timeout(240)
+def test_torchrun_recipe_with_two_learner_ranks_sharing_three_actors(tmp_path):
+    summary = tmp_path / "summary.json"
+    port = free_port()
+    env = base_env(RLINK_TOKEN="torchrun-" + uuid.uuid4().hex, RLINK_PORT=str(port), RLINK_GROUP_PORT=str(free_port()),
+                   RLINK_LEARNERS="2", NPROC_PER_NODE="5", TORCHRUN=f"{sys.executable} -m torch.distributed.run",
+                   OMP_NUM_THREADS="1")  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "docs/deploy/torchrun.sh"), "--steps", str(STEPS), "--summary",
+                           str(summary)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out[-4000:]
+    assert "learner rank 0 of 2" in out and "learner rank 1 of 2" in out and "for 3 actors" in out, out[-3000:]
+    got = check_rank_summaries(summary, 2, ["2", "3", "4"], STEPS)
+    assert got[0]["address"] == f"0.0.0.0:{port}" and not summary.exists()
+
+
+@pytest.mark.timeout(240)
+def test_learner_only_torchrun_job_with_actors_started_apart(tmp_path):
+    """The Kubernetes shape on loopback: a torchrun job of 2 learner ranks (learner.py
+    --distributed), then 3 actors given rank 0's address once the ranks are up: balanced."""
+    port, summary = free_port(), tmp_path / "summary.json"
+    env = base_env(RLINK_TOKEN="learners-" + uuid.uuid4().hex, OMP_NUM_THREADS="1")
+    job = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                            str(DEPLOY / "learner.py"), "--distributed", "--listen", f"127.0.0.1:{port}",
+                            "--expect-steps", str(3 * STEPS), "--batch-size", "200", "--summary", str(summary)],
+                           cwd=tmp_path, env=env, stdout=open(tmp_path / "job.log", "w"), stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 120
+        while "learner rank 0 of 2 listening" not in (tmp_path / "job.log").read_text():  # every rank is up
+            assert job.poll() is None and time.monotonic() < deadline, (tmp_path / "job.log").read_text()[-3000:]
+            time.sleep(0.2)
+        procs = [subprocess.Popen([sys.executable, str(DEPLOY / "actor.py"), "--address", f"127.0.0.1:{port}",
+                                   "--actor-id", str(i), "--steps", str(STEPS)], env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True)  # fmt: skip
+                 for i in (11, 12, 13)]
+        outs = [p.communicate(timeout=150)[0] for p in procs]
+        assert all(p.returncode == 0 and f"actor sent {STEPS} steps" in o for p, o in zip(procs, outs)), outs
+        assert job.wait(timeout=60) == 0, (tmp_path / "job.log").read_text()[-3000:]
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+    got = check_rank_summaries(summary, 2, ["11", "12", "13"], STEPS)
+    assert sorted(len(g["per_actor"]) for g in got) == [1, 2], got  # balanced: started after the ranks were up
 
 
 def test_torchrun_recipe_refuses_to_start_without_a_token(tmp_path):
@@ -105,6 +168,37 @@ def test_slurm_script_with_a_fake_environment_and_no_scontrol(tmp_path):
     assert "rank 0 of 3: learner for 2 actors" in logs["task0.log"]
     assert all("actor sent 3000 steps" in logs[f"task{i}.log"] for i in (1, 2)), logs
     check_summary(summary, ["1", "2"], STEPS)
+
+
+@pytest.mark.timeout(240)
+def test_slurm_script_with_two_learner_ranks(tmp_path):
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "srun").write_text(FAKE_SRUN)
+    (bin_dir / "srun").chmod(0o755)
+    path = os.pathsep.join([str(bin_dir), os.path.dirname(sys.executable), "/usr/bin", "/bin"])
+    if shutil.which("scontrol", path=path):
+        pytest.skip("scontrol is installed here: the script would not use its fallback")
+    port, summary = free_port(), tmp_path / "summary.json"
+    env = base_env(PATH=path, SLURM_JOB_ID="4243", SLURM_NTASKS="5", SLURM_JOB_NODELIST="127.0.0.[1-3]",
+                   SLURM_SUBMIT_DIR=str(ROOT), RLINK_PORT=str(port), RLINK_GROUP_PORT=str(free_port()),
+                   RLINK_LEARNERS="2", PYTHON=sys.executable, FAKE_SRUN_LOGS=str(tmp_path), OMP_NUM_THREADS="1")  # fmt: skip
+    proc = subprocess.run(["bash", str(ROOT / "docs/deploy/slurm.sbatch"), "--steps", str(STEPS), "--summary",
+                           str(summary)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=200)  # fmt: skip
+    logs = {p.name: p.read_text() for p in tmp_path.glob("task*.log")}
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:] + json.dumps(logs)[-3000:]
+    assert f"learner at 127.0.0.1:{port}, 5 tasks (2 learner ranks)" in proc.stdout
+    assert all(f"learner rank {r} of 2" in logs[f"task{r}.log"] for r in (0, 1)), logs
+    assert all(f"actor sent {STEPS} steps" in logs[f"task{i}.log"] for i in (2, 3, 4)), logs
+    check_rank_summaries(summary, 2, ["2", "3", "4"], STEPS)
+
+
+def test_launch_counts_learner_ranks():
+    assert launch.learner_count({}, 4) == 1
+    assert launch.learner_count({"RLINK_LEARNERS": "3"}, 4) == 3
+    for bad in ("0", "4", "two"):
+        with pytest.raises(SystemExit, match="RLINK_LEARNERS"):
+            launch.learner_count({"RLINK_LEARNERS": bad}, 4)
 
 
 @pytest.mark.parametrize("nodelist,hosts", [
@@ -164,11 +258,44 @@ def test_kubernetes_manifests_take_the_token_from_a_secret_and_size_dev_shm():
     assert actors["spec"]["completionMode"] == "Indexed" and "job-completion-index" in str(env["RLINK_ACTOR_ID"])
 
 
-def test_kubernetes_manifests_pass_kubectl():
+def test_kubernetes_many_learners_manifest_makes_an_indexed_learner_job_behind_rank_0():
+    docs = list(_yaml().safe_load_all((ROOT / "docs/deploy/k8s/rlink-learners.yaml").read_text()))
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    jobs = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Job"}
+    assert set(services) == {"rlink-learner", "rlink-learner-ranks"} and set(jobs) == {"rlink-learners", "rlink-actors"}
+    learners, actors, front = jobs["rlink-learners"], jobs["rlink-actors"], services["rlink-learner"]
+    spec, pod = learners["spec"], learners["spec"]["template"]["spec"]
+    (lc,) = pod["containers"]
+    env = {e["name"]: e for e in lc["env"]}
+    world = int(env["WORLD_SIZE"]["value"])
+    assert spec["completionMode"] == "Indexed" and spec["completions"] == spec["parallelism"] == world >= 2
+    assert "job-completion-index" in env["RANK"]["valueFrom"]["fieldRef"]["fieldPath"]
+    headless = services[pod["subdomain"]]
+    assert headless["spec"]["clusterIP"] == "None" and headless["spec"]["publishNotReadyAddresses"] is True
+    assert env["MASTER_ADDR"]["value"] == f"{learners['metadata']['name']}-0.{pod['subdomain']}"  # rank 0's pod
+    ports = {p["name"]: p["containerPort"] for p in lc["ports"]}
+    assert ports["rendezvous"] == int(env["MASTER_PORT"]["value"]) and ports[front["spec"]["ports"][0]["targetPort"]] == 8443
+    assert lc["command"][:3] == ["python", "examples/deploy/learner.py", "--distributed"] and lc["command"][-1] == "0.0.0.0:8443"
+    assert (ROOT / lc["command"][1]).is_file()
+    labels = learners["spec"]["template"]["metadata"]["labels"]
+    selector = front["spec"]["selector"]  # actors reach rank 0 only: the pod of completion index 0
+    assert selector == {**labels, "batch.kubernetes.io/job-completion-index": "0"}
+    assert headless["spec"]["selector"] == labels
+    (ac,) = actors["spec"]["template"]["spec"]["containers"]
+    aenv = {e["name"]: e for e in ac["env"]}
+    assert aenv["RLINK_ADDRESS"]["value"] == f"rlink-learner:{front['spec']['ports'][0]['port']}"
+    for container in (lc, ac):
+        assert _token_from_secret(container) == {"name": "rlink-token", "key": "token"}
+    for job in (learners, actors):
+        assert job["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+@pytest.mark.parametrize("name", ["rlink.yaml", "rlink-learners.yaml"])
+def test_kubernetes_manifests_pass_kubectl(name):
     kubectl = shutil.which("kubectl")
     if kubectl is None:
         pytest.skip("kubectl is not installed")
-    manifest = str(ROOT / "docs/deploy/k8s/rlink.yaml")
+    manifest = str(ROOT / "docs/deploy/k8s" / name)
     applied = subprocess.run([kubectl, "apply", "--dry-run=client", "--validate=false", "-f", manifest],
                              capture_output=True, text=True, timeout=60)  # fmt: skip
     if applied.returncode == 0:  # a cluster is configured: its schema checked the objects

@@ -25,6 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pace", type=float, default=0.002, help="seconds between puts")
     p.add_argument("--transport", default="tcp")
     p.add_argument("--host", default=None, help="rank 0's host as this actor reaches it (default: from the file)")
+    p.add_argument("--address", default=None, help="rank 0's address (then the file is not waited for)")
     args = p.parse_args(argv)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
@@ -32,12 +33,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlink_ucx import Actor, Config, RLinkError
 
-    address_file = os.path.join(args.out, "address")
-    deadline = time.monotonic() + 60
-    while not os.path.exists(address_file) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    with open(address_file) as fh:
-        address = fh.read().strip()
+    address = args.address or _address_from_file(args.out)
     if args.host is not None:  # rank 0 listens on all interfaces: the file has 0.0.0.0
         address = f"{args.host}:{address.rsplit(':', 1)[1]}"
     result: dict = {"index": args.index, "seen": [], "error": None}
@@ -66,6 +62,15 @@ def main(argv: list[str] | None = None) -> int:
     with open(os.path.join(args.out, f"actor{args.index}.json"), "w") as fh:
         json.dump(result, fh)
     return 0
+
+
+def _address_from_file(out: str) -> str:
+    address_file = os.path.join(out, "address")
+    deadline = time.monotonic() + 60
+    while not os.path.exists(address_file) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    with open(address_file) as fh:
+        return fh.read().strip()
 
 
 def _follow(actor, until: int, result: dict) -> None:

@@ -322,3 +322,4 @@ def test_a_rank_with_another_token_stops_every_rank_with_a_config_error(tmp_path
     assert "ConfigError: learner rank 1 holds another token than rank 0" in rank1, rank1[-2000:]
     assert "ConfigError: learner rank 1 of 2 did not start" in rank0, rank0[-2000:]
     assert not (tmp_path / "address").exists() or not (tmp_path / "rank0.json").exists()
+

@@ -58,6 +58,9 @@ class RankTable:
         self.placed: dict[int, Placement] = {}  # actor id -> the rank it was sent to (counts the load)
         self.sticky: collections.OrderedDict[int, int] = collections.OrderedDict()  # actor id -> its last rank
         self.moved = 0  # actors placed on another rank than the one they had (their rank ended)
+        # Set once every rank has linked: until then an actor is not placed (the first ranks to
+        # link would take every actor of a job whose actors start with its learners).
+        self.complete = asyncio.Event()
         self._quiet_log = quiet_log
         self._grace = 2 * config.handshake_timeout + config.heartbeat_timeout
 
@@ -81,6 +84,16 @@ class RankTable:
         while len(self.sticky) > STICKY_LIMIT:
             self.sticky.popitem(last=False)
         return rank
+
+    async def joined(self, wait: float) -> bool:
+        """Whether every rank has linked once, waiting up to ``wait`` seconds for it."""
+        if not self.complete.is_set():
+            try:
+                async with asyncio.timeout(wait):
+                    await self.complete.wait()
+            except TimeoutError:
+                return False
+        return True
 
     def redirect(self, rank: int, actor_id: int) -> _wire.Redirect:
         link = self.links[rank]
@@ -115,6 +128,8 @@ class RankTable:
             old.conn.close()  # a restarted rank: its old link is dead or about to be
         link = RankLink(hello.rank, hello.host, hello.port, conn)
         self.links[hello.rank] = link
+        if len(self.links) == self.world:
+            self.complete.set()
         conn.send(_wire.RankWelcome(self.world))
         log.info("learner rank %d joined at %s:%d", hello.rank, hello.host, hello.port)
         try:

@@ -282,6 +282,8 @@ class LearnerServer:
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
         if self.ranks is not None:  # rank 0 of many: this actor may belong to another rank
+            if not await self.ranks.joined(self.config.handshake_timeout / 2):
+                raise Busy("the job's learner ranks are still starting (not every rank has linked to rank 0 yet)")
             actor_id = hello.actor_id if hello.actor_id is not None else self._new_actor_id()
             rank = self.ranks.place(actor_id, [s.actor_id for s in self.sessions.values()])
             if rank != self.rank:

@@ -51,13 +51,14 @@ def check_summary(path: Path, actors: list[str], steps: int) -> dict:
 
 def check_rank_summaries(summary: Path, learners: int, actors: list[str], steps: int) -> list[dict]:
     """Each learner rank's summary: every actor's steps at exactly one rank, in order, exactly
-    once; the total counted by every rank. (Not the balance: actors that connect while the
-    learner ranks are still starting all stay on rank 0, see docs/deploy/README.md.)"""
+    once; the actors balanced over the ranks (rank 0 places none before every rank linked, so
+    actors that start with the learners are balanced too); the total counted by every rank."""
     got = [json.loads(summary.with_name(f"{summary.stem}.rank{r}.json").read_text()) for r in range(learners)]
     assert [g["rank"] for g in got] == list(range(learners)) and {g["world_size"] for g in got} == {learners}, got
     assert all(g["complete"] and g["in_order"] for g in got), got
     placed = [set(g["per_actor"]) for g in got]
     assert sum(map(len, placed)) == len(actors) and set().union(*placed) == set(actors), got  # one rank each
+    assert max(map(len, placed)) - min(map(len, placed)) <= 1, got  # balanced
     assert all(n == steps for g in got for n in g["per_actor"].values()), got
     assert all(g["steps"] == steps * len(g["per_actor"]) for g in got), got
     assert {g["total_steps"] for g in got} == {steps * len(actors)}, got

@@ -186,6 +186,11 @@ class Learner:
     def publish(self, model_or_state_dict: Any, *, wait: bool = False, timeout: float | None = None) -> int:
         """Publish new parameters to every subscribed actor; returns the new version.
 
+        ``model_or_state_dict``: a torch module or state dict, or a nested mapping (a pytree of
+        dicts, as flax keeps params) of numpy, torch, JAX or TensorFlow arrays (anything with
+        ``__dlpack__`` or the array interface); actors get the same nesting back
+        (``Actor.get_remote_model``). A value that cannot be published raises and changes nothing.
+
         The tensors are copied first, so training may modify them as soon as this returns; the
         fan-out (torch.distributed broadcast in a group of its own, or pulls) runs in the
         background. With ``wait=True``, also wait (up to ``timeout``, default

@@ -88,7 +88,14 @@ def describe(tree: Any) -> Any:
     return [framework_of(tree), dtype_name(tree), np.asarray(value, dtype=np.float64).tolist()]
 
 
-def actor_main(address: str, fmt: str, out: Any, go: Any) -> None:
+def put_steps(actor: Any) -> None:
+    for i in range(STEPS):
+        actor.put({"obs": np.array([i, -i, 0.5], np.float32), "action": np.int64(i * 3), "done": i % 2 == 0},
+                  version=0)  # fmt: skip
+    actor.flush(60)
+
+
+def actor_main(address: str, replay_address: str, fmt: str, out: Any, go: Any) -> None:
     from rlink_ucx import Actor
 
     try:
@@ -100,11 +107,10 @@ def actor_main(address: str, fmt: str, out: Any, go: Any) -> None:
             except ImportError:
                 blocked[name] = True
         got = []
+        with Actor(replay_address, token=TOKEN, transport="tcp", actor_id=6) as actor:
+            put_steps(actor)
         with Actor(address, token=TOKEN, transport="tcp", actor_id=5) as actor:
-            for i in range(STEPS):
-                actor.put({"obs": np.array([i, -i, 0.5], np.float32), "action": np.int64(i * 3), "done": i % 2 == 0},
-                          version=0)  # fmt: skip
-            actor.flush(60)
+            put_steps(actor)
             for _ in range(2):  # two versions in a row
                 go.get(timeout=120)
                 tree, version = actor.get_remote_model(timeout=60, format=fmt)
@@ -120,16 +126,26 @@ def actor_main(address: str, fmt: str, out: Any, go: Any) -> None:
 
 
 def learner_main(fmt: str) -> dict[str, Any]:
-    from rlink_ucx import Learner, RLinkDataset
+    from rlink_ucx import Learner, ReplayDataset, RLinkDataset
 
     report: dict[str, Any] = {"modules_blocked": sorted(BLOCKED)}
     ctx = mp.get_context("spawn")
     out, go = ctx.Queue(), ctx.Queue()
-    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as learner:
+    with Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as learner, \
+            Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as replay_learner:
         dataset = RLinkDataset(learner, batch_size=STEPS, format=fmt)
-        proc = ctx.Process(target=actor_main, args=(f"127.0.0.1:{learner.port}", fmt, out, go))
+        replay = ReplayDataset(replay_learner, capacity=STEPS, batch_size=16, sampler="prioritized", format=fmt,
+                               min_size=STEPS, seed=1)  # fmt: skip
+        proc = ctx.Process(target=actor_main, args=(f"127.0.0.1:{learner.port}", f"127.0.0.1:{replay_learner.port}",
+                                                   fmt, out, go))  # fmt: skip
         proc.start()
         try:
+            sample = replay.sample(timeout=120)
+            report["replay"] = {k: [framework_of(getattr(sample, k)), np.asarray(getattr(sample, k)).tolist()]
+                                for k in ("index", "weight", "seq", "actor_id")}  # fmt: skip
+            report["replay"]["obs"] = [framework_of(sample["obs"]), np.asarray(sample["obs"]).tolist()]
+            replay.update_priorities(sample.index, np.ones(16, np.float32))
+            replay.close()
             batch = dataset.fetch(timeout=120)
             fields = {k: [framework_of(v), dtype_name(v), list(v.shape), np.asarray(v).tolist()] for k, v in batch.items()}
             meta = {k: [framework_of(getattr(batch, k)), np.asarray(getattr(batch, k)).tolist()]

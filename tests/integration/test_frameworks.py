@@ -72,6 +72,13 @@ def check(report: dict, fmt: str, *, x64: bool) -> None:
     assert meta["actor_id"] == [fmt, [5] * STEPS]
     assert meta["seq"] == [fmt, i.tolist()]
     assert meta["version"] == [fmt, [0] * STEPS] and meta["staleness"] == [fmt, [0] * STEPS]
+    replay = report["replay"]
+    assert {kind for kind, _ in replay.values()} == {fmt}
+    seq = np.array(replay["seq"][1])
+    assert replay["actor_id"][1] == [6] * 16 and ((0 <= seq) & (seq < STEPS)).all()
+    assert replay["obs"][1] == np.stack([seq, -seq, np.full(16, 0.5)], 1).tolist()  # each row is its own step
+    assert np.array_equal(np.array(replay["index"][1]) % STEPS, seq)  # item ids: inserted in seq order
+    assert all(0 < w <= 1 for w in replay["weight"][1])
     assert "publish refused" in report["last_error"] and "bad" in report["refused"]
     assert report["version"] == 2
     actor = report["actor"]

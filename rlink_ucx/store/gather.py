@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 
 from ..batch import Batch
-from ..wire.codec import DTYPES, torch_dtype, typed_view
-from ..wire.frameworks import Adapter, aligned
+from ..wire.codec import torch_dtype, typed_view
+from ..wire.frameworks import Adapter, aligned, typed
 from .ring import Piece, StepRing
 
 _POOL_SIZE = 4
@@ -125,7 +125,7 @@ class BatchAssembler:
     def _batch(self, arrays: list[np.ndarray], meta_host: np.ndarray) -> Batch:
         convert = self.adapter.array
         fields = {
-            spec.name: convert(host.view(DTYPES[spec.dtype]).reshape(self.batch_size, *spec.shape), spec.dtype)
+            spec.name: convert(typed(host, spec.dtype, (self.batch_size, *spec.shape)), spec.dtype)
             for spec, host in zip(self.ring.schema.fields, arrays)
         }
         meta = [self.adapter.meta(row) for row in meta_host]

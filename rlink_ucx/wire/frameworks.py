@@ -31,8 +31,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import ConfigError
+from .codec import DTYPES
 
-__all__ = ["FORMATS", "Adapter", "adapter", "aligned", "default_format", "importable", "require"]
+__all__ = ["FORMATS", "Adapter", "adapter", "aligned", "default_format", "importable", "require", "typed"]
 
 FORMATS = ("torch", "numpy", "jax", "tensorflow")
 _EXTRAS = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
@@ -183,6 +184,14 @@ class TensorFlowAdapter(Adapter):
             return out
         with tf.device(self.device):
             return tf.identity(out)
+
+
+def typed(host: np.ndarray, dtype: str, shape: tuple[int, ...]) -> np.ndarray:
+    """``host``'s bytes (a flat uint8 array) as wire dtype ``dtype`` in ``shape``, without a copy,
+    in a view that keeps ``host`` itself referenced: numpy would make a plain view's base the
+    array ``host`` was cut from, and the ring and the staging pools count references to ``host``
+    to know whether a batch still uses it."""
+    return np.frombuffer(host.data, dtype=DTYPES[dtype]).reshape(shape)
 
 
 def aligned(shape: tuple[int, ...], dtype: Any = np.uint8) -> np.ndarray:

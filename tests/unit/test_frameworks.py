@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlink_ucx import Actor, ConfigError, Learner, ProtocolError, RLinkDataset
+from rlink_ucx import Actor, Config, ConfigError, Learner, ProtocolError, RLinkDataset
 from rlink_ucx.weights import mac
 from rlink_ucx.wire.frameworks import adapter, aligned, importable
 from rlink_ucx.wire.manifest import flatten, unflatten
@@ -115,17 +115,22 @@ def test_numpy_tags_equal_torch_tags_bit_for_bit():
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("batch_size", [64, 48])  # a whole ring chunk (lent) and a copy into staging
 def test_a_kept_batch_is_never_overwritten_by_later_fetches(fmt, batch_size):
-    with Learner("127.0.0.1:0", insecure=True) as learner:
+    # A ring of a few batches, so later steps land where the kept batch's came from.
+    config = Config(buffer_bytes=128 * 1024, frame_bytes=16 * 1024)
+    with Learner("127.0.0.1:0", insecure=True, config=config) as learner:
         dataset = RLinkDataset(learner, batch_size=batch_size, format=fmt)
+        rounds = 40
         with Actor(f"127.0.0.1:{learner.port}", insecure=True, transport="tcp") as actor:
-            n = batch_size * 8
-            actor.put_many({"x": np.arange(n, dtype=np.float32)[:, None] * np.ones(4, np.float32)})
-            actor.flush(30)
+            x = np.arange(batch_size * rounds, dtype=np.float32)[:, None] * np.ones(64, np.float32)
+            actor.put_many({"x": x[:batch_size]})
             kept = dataset.fetch(timeout=30)
             first = as_numpy(kept["x"]).copy()
-            later = [as_numpy(dataset.fetch(timeout=30)["x"])[:, 0].tolist() for _ in range(7)]
+            later = []
+            for r in range(1, rounds):
+                actor.put_many({"x": x[r * batch_size : (r + 1) * batch_size]})
+                later.append(as_numpy(dataset.fetch(timeout=30)["x"])[:, 0].tolist())
         assert first[:, 0].tolist() == list(range(batch_size))
         assert as_numpy(kept["x"]).tolist() == first.tolist()
         assert as_numpy(kept.seq).tolist() == list(range(batch_size))
-        assert later[-1] == list(range(7 * batch_size, 8 * batch_size))
+        assert later[-1] == list(range((rounds - 1) * batch_size, rounds * batch_size))
         dataset.close()

@@ -28,8 +28,8 @@ import numpy as np
 from ...batch import Batch
 from ...errors import Closed, ConfigError, SchemaMismatch
 from ...errors import TimeoutError as RLinkTimeout
-from ...wire.codec import DTYPES, Schema, torch_dtype, typed_view
-from ...wire.frameworks import Adapter, aligned
+from ...wire.codec import Schema, torch_dtype, typed_view
+from ...wire.frameworks import Adapter, aligned, typed
 from ..ring import Piece, StepRing
 from .block_table import BlockTable, spare_blocks
 from .device_table import DeviceTable
@@ -344,7 +344,7 @@ class ReplayCore:
         lead = (draw.items, table.window) if self.sequence_length else (draw.items,)
         if self.torch is None:  # a host table's staging handed out as numpy, JAX or TensorFlow arrays
             convert, meta = self.adapter.array, self.adapter.meta
-            host = {spec.name: convert(raw.view(DTYPES[spec.dtype]).reshape(*lead, *spec.shape), spec.dtype)
+            host = {spec.name: convert(typed(raw.reshape(-1), spec.dtype, (*lead, *spec.shape)), spec.dtype)
                     for spec, raw in zip(table.schema.fields, staging.fields)}  # fmt: skip
             v, a, q, st = (meta(row) for row in staging.meta.reshape(4, *lead))
             return Batch(host, version=v, actor_id=a, seq=q, staleness=st, index=meta(staging.index),

@@ -108,7 +108,7 @@ def make_update(lr: float, epochs: int = 4, minibatches: int = 4) -> Any:
         t = t + 1
         m = jax.tree_util.tree_map(lambda m, g: 0.9 * m + 0.1 * g, m, grads)
         v = jax.tree_util.tree_map(lambda v, g: 0.999 * v + 0.001 * g * g, v, grads)
-        step = lambda p, m, v: p - lr_now * (m / (1 - 0.9**t)) / (jnp.sqrt(v / (1 - 0.999**t)) + 1e-5)  # noqa: E731
+        step = lambda p, m, v: p - lr_now * (m / (1 - 0.9**t)) / (jnp.sqrt(v / (1 - 0.999**t)) + 1e-5)
         return jax.tree_util.tree_map(step, params, m, v), (m, v, t)
 
     @jax.jit

@@ -22,17 +22,16 @@ class _Blocker:
     def find_spec(self, name: str, path: Any = None, target: Any = None) -> None:
         if name.split(".")[0] in self.names:
             raise ImportError(f"{name} is blocked in this test process (FRAMEWORK_TEST_BLOCK)")
-        return None
 
 
 BLOCKED = {n for n in os.environ.get("FRAMEWORK_TEST_BLOCK", "").split(",") if n}
 if BLOCKED and not any(isinstance(f, _Blocker) for f in sys.meta_path):
     sys.meta_path.insert(0, _Blocker(BLOCKED))
 
-import json  # noqa: E402
-import multiprocessing as mp  # noqa: E402
+import json
+import multiprocessing as mp
 
-import numpy as np  # noqa: E402
+import numpy as np
 
 TOKEN = "framework-test-token-0123456789abcdef"
 STEPS = 64

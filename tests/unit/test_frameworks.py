@@ -76,9 +76,8 @@ def test_a_framework_that_cannot_be_imported_is_a_config_error_naming_its_extra(
     monkeypatch.setitem(sys.modules, fmt, None)  # import raises ImportError, as when not installed
     with pytest.raises(ConfigError, match=rf'pip install "rlink-ucx\[{fmt}\]"'):
         adapter(fmt)
-    with Learner("127.0.0.1:0", insecure=True) as learner:
-        with pytest.raises(ConfigError, match=rf"rlink-ucx\[{fmt}\]"):
-            RLinkDataset(learner, batch_size=4, format=fmt)
+    with Learner("127.0.0.1:0", insecure=True) as learner, pytest.raises(ConfigError, match=rf"rlink-ucx\[{fmt}\]"):
+        RLinkDataset(learner, batch_size=4, format=fmt)
 
 
 @pytest.mark.timeout(30)

@@ -22,6 +22,7 @@ import numpy as np
 from ..batch import Batch
 from ..wire.codec import torch_dtype, typed_view
 from ..wire.frameworks import Adapter, aligned, typed
+from ..wire.frameworks import adapter as make_adapter
 from .ring import Piece, StepRing
 
 _POOL_SIZE = 4
@@ -46,8 +47,10 @@ class BatchAssembler:
     """Builds each batch in host memory and hands it out through ``adapter`` (a framework and
     a device, ``wire/frameworks.py``); torch on CUDA has its own pinned, asynchronous path."""
 
-    def __init__(self, ring: StepRing, batch_size: int, adapter: Adapter):
-        self.adapter = adapter
+    def __init__(self, ring: StepRing, batch_size: int, adapter: Adapter | Any):
+        # a bare device (what the assembler took before it took formats): torch on that device
+        self.adapter = adapter if isinstance(adapter, Adapter) else make_adapter("torch", adapter)
+        adapter = self.adapter
         self.ring = ring
         self.batch_size = batch_size
         self.device = adapter.device

@@ -1,0 +1,70 @@
+"""``rlink bench --suite formats``: the rate at which a learner fetches batches as torch, numpy,
+JAX or TensorFlow arrays (``RLinkDataset(format=...)``), against torch in the same run.
+
+Each row is the default suite's rlink row (``bench/rlink.py``: actor processes ``put_many``
+steps over tcp, the learner fetches batches of about 4 MiB and reads each batch's ``t_ns``
+stamps), with only the batch format changed. Workloads: Atari steps 32 per call and CartPole
+steps 256 per call. JAX runs with ``jax_enable_x64`` on, so the int64 stamps stay int64 (without
+it JAX copies 64-bit fields into 32-bit ones). A format whose framework is missing is skipped.
+
+Usage: rlink bench --suite formats [--formats torch,numpy,jax,tensorflow] [--reps 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from ..wire.frameworks import FORMATS, importable
+from .measure import Timing
+from .rlink import run_rlink
+from .workloads import ATARI, CARTPOLE
+
+ROWS = ((ATARI, 32), (CARTPOLE, 256))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="rlink bench --suite formats", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--formats", default=",".join(FORMATS), help="comma list; torch is the baseline")
+    parser.add_argument("--actors", type=int, default=1)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--window", type=float, default=0.6)
+    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--json", help="write the records (a JSON list) here")
+    args = parser.parse_args(argv)
+    formats = [f for f in args.formats.split(",") if f]
+    timing = Timing(warmup=args.warmup, window=args.window, reps=args.reps, timeout=60.0)
+    if "jax" in formats and importable("jax"):
+        import jax
+
+        jax.config.update("jax_enable_x64", True)
+    records: list[dict[str, Any]] = []
+    for workload, chunk in ROWS:
+        for fmt in formats:
+            record: dict[str, Any] = {"workload": workload.name, "chunk": chunk, "format": fmt, "actors": args.actors}
+            if not importable(fmt):
+                record["skipped"] = f"{fmt} is not installed"
+            else:
+                t0 = time.monotonic()
+                record.update(run_rlink(workload.with_chunk(chunk), timing, "tcp", args.actors, "put_many", fmt))
+                record["seconds"] = round(time.monotonic() - t0, 1)
+            records.append(record)
+            print(_line(record, records), flush=True)
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(records, fh, indent=1)
+    return 0
+
+
+def _line(record: dict[str, Any], records: list[dict[str, Any]]) -> str:
+    head = f"{record['workload']:<9} x{record['chunk']:<4} {record['format']:<11}"
+    if "skipped" in record:
+        return head + f"skipped: {record['skipped']}"
+    base = next((r for r in records if r["workload"] == record["workload"] and r["format"] == "torch"
+                 and "per_s" in r), None)  # fmt: skip
+    ratio = f"  {record['per_s'] / base['per_s']:.2f}x torch" if base is not None else ""
+    return (head + f"{record['per_s'] / 1e3:10.1f} k steps/s  {record['gbps']:6.2f} GB/s "
+            f"(min {record['gbps_min']:.2f}, max {record['gbps_max']:.2f})  p50 {record['p50_us']:.0f} us{ratio}")

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     if "jax" in formats and importable("jax"):
         import jax
 
-        jax.config.update("jax_enable_x64", True)
+        jax.config.update("jax_enable_x64", True)  # type: ignore[no-untyped-call]
     records: list[dict[str, Any]] = []
     for workload, chunk in ROWS:
         for fmt in formats:

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from ..batch import Batch
+from ..batch import Batch, Host
 from ..wire.codec import torch_dtype, typed_view
 from ..wire.frameworks import Adapter, aligned, typed
 from ..wire.frameworks import adapter as make_adapter
@@ -126,13 +126,12 @@ class BatchAssembler:
         return staging
 
     def _batch(self, arrays: list[np.ndarray], meta_host: np.ndarray) -> Batch:
-        convert = self.adapter.array
-        fields = {
-            spec.name: convert(typed(host, spec.dtype, (self.batch_size, *spec.shape)), spec.dtype)
-            for spec, host in zip(self.ring.schema.fields, arrays)
-        }
-        meta = [self.adapter.meta(row) for row in meta_host]
-        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
+        # Each array is handed out through the adapter on first access (Batch, Host).
+        fields = {spec.name: Host(typed(host, spec.dtype, (self.batch_size, *spec.shape)), spec.dtype)
+                  for spec, host in zip(self.ring.schema.fields, arrays)}  # fmt: skip
+        meta = [Host(row, "int64") for row in meta_host]
+        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3],
+                     convert=self.adapter.array)  # fmt: skip
 
     def _assemble_cpu(self, pieces: list[Piece], take_id: int, meta: np.ndarray, n: int) -> Batch:
         try:

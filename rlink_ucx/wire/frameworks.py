@@ -96,10 +96,6 @@ class Adapter:
             return view.view(self._bf16)
         return view
 
-    def meta(self, host: np.ndarray) -> Any:
-        """A metadata array (int64 or float32) in this framework on ``device``."""
-        return self.array(host, host.dtype.name)
-
 
 class TorchAdapter(Adapter):
     format = "torch"

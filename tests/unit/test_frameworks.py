@@ -55,7 +55,7 @@ def test_adapter_hands_out_the_framework_s_arrays_with_their_values(fmt):
     assert as_numpy(a.array(flags, "bool")).tolist() == [True, False, True]
     empty = a.array(np.empty((5, 0), np.float32), "float32")
     assert tuple(empty.shape) == (5, 0)
-    meta = a.meta(np.array([7, 8], dtype=np.int64))
+    meta = a.array(np.array([7, 8], dtype=np.int64), "int64")
     assert framework(meta) == fmt and as_numpy(meta).tolist() == [7, 8]
 
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from ...batch import Batch
+from ...batch import Batch, Host
 from ...errors import Closed, ConfigError, SchemaMismatch
 from ...errors import TimeoutError as RLinkTimeout
 from ...wire.codec import Schema, torch_dtype, typed_view
@@ -343,12 +343,11 @@ class ReplayCore:
         table, staging = draw.table, draw.staging
         lead = (draw.items, table.window) if self.sequence_length else (draw.items,)
         if self.torch is None:  # a host table's staging handed out as numpy, JAX or TensorFlow arrays
-            convert, meta = self.adapter.array, self.adapter.meta
-            host = {spec.name: convert(typed(raw.reshape(-1), spec.dtype, (*lead, *spec.shape)), spec.dtype)
+            host = {spec.name: Host(typed(raw.reshape(-1), spec.dtype, (*lead, *spec.shape)), spec.dtype)
                     for spec, raw in zip(table.schema.fields, staging.fields)}  # fmt: skip
-            v, a, q, st = (meta(row) for row in staging.meta.reshape(4, *lead))
-            return Batch(host, version=v, actor_id=a, seq=q, staleness=st, index=meta(staging.index),
-                         weight=meta(staging.weight))  # fmt: skip
+            v, a, q, st = (Host(row, "int64") for row in staging.meta.reshape(4, *lead))
+            return Batch(host, version=v, actor_id=a, seq=q, staleness=st, index=Host(staging.index, "int64"),
+                         weight=Host(staging.weight, "float32"), convert=self.adapter.array)  # fmt: skip
         torch = self.torch
         rows = draw.tensors if draw.rows is None else [torch.from_numpy(host) for host in staging.fields]
         fields = {

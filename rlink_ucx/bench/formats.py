@@ -7,13 +7,14 @@ stamps), with only the batch format changed. Workloads: Atari steps 32 per call 
 steps 256 per call. JAX runs with ``jax_enable_x64`` on, so the int64 stamps stay int64 (without
 it JAX copies 64-bit fields into 32-bit ones). A format whose framework is missing is skipped.
 
-Usage: rlink bench --suite formats [--formats torch,numpy,jax,tensorflow] [--reps 3] [--json out.json]
+Usage: rlink bench --suite formats [--formats torch,numpy,jax,tensorflow] [--rounds 3] [--reps 3] [--json out.json]
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 from typing import Any
 
@@ -33,6 +34,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--window", type=float, default=0.6)
     parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="rounds over the formats, interleaved (a busy machine's drift hits each alike); "
+                             "each format's median over them is compared")  # fmt: skip
     parser.add_argument("--json", help="write the records (a JSON list) here")
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
@@ -43,16 +47,28 @@ def main(argv: list[str] | None = None) -> int:
         jax.config.update("jax_enable_x64", True)  # type: ignore[no-untyped-call]
     records: list[dict[str, Any]] = []
     for workload, chunk in ROWS:
-        for fmt in formats:
-            record: dict[str, Any] = {"workload": workload.name, "chunk": chunk, "format": fmt, "actors": args.actors}
-            if not importable(fmt):
-                record["skipped"] = f"{fmt} is not installed"
-            else:
-                t0 = time.monotonic()
-                record.update(run_rlink(workload.with_chunk(chunk), timing, "tcp", args.actors, "put_many", fmt))
-                record["seconds"] = round(time.monotonic() - t0, 1)
-            records.append(record)
-            print(_line(record, records), flush=True)
+        runs: dict[str, list[float]] = {}
+        for r in range(args.rounds):
+            for fmt in formats:
+                record: dict[str, Any] = {"workload": workload.name, "chunk": chunk, "format": fmt,
+                                          "actors": args.actors, "round": r}  # fmt: skip
+                if not importable(fmt):
+                    record["skipped"] = f"{fmt} is not installed"
+                else:
+                    t0 = time.monotonic()
+                    record.update(run_rlink(workload.with_chunk(chunk), timing, "tcp", args.actors, "put_many", fmt))
+                    record["seconds"] = round(time.monotonic() - t0, 1)
+                    runs.setdefault(fmt, []).append(record["per_s"])
+                records.append(record)
+                print(_line(record, [x for x in records if x.get("round") == r]), flush=True)
+        base = statistics.median(runs["torch"]) if runs.get("torch") else None
+        for fmt, rates in runs.items():
+            median = statistics.median(rates)
+            ratio = f"  {median / base:.2f}x torch" if base else ""
+            print(f"{workload.name:<9} x{chunk:<4} {fmt:<11}median of {len(rates)}: {median / 1e3:10.1f} k steps/s{ratio}",
+                  flush=True)  # fmt: skip
+            records.append({"workload": workload.name, "chunk": chunk, "format": fmt, "median_per_s": median,
+                            "vs_torch": None if not base else median / base})  # fmt: skip
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=1)

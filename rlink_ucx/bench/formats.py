@@ -37,6 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over the formats, interleaved (a busy machine's drift hits each alike); "
                              "each format's median over them is compared")  # fmt: skip
+    parser.add_argument("--handover-only", action="store_true", help="only the in-process handover cost (seconds)")
     parser.add_argument("--json", help="write the records (a JSON list) here")
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
@@ -45,8 +46,12 @@ def main(argv: list[str] | None = None) -> int:
         import jax
 
         jax.config.update("jax_enable_x64", True)  # type: ignore[no-untyped-call]
-    records: list[dict[str, Any]] = []
-    for workload, chunk in ROWS:
+    records: list[dict[str, Any]] = handover(formats)
+    if args.handover_only:
+        rows: tuple[Any, ...] = ()
+    else:
+        rows = ROWS
+    for workload, chunk in rows:
         runs: dict[str, list[float]] = {}
         for r in range(args.rounds):
             for fmt in formats:
@@ -73,6 +78,45 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as fh:
             json.dump(records, fh, indent=1)
     return 0
+
+
+def handover(formats: list[str], batches: int = 200) -> list[dict[str, Any]]:
+    """CPU time (this thread's, so other processes' load barely moves it) to hand one batch over
+    as each format and read every field and metadata array: typed views of a 64-byte aligned
+    staging buffer (``wire.frameworks.typed``), ``batch.Host`` values, the adapter on access.
+    The batch sizes are the end-to-end rows' (``rlink_config``)."""
+    import numpy as np
+
+    from ..batch import Batch, Host
+    from ..wire.frameworks import adapter, aligned, typed
+    from .rlink import rlink_config
+
+    out = []
+    for workload, chunk in ROWS:
+        _, n = rlink_config(workload.with_chunk(chunk))
+        fields = [(name, dtype, (n, *shape)) for name, dtype, shape in workload.fields]
+        hosts = [aligned((int(np.prod(shape)) * np.dtype(dtype).itemsize,)) for _, dtype, shape in fields]
+        meta = np.zeros((4, n), np.int64)
+        for fmt in formats:
+            if not importable(fmt):
+                continue
+            convert = adapter(fmt).array
+            samples = []
+            for _ in range(batches):
+                t0 = time.thread_time_ns()
+                batch = Batch({name: Host(typed(h, dtype, shape), dtype) for (name, dtype, shape), h in zip(fields, hosts)},
+                              version=Host(meta[0], "int64"), actor_id=Host(meta[1], "int64"),
+                              seq=Host(meta[2], "int64"), staleness=Host(meta[3], "int64"), convert=convert)  # fmt: skip
+                for name in batch:
+                    batch[name]
+                batch.version, batch.actor_id, batch.seq, batch.staleness  # noqa: B018 - read, as a learner would
+                samples.append(time.thread_time_ns() - t0)
+                del batch
+            us = statistics.median(samples) / 1e3
+            out.append({"workload": workload.name, "chunk": chunk, "format": fmt, "batch": n, "handover_us": us})
+            print(f"handover {workload.name:<9} batch {n:<7} {fmt:<11}{us:8.1f} us CPU per batch (all fields and "
+                  f"metadata read)", flush=True)  # fmt: skip
+    return out
 
 
 def _line(record: dict[str, Any], records: list[dict[str, Any]]) -> str:

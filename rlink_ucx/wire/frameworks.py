@@ -132,18 +132,39 @@ class JaxAdapter(Adapter):
         self.host = self.device.platform == "cpu"
         self._bf16 = _bfloat16_numpy()
         self._copied: set[str] = {"bool", "bfloat16"}  # dtypes without a DLPack path here
+        self._import = _jax_dlpack_import() if self.host else None
 
     def array(self, view: np.ndarray, dtype: str) -> Any:
         jax = self.jax
         if dtype in self._copied or not self.host:
             host = view.view(self._bf16) if dtype == "bfloat16" else view
             return jax.device_put(host, self.device)
+        if self._import is not None and (view.dtype.itemsize < 8 or jax.config.jax_enable_x64):
+            try:
+                return self._import(view.__dlpack__(), self.device)
+            except Exception:  # noqa: BLE001 - a jaxlib whose private call changed: the public one from now on
+                self._import = None
         try:
             out = jax.dlpack.from_dlpack(view)
         except (BufferError, TypeError, RuntimeError, ValueError):
             self._copied.add(dtype)
             return self.array(view, dtype)
         return out if self.device in out.devices() else jax.device_put(out, self.device)
+
+
+def _jax_dlpack_import() -> Any:
+    """The call ``jax.dlpack.from_dlpack`` makes for a CPU array, without the ~40 us of Python it
+    spends around it on every call (device lookup, a stream query that raises on CPU, dtype
+    canonicalisation, which only 64-bit types without ``jax_enable_x64`` need: those take the
+    public path). Private jaxlib API, so any failure falls back to ``from_dlpack`` for good."""
+    try:
+        from jax._src.lib import _jax, jaxlib_extension_version  # type: ignore[attr-defined]
+    except ImportError:
+        return None
+    kdl_cpu = 1  # DLPack's kDLCPU
+    if jaxlib_extension_version >= 467:
+        return lambda capsule, device: _jax.dlpack_managed_tensor_to_buffer(capsule, device, None, None, kdl_cpu)
+    return lambda capsule, device: _jax.dlpack_managed_tensor_to_buffer(capsule, device, None, None)
 
 
 class TensorFlowAdapter(Adapter):

@@ -22,6 +22,8 @@ from .transport.address import parse_endpoint
 from .transport.loop import release_io, shared_io
 from .weights.subscriber import Subscriber
 from .wire.codec import Schema
+from .wire.frameworks import Adapter, adapter, default_format
+from .wire.manifest import unflatten
 from .wire.messages import Welcome
 
 log = logging.getLogger(__name__)
@@ -86,6 +88,7 @@ class Actor:
         host, port, transport = parse_endpoint(address, transport)
         self._lock = threading.Lock()  # guards the subscriber's creation
         self._subscriber: Subscriber | None = None
+        self._adapters: dict[str, Adapter] = {}  # get_remote_model's formats
         self._loaded: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # module -> version
         resolved_token = resolve_token(token)  # may raise: before the shared I/O thread is taken
         self._io = shared_io()  # one I/O thread for every Actor of this process
@@ -213,12 +216,16 @@ class Actor:
                 self._subscriber = Subscriber(self._conn, self._io, self.config)
             return self._subscriber
 
-    def get_remote_model(self, timeout: float | None = None, *, latest: bool = True) -> tuple[dict[str, Any], int]:
+    def get_remote_model(self, timeout: float | None = None, *, latest: bool = True,
+                         format: str | None = None) -> tuple[dict[str, Any], int]:
         """The newest published parameters and their version; sets :attr:`policy_version`.
 
         The first call subscribes this actor: from then on a background thread keeps the newest
-        version ready, so later calls return at once when nothing changed. The tensors are
-        read-only views of a buffer that is never overwritten while you hold them.
+        version ready, so later calls return at once when nothing changed. The arrays are
+        views of a buffer that is never overwritten while you hold them (treat them as
+        read-only); a framework that cannot take a view gets a copy (``docs/frameworks.md``).
+        The mapping has the nesting the learner published: a flat state dict comes back flat,
+        a pytree of dicts (flax params) comes back nested.
 
         Args:
             timeout: seconds to wait (default ``Config.weights_timeout``).
@@ -226,13 +233,21 @@ class Actor:
                 (one announced meanwhile is not waited for). When False, return the newest
                 version already here without waiting for one in flight (still waits if there is
                 none yet).
+            format: the arrays' framework: ``"torch"``, ``"numpy"``, ``"jax"`` or
+                ``"tensorflow"`` (host memory; JAX and TensorFlow on their CPU device). Default:
+                torch where torch is installed (what rlink always returned), numpy otherwise.
 
         Raises:
+            ConfigError: ``format`` names a framework that is not installed (at once).
             TimeoutError: no (or, with ``latest``, not the newest) version within ``timeout``.
         """
-        state, version = self._subscribe().get(timeout, latest)
+        fmt = default_format() if format is None else format
+        converter = self._adapters.get(fmt)
+        if converter is None:
+            converter = self._adapters[fmt] = adapter(fmt)
+        flat, version = self._subscribe().get(timeout, latest, converter)
         self._writer.policy_version = version
-        return state, version
+        return unflatten(flat), version
 
     def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True) -> int:
         """Copy the newest published parameters into ``module`` in place; returns the version.
@@ -240,7 +255,7 @@ class Actor:
         so calling this every step costs a lookup while nothing new was published."""
         import torch
 
-        state, version = self.get_remote_model(timeout, latest=latest)
+        state, version = self.get_remote_model(timeout, latest=latest, format="torch")
         if self._loaded.get(module) == version:
             return version
         with torch.no_grad():

@@ -2,17 +2,30 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, NamedTuple
 
-__all__ = ["Batch"]
+__all__ = ["Batch", "Host"]
+
+
+class Host(NamedTuple):
+    """A field or metadata array not handed out yet: a numpy view of rlink's host memory and its
+    wire dtype name. A :class:`Batch` made with ``convert`` turns each into the dataset's
+    framework on first access, so a training step pays for the arrays it reads, not for all."""
+
+    array: Any
+    dtype: str
+
+
+_META = ("version", "actor_id", "seq", "staleness", "index", "weight")
 
 
 class Batch(Mapping[str, Any]):
-    """A read-only mapping of field name -> ``torch.Tensor`` of shape ``[batch_size, ...]``.
+    """A read-only mapping of field name -> array of shape ``[batch_size, ...]``: ``torch.Tensor``
+    by default, or numpy / JAX / TensorFlow arrays (the dataset's ``format``).
 
-    Per-sample metadata rides along as attributes, each an int64 tensor of shape
-    ``[batch_size]`` on the same device:
+    Per-sample metadata rides along as attributes, each an int64 array of shape
+    ``[batch_size]`` on the same device (int32 for JAX unless ``jax_enable_x64`` is on):
 
     - ``version``: the behaviour-policy version that produced the step,
     - ``actor_id`` and ``seq``: which actor sent it, and its position in that actor's stream,
@@ -22,22 +35,29 @@ class Batch(Mapping[str, Any]):
     item ids to hand back to ``update_priorities``) and ``weight`` (float32 ``[batch_size]``:
     importance weights); with ``sequence_length=T`` fields and the four metadata tensors are
     ``[batch_size, T, ...]``. Both are None on batches from :class:`RLinkDataset`.
+
+    For formats other than torch each array is made from rlink's host memory when first read
+    (``wire/frameworks.py``): fields and metadata you never read cost nothing.
     """
 
-    __slots__ = ("_fields", "actor_id", "index", "seq", "staleness", "version", "weight")
+    __slots__ = ("_convert", "_fields", "_meta")
 
     def __init__(self, fields: dict[str, Any], *, version: Any, actor_id: Any, seq: Any, staleness: Any,
-                 index: Any = None, weight: Any = None):  # fmt: skip
+                 index: Any = None, weight: Any = None, convert: Callable[[Any, str], Any] | None = None):  # fmt: skip
         self._fields = fields
-        self.version = version
-        self.actor_id = actor_id
-        self.seq = seq
-        self.staleness = staleness
-        self.index = index
-        self.weight = weight
+        self._meta = {"version": version, "actor_id": actor_id, "seq": seq, "staleness": staleness,
+                      "index": index, "weight": weight}  # fmt: skip
+        self._convert = convert  # turns a Host value into the framework's array
+
+    def _get(self, store: dict[str, Any], key: str) -> Any:
+        value = store[key]
+        if type(value) is Host:
+            assert self._convert is not None
+            value = store[key] = self._convert(value.array, value.dtype)
+        return value
 
     def __getitem__(self, key: str) -> Any:
-        return self._fields[key]
+        return self._get(self._fields, key)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._fields)
@@ -45,9 +65,17 @@ class Batch(Mapping[str, Any]):
     def __len__(self) -> int:
         return len(self._fields)
 
+    version = property(lambda self: self._get(self._meta, "version"), doc="behaviour-policy version per sample")
+    actor_id = property(lambda self: self._get(self._meta, "actor_id"), doc="the actor that sent each sample")
+    seq = property(lambda self: self._get(self._meta, "seq"), doc="each sample's place in its actor's stream")
+    staleness = property(lambda self: self._get(self._meta, "staleness"), doc="learner version minus version")
+    index = property(lambda self: self._get(self._meta, "index"), doc="replay item ids (None from RLinkDataset)")
+    weight = property(lambda self: self._get(self._meta, "weight"), doc="importance weights (None from RLinkDataset)")
+
     @property
     def batch_size(self) -> int:
-        return int(self.version.shape[0])
+        version = self._meta["version"]
+        return int((version.array if type(version) is Host else version).shape[0])
 
     @property
     def device(self) -> Any:
@@ -55,10 +83,14 @@ class Batch(Mapping[str, Any]):
 
     def head(self, n: int) -> Batch:
         """The first ``n`` samples (views, no copy)."""
-        fields = {k: v[:n] for k, v in self._fields.items()}
-        return Batch(fields, version=self.version[:n], actor_id=self.actor_id[:n], seq=self.seq[:n],
-                     staleness=self.staleness[:n], index=None if self.index is None else self.index[:n],
-                     weight=None if self.weight is None else self.weight[:n])  # fmt: skip
+
+        def cut(v: Any) -> Any:
+            if v is None:
+                return None
+            return Host(v.array[:n], v.dtype) if type(v) is Host else v[:n]
+
+        return Batch({k: cut(v) for k, v in self._fields.items()}, convert=self._convert,
+                     **{k: cut(v) for k, v in self._meta.items()})  # fmt: skip
 
     def to_tensordict(self) -> Any:
         """The batch as a ``tensordict.TensorDict`` (metadata under ``"_rlink"``)."""
@@ -66,10 +98,12 @@ class Batch(Mapping[str, Any]):
             from tensordict import TensorDict
         except ImportError as exc:
             raise ImportError('Batch.to_tensordict() needs tensordict: pip install "rlink-ucx[torch]" tensordict') from exc
-        meta = {"version": self.version, "actor_id": self.actor_id, "seq": self.seq, "staleness": self.staleness}
-        meta.update({k: v for k, v in (("index", self.index), ("weight", self.weight)) if v is not None})
-        return TensorDict({**self._fields, "_rlink": meta}, batch_size=[self.batch_size], device=self.device)
+        meta = {k: getattr(self, k) for k in _META if self._meta[k] is not None}
+        return TensorDict({**dict(self.items()), "_rlink": meta}, batch_size=[self.batch_size], device=self.device)
 
     def __repr__(self) -> str:
-        fields = ", ".join(f"{k}: {tuple(v.shape)} {v.dtype}" for k, v in self._fields.items())
+        def describe(v: Any) -> str:
+            return f"{tuple(v.array.shape)} {v.dtype}" if type(v) is Host else f"{tuple(v.shape)} {v.dtype}"
+
+        fields = ", ".join(f"{k}: {describe(v)}" for k, v in self._fields.items())
         return f"Batch(batch_size={self.batch_size}, device={self.device}, {{{fields}}})"

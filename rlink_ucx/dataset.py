@@ -1,13 +1,11 @@
-"""RLinkDataset: the learner's batches as a ``torch.utils.data.IterableDataset``."""
+"""RLinkDataset: the learner's batches, as a ``torch.utils.data.IterableDataset`` where torch is
+installed (a plain iterable without it), in torch, numpy, JAX or TensorFlow arrays."""
 
 from __future__ import annotations
 
 import threading
 import time
 from typing import Any, Self
-
-import torch
-from torch.utils.data import IterableDataset, get_worker_info
 
 from .batch import Batch
 from .config import Config
@@ -16,8 +14,22 @@ from .errors import TimeoutError as RLinkTimeout
 from .learner import Learner
 from .store.gather import BatchAssembler
 from .transport.address import DEFAULT_PORT
+from .wire.frameworks import adapter
 
 __all__ = ["RLinkDataset"]
+
+try:
+    from torch.utils.data import IterableDataset, get_worker_info
+except ImportError:  # no torch: the datasets are plain iterables (format "numpy", "jax", "tensorflow")
+    IterableDataset = object  # type: ignore[misc, assignment]
+
+    def get_worker_info() -> Any:
+        return None
+
+
+def in_dataloader_worker() -> bool:
+    """True inside a torch DataLoader worker process (the datasets refuse to be read there)."""
+    return get_worker_info() is not None
 
 
 class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
@@ -28,7 +40,15 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             ``address`` (default ``127.0.0.1:8443``) and closed with the dataset; ``token``,
             ``transport``, ``config`` and ``insecure`` are passed to it.
         batch_size: steps per batch.
-        device: ``"cpu"`` or ``"cuda:N"``; ``gpu_id=N`` is shorthand for ``"cuda:N"``.
+        format: the framework of the batch's arrays (fields and metadata): ``"torch"`` (the
+            default), ``"numpy"``, ``"jax"`` or ``"tensorflow"``. A framework that is not
+            installed is a :class:`ConfigError` here, naming the extra to install. Arrays come
+            from rlink's staging memory without a copy where the framework takes a view
+            (``docs/frameworks.md`` says where a copy is made and why). Without torch installed
+            the default is ``"numpy"``.
+        device: where the arrays live, as the framework names it: for torch ``"cpu"`` or
+            ``"cuda:N"`` (``gpu_id=N`` is shorthand for ``"cuda:N"``); for JAX a device or
+            ``"cpu"`` / ``"gpu:N"``; for TensorFlow a device string (``"/GPU:0"``); numpy: ``"cpu"``.
         timeout: default seconds ``fetch`` waits (``Config.fetch_timeout``, 300 s, if None).
             With None, iterating waits for steps as long as the learner is open, so a learner
             started before its actors waits for them; with a number, iteration raises
@@ -44,7 +64,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
 
     Iteration also stops when the learner is closed.
 
-    Use it directly (``dataset.fetch()``, ``for batch in dataset``) or through
+    Use it directly (``dataset.fetch()``, ``for batch in dataset``) or, with torch, through
     ``DataLoader(dataset, batch_size=None, num_workers=0)``: batching is already done and the
     connection lives in this process, so DataLoader worker processes are refused.
 
@@ -56,8 +76,8 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         batch["obs"].shape, batch.version, batch.staleness
     """
 
-    def __init__(self, learner: Learner | None = None, *, batch_size: int = 256, device: str | torch.device = "cpu",
-                 gpu_id: int | None = None, timeout: float | None = None, address: str | None = None,
+    def __init__(self, learner: Learner | None = None, *, batch_size: int = 256, device: Any = "cpu",
+                 gpu_id: int | None = None, format: str | None = None, timeout: float | None = None, address: str | None = None,
                  token: str | bytes | None = None, transport: str = "auto", config: Config | None = None,
                  max_staleness: int | None = None, stop_when_actors_done: bool = False,
                  drop_last: bool = False, insecure: bool = False):  # fmt: skip
@@ -65,9 +85,9 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             raise ConfigError("batch_size must be positive")
         if gpu_id is not None:
             device = f"cuda:{gpu_id}"
-        self.device = torch.device(device)
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device} requested but CUDA is not available")
+        self._adapter = adapter(format, device)  # ConfigError: not installed, or no such device
+        self.format = self._adapter.format
+        self.device = self._adapter.device
         self._owns_learner = learner is None
         if learner is None:
             learner = Learner(address or f"127.0.0.1:{DEFAULT_PORT}", token=token, transport=transport, config=config,
@@ -81,7 +101,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         self.stop_when_actors_done = stop_when_actors_done
         self.drop_last = drop_last
         self._feed = learner.feed()
-        if self.device.type == "cuda":
+        if self._adapter.cuda:
             self._feed.request_pinned()
         self._feed.hint_batch_size(batch_size)
         self._assembler: BatchAssembler | None = None
@@ -113,7 +133,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
                         f"batch_size {self.batch_size} does not fit the learner buffer "
                         f"({ring.capacity} steps); raise Config.buffer_bytes"
                     )
-                assembler = self._assembler = BatchAssembler(ring, self.batch_size, self.device)
+                assembler = self._assembler = BatchAssembler(ring, self.batch_size, self._adapter)
             version = self.learner.version
             min_version = 0 if self.max_staleness is None else version - self.max_staleness
             ring = assembler.ring
@@ -130,7 +150,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             return batch
 
     def __iter__(self) -> Any:
-        if get_worker_info() is not None:
+        if in_dataloader_worker():
             raise ConfigError(
                 "RLinkDataset must be read in the learner process: use DataLoader(dataset, batch_size=None, num_workers=0)"
             )

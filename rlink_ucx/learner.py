@@ -271,6 +271,11 @@ class Learner:
     def publish(self, model_or_state_dict: Any, *, wait: bool = False, timeout: float | None = None) -> int:
         """Publish new parameters to every subscribed actor; returns the new version.
 
+        ``model_or_state_dict``: a torch module or state dict, or a nested mapping (a pytree of
+        dicts, as flax keeps params) of numpy, torch, JAX or TensorFlow arrays (anything with
+        ``__dlpack__`` or the array interface); actors get the same nesting back
+        (``Actor.get_remote_model``). A value that cannot be published raises and changes nothing.
+
         In a job of many learners (``distributed=True``) call it on every rank with the same
         parameters, as DDP holds them: each rank sends the version to its own actors, so the
         fan-out work is split between the ranks and versions agree across them.

@@ -6,10 +6,8 @@ import os
 import weakref
 from typing import Any, Self
 
-import torch
-from torch.utils.data import IterableDataset, get_worker_info
-
 from .batch import Batch
+from .dataset import in_dataloader_worker
 from .errors import Closed, ConfigError, SchemaMismatch
 from .learner import Learner
 from .store.replay.checkpoint import CheckpointError, read_manifest, restore, save
@@ -17,8 +15,14 @@ from .store.replay.core import ReplayCore, stored_schema
 from .store.replay.inserter import Inserter
 from .store.replay.limiter import RateLimiter
 from .store.replay.sample_ahead import SampleAhead
+from .wire.frameworks import Adapter, adapter
 
 __all__ = ["CheckpointError", "ReplayDataset"]
+
+try:
+    from torch.utils.data import IterableDataset
+except ImportError:  # no torch: a plain iterable (RLinkDataset does the same)
+    IterableDataset = object  # type: ignore[misc, assignment]
 
 _SAMPLERS = ("uniform", "prioritized", "fifo")
 _PREFETCH = 2  # batches drawn ahead by default (where allowed): one per drawing thread
@@ -54,8 +58,14 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         spi_tolerance: e, in samples (default ``batch_size + samples_per_insert``, the least
             that can never block both sides at once).
         min_size: no sample before this many steps are held.
-        device: ``"cpu"`` or ``"cuda:N"``: where batches are returned (copied there
-            asynchronously from pinned host staging, unless ``storage="device"``).
+        device: where batches are returned, as ``format``'s framework names it (torch:
+            ``"cpu"`` or ``"cuda:N"``, copied there asynchronously from pinned host staging
+            unless ``storage="device"``; JAX: a device or ``"cpu"`` / ``"gpu:N"``; TensorFlow: a
+            device string).
+        format: the framework of the batch's arrays (fields, metadata, ``index``, ``weight``):
+            ``"torch"`` (the default where torch is installed), ``"numpy"`` (the default
+            without), ``"jax"`` or ``"tensorflow"``; as for :class:`RLinkDataset`. One that is
+            not installed is a :class:`ConfigError` here. ``storage="device"`` is torch only.
         storage: ``"host"`` (default): the table's fields live in host memory (pinned where CUDA
             exists) and a sample is gathered there. ``"device"``: they live on ``device`` as
             torch tensors and a sample is a gather on the device, with no host round trip of
@@ -86,17 +96,20 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
     def __init__(self, learner: Learner, *, capacity: int, batch_size: int, sampler: str = "uniform",
                  sequence_length: int | None = None, priority_exponent: float = 0.6,
                  importance_exponent: float = 0.4, samples_per_insert: float | None = None,
-                 spi_tolerance: float | None = None, min_size: int = 1, device: str | torch.device = "cpu",
+                 spi_tolerance: float | None = None, min_size: int = 1, device: Any = "cpu",
                  timeout: float | None = None, seed: int | None = None, storage: str = "host",
-                 prefetch: int | None = None, _checkpoint: str | None = None):  # fmt: skip
+                 prefetch: int | None = None, format: str | None = None,
+                 _checkpoint: str | None = None):  # fmt: skip
         _check(capacity, batch_size, sampler, sequence_length, priority_exponent, importance_exponent, min_size)
         if storage not in _STORAGES:
             raise ConfigError(f"storage must be one of {_STORAGES}, got {storage!r}")
-        self.device = torch.device(device)
+        self._adapter = adapter(format, device)  # ConfigError: not installed, or no such device
+        self.format = self._adapter.format
+        self.device = self._adapter.device
         self.storage = storage
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ConfigError(f"device {self.device} requested but CUDA is not available")
-        ahead_blocked = _why_not_ahead(sampler, samples_per_insert, seed, storage, self.device)
+        if storage == "device" and self.format != "torch":
+            raise ConfigError(f'storage="device" keeps the table in torch tensors: use format="torch", not {self.format!r}')
+        ahead_blocked = _why_not_ahead(sampler, samples_per_insert, seed, storage, self._adapter)
         if prefetch is None:
             prefetch = 0 if ahead_blocked or (os.cpu_count() or 1) < 2 else _PREFETCH
         elif prefetch < 0:
@@ -114,7 +127,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                           "spi_tolerance": spi_tolerance, "min_size": min_size}  # fmt: skip
         self._core = ReplayCore(capacity=capacity, batch_size=batch_size, sampler=sampler,
                                 sequence_length=sequence_length, alpha=priority_exponent, beta=importance_exponent,
-                                limiter=limiter, device=self.device, version=lambda: learner.version,
+                                limiter=limiter, adapter=self._adapter, version=lambda: learner.version,
                                 seed=seed, storage=storage)  # fmt: skip
         # Ring chunks of a batch: large enough that a host table of large steps takes whole ones
         # without copying them (no effect once the learner's ring exists).
@@ -184,7 +197,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         return self._core.limiter.sampled
 
     def __iter__(self) -> Any:
-        if get_worker_info() is not None:
+        if in_dataloader_worker():
             raise ConfigError(
                 "ReplayDataset must be read in the learner process: use DataLoader(dataset, batch_size=None, num_workers=0)"
             )
@@ -205,12 +218,12 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         save(self._core, rank_path(path, self.learner), self._settings)
 
     @classmethod
-    def load(cls, path: str | os.PathLike[str], learner: Learner, *, device: str | torch.device = "cpu",
+    def load(cls, path: str | os.PathLike[str], learner: Learner, *, device: Any = "cpu",
              timeout: float | None = None, seed: int | None = None, storage: str = "host",
-             prefetch: int | None = None) -> ReplayDataset:  # fmt: skip
+             prefetch: int | None = None, format: str | None = None) -> ReplayDataset:  # fmt: skip
         """A replay restored from ``path`` (settings, steps, priorities, counters, rate limiter)
         that goes on receiving from ``learner``'s actors. ``device``, ``storage`` and
-        ``prefetch`` are chosen here, whatever they were when it was saved.
+        ``prefetch`` and ``format`` are chosen here, whatever they were when it was saved.
 
         Raises:
             CheckpointError: missing, truncated or corrupted files, or another format.
@@ -220,7 +233,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         settings = read_manifest(path)["settings"]
         try:
             return cls(learner, **settings, device=device, timeout=timeout, seed=seed, storage=storage,
-                       prefetch=prefetch, _checkpoint=os.fspath(path))  # fmt: skip
+                       prefetch=prefetch, format=format, _checkpoint=os.fspath(path))  # fmt: skip
         except TypeError as exc:
             raise CheckpointError(f"{path}: bad settings in the manifest: {exc}") from exc
 
@@ -245,7 +258,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
 
 
 def _why_not_ahead(sampler: str, samples_per_insert: float | None, seed: int | None, storage: str,
-                   device: torch.device) -> str:  # fmt: skip
+                   target: Adapter) -> str:  # fmt: skip
     """Why batches may not be drawn ahead of ``sample()`` here ("" where they may)."""
     if sampler != "uniform":
         return f'the "{sampler}" sampler depends on what happened since (priorities, order)'
@@ -253,7 +266,7 @@ def _why_not_ahead(sampler: str, samples_per_insert: float | None, seed: int | N
         return "samples_per_insert would count draws the caller did not ask for"
     if seed is not None:
         return "with a seed, batches must come in the order they were drawn"
-    if storage != "host" or device.type != "cpu":
+    if storage != "host" or not target.host:
         return "only a host table with batches on the CPU"
     return ""
 

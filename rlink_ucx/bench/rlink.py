@@ -69,7 +69,8 @@ class RlinkSender(Sender):
 
 
 class RlinkReceiver(Receiver):
-    def __init__(self, workload: Workload, transport: str, timeout: float, api: str = "auto", actors: int = 1):
+    def __init__(self, workload: Workload, transport: str, timeout: float, api: str = "auto", actors: int = 1,
+                 format: str = "torch"):  # fmt: skip
         from .. import Config, Learner, RLinkDataset
 
         self.api = api
@@ -77,7 +78,7 @@ class RlinkReceiver(Receiver):
         self.transport = transport
         self.timeout = timeout
         self.learner = Learner("127.0.0.1:0", transport=transport, config=Config.from_env(None, **self.overrides))
-        self.dataset = RLinkDataset(self.learner, batch_size=self.batch)
+        self.dataset = RLinkDataset(self.learner, batch_size=self.batch, format=format)
         self.seen: set[int] = set()
         # One latency per sender call's worth of steps, as the other rows record one per message
         # (a call's steps share its stamp): one per step cost this thread, the one that fetches,
@@ -98,12 +99,12 @@ class RlinkReceiver(Receiver):
                 if time.monotonic() > deadline:
                     raise
         now = time.monotonic_ns()
-        t = batch["t_ns"].numpy()
+        t = np.asarray(batch["t_ns"])  # torch, numpy, JAX or TensorFlow (bench/formats.py)
         if not (t < 0).any():
             rec.add(now, len(t), now - t[:: self.every])
             return 0
         data = t >= 0
-        new = set(batch.actor_id.numpy()[~data].tolist()) - self.seen
+        new = set(np.asarray(batch.actor_id)[~data].tolist()) - self.seen
         self.seen |= new
         if data.any():
             rec.add(now, int(data.sum()), now - t[data][:: self.every])
@@ -113,7 +114,9 @@ class RlinkReceiver(Receiver):
         self.learner.close()
 
 
-def run_rlink(workload: Workload, timing: Timing, transport: str, actors: int, api: str = "auto") -> dict[str, Any]:
-    """``api``: the actor's call, "put", "put_many", or "auto" (put for one step per chunk)."""
-    receiver = RlinkReceiver(workload, transport, timing.timeout, api, actors)
+def run_rlink(workload: Workload, timing: Timing, transport: str, actors: int, api: str = "auto",
+              format: str = "torch") -> dict[str, Any]:  # fmt: skip
+    """``api``: the actor's call, "put", "put_many", or "auto" (put for one step per chunk).
+    ``format``: the batches' framework (``RLinkDataset(format=...)``)."""
+    receiver = RlinkReceiver(workload, transport, timing.timeout, api, actors, format)
     return run_session(receiver, f"{__name__}:RlinkSender", workload, timing, actors)

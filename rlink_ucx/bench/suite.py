@@ -27,6 +27,7 @@ min/max. A system whose package (or, from a wheel, whose harness) is missing get
 Usage: rlink bench [--quick] [--systems ...] [--workloads ...] [--rounds N] [--json out.json] [--plot out.png]
        rlink bench --suite scale [...]   (many actors into one learner: rlink_ucx/bench/scale.py)
        rlink bench --suite replay [...]  (replay sampling, inserts, checkpoints: rlink_ucx/bench/replay.py)
+       rlink bench --suite formats [...] (batches as torch / numpy / JAX / TensorFlow: rlink_ucx/bench/formats.py)
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ from .report import loadavg, machine, plot, print_table, print_targets, targets
 from .systems import FANOUT, SETTINGS, SYSTEMS, plan, run_fanout, run_one
 from .workloads import WORKLOADS
 
-SUITES = ["default", "scale", "replay"]  # --suite scale: rlink_ucx/bench/scale.py; replay: replay.py
+SUITES = ["default", "scale", "replay", "formats"]  # scale: bench/scale.py; replay: replay.py; formats: formats.py
 
 
 def _names(value: str, known: list[str], what: str) -> list[str]:
@@ -68,6 +69,10 @@ def main(argv: list[str] | None = None) -> int:
         from .replay import main as replay_main
 
         return replay_main(rest)
+    if chosen.suite == "formats":
+        from .formats import main as formats_main
+
+        return formats_main(rest)
     parser = argparse.ArgumentParser(prog="rlink bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--suite", choices=SUITES, default="default",

@@ -19,8 +19,10 @@ from typing import Any
 
 import numpy as np
 
-from ..batch import Batch
+from ..batch import Batch, Host
 from ..wire.codec import torch_dtype, typed_view
+from ..wire.frameworks import Adapter, aligned, typed
+from ..wire.frameworks import adapter as make_adapter
 from .ring import Piece, StepRing
 
 _POOL_SIZE = 4
@@ -28,32 +30,44 @@ _LOOP_PIECES = 8  # up to this many pieces a loop over them beats the vectorized
 
 
 class _Staging:
-    """Host arrays for one batch; torch tensors made from them keep them referenced."""
+    """Host arrays for one batch, 64-byte aligned (XLA takes only aligned memory without a copy);
+    arrays handed out from them (torch tensors, DLPack views) keep them referenced."""
 
     def __init__(self, ring: StepRing, batch_size: int):
-        self.arrays = [np.empty(batch_size * spec.step_bytes, dtype=np.uint8) for spec in ring.schema.fields]
+        self.arrays = [aligned((batch_size * spec.step_bytes,)) for spec in ring.schema.fields]
 
     def in_use(self) -> bool:
         # Each torch tensor (and every view of one) keeps its numpy base alive through its
-        # storage; 3 = the list slot + the loop variable + getrefcount's own argument.
+        # storage, as does a DLPack capsule JAX or TensorFlow holds;
+        # 3 = the list slot + the loop variable + getrefcount's own argument.
         return any(sys.getrefcount(arr) > 3 for arr in self.arrays)
 
 
 class BatchAssembler:
-    def __init__(self, ring: StepRing, batch_size: int, device: Any):
-        import torch
+    """Builds each batch in host memory and hands it out through ``adapter`` (a framework and
+    a device, ``wire/frameworks.py``); torch on CUDA has its own pinned, asynchronous path."""
 
-        self.torch = torch
+    def __init__(self, ring: StepRing, batch_size: int, adapter: Adapter | Any):
+        # a bare device (what the assembler took before it took formats): torch on that device
+        self.adapter = adapter if isinstance(adapter, Adapter) else make_adapter("torch", adapter)
+        adapter = self.adapter
         self.ring = ring
         self.batch_size = batch_size
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
+        self.device = adapter.device
+        self.cuda = adapter.cuda
         self.lends = ring.chunk_steps == batch_size and not self.cuda
         self.lent_batches = 0
         self._pool: list[_Staging] = []
-        # torch.cuda.Stream.__new__ is unannotated in torch's sources
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None  # type: ignore[no-untyped-call]
-        self._dtypes = [torch_dtype(f.dtype) for f in ring.schema.fields]
+        self.torch: Any = None
+        self._stream: Any = None
+        self._dtypes: list[Any] = []
+        if self.cuda:
+            import torch
+
+            self.torch = torch
+            # torch.cuda.Stream.__new__ is unannotated in torch's sources
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            self._dtypes = [torch_dtype(f.dtype) for f in ring.schema.fields]
         # (CUDA event, take id) of device copies in flight; None stops the releasing thread
         self._copies: queue.SimpleQueue[tuple[Any, int] | None] = queue.SimpleQueue()
         self._releaser: threading.Thread | None = None
@@ -112,13 +126,12 @@ class BatchAssembler:
         return staging
 
     def _batch(self, arrays: list[np.ndarray], meta_host: np.ndarray) -> Batch:
-        torch = self.torch
-        fields = {
-            spec.name: typed_view(torch.from_numpy(host), dtype, self.batch_size, *spec.shape)
-            for spec, host, dtype in zip(self.ring.schema.fields, arrays, self._dtypes)
-        }
-        meta = torch.from_numpy(meta_host)
-        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3])
+        # Each array is handed out through the adapter on first access (Batch, Host).
+        fields = {spec.name: Host(typed(host, spec.dtype, (self.batch_size, *spec.shape)), spec.dtype)
+                  for spec, host in zip(self.ring.schema.fields, arrays)}  # fmt: skip
+        meta = [Host(row, "int64") for row in meta_host]
+        return Batch(fields, version=meta[0], actor_id=meta[1], seq=meta[2], staleness=meta[3],
+                     convert=self.adapter.array)  # fmt: skip
 
     def _assemble_cpu(self, pieces: list[Piece], take_id: int, meta: np.ndarray, n: int) -> Batch:
         try:

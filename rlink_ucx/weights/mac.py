@@ -88,7 +88,10 @@ def check_tags(expected: list[bytes], got: list[bytes], version: int) -> None:
 
 def row_hashes(flat: Any, start: int, stop: int, key: VersionKey, *, exact_float: bool = False) -> bytes:
     """Every row's ``COLUMNS`` dot products with the key matrix, as little-endian int32.
-    ``exact_float``: compute in float64 (what a device does) instead of int8 products."""
+    ``exact_float``: compute in float64 (what a device does) instead of int8 products. Without
+    torch (a numpy-only actor or learner) numpy computes the same sums (:func:`_rows_numpy`)."""
+    if isinstance(flat, np.ndarray) and not have_torch():
+        return _rows_numpy(flat[start:stop].view(np.int8), key)
     import torch
 
     data = torch.from_numpy(flat[start:stop]) if isinstance(flat, np.ndarray) else flat[start:stop]
@@ -96,6 +99,36 @@ def row_hashes(flat: Any, start: int, stop: int, key: VersionKey, *, exact_float
     if data.device.type == "cpu" and not exact_float and hasattr(torch, "_int_mm"):
         return _tag_worker().submit(_rows_int8, data, key).result()
     return _rows_float64(data, key)
+
+
+@functools.cache
+def have_torch() -> bool:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+_SEGMENTS = 4  # float32 sums of ROW / 4 int8 products stay below 2**24: exact
+
+
+def _rows_numpy(data: np.ndarray, key: VersionKey) -> bytes:
+    """The products of :func:`_rows_int8` with numpy: each row in ``_SEGMENTS`` parts whose
+    float32 sums are exact integers, added in int32 (bit for bit what torch computes)."""
+    full, rest = divmod(len(data), ROW)
+    matrix = key.rows.astype(np.float32).reshape(_SEGMENTS, ROW // _SEGMENTS, COLUMNS)
+    step = 256  # rows per matrix product: 4 MiB of float32 at a time
+    blocks = [data[r * ROW : min(full, r + step) * ROW] for r in range(0, full, step)]
+    if rest:  # the last row, zero-padded
+        tail = np.zeros(ROW, dtype=np.int8)
+        tail[:rest] = data[full * ROW :]
+        blocks.append(tail)
+    parts = []
+    for block in blocks:
+        rows = block.reshape(-1, _SEGMENTS, ROW // _SEGMENTS).astype(np.float32).transpose(1, 0, 2)
+        parts.append(np.matmul(rows, matrix).astype(np.int32).sum(axis=0, dtype=np.int32))  # [row, column]
+    return b"".join(p.astype("<i4", copy=False).tobytes() for p in parts)
 
 
 def _rows_int8(data: Any, key: VersionKey) -> bytes:

@@ -31,6 +31,7 @@ from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 from .group import formation_timeout, new_group, wait_all
+from .mac import have_torch
 from .rendezvous import KeyValue, LocalStore, answer, relay_store
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
 
@@ -92,6 +93,7 @@ class Publisher:
         self.rendezvous = KeyValue()
         self._subscription_keys: dict[int, bytes] = {}  # session id -> its subscription's key
         self._pulls: dict[int, _Pull] = {}  # session id -> the pull just verified, until served
+        self._pull_only: set[int] = set()  # sessions of actors without torch: never in a group
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "groups": 0, "shared": 0,
             "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None, "backend": None,
@@ -184,6 +186,10 @@ class Publisher:
         # name says so; the actor falls back to pulls where the memfd still cannot be opened).
         session.weights_shared = bool(msg.shared) and self._pool.shared and session.hello.host == hostname()
         session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
+        if getattr(msg, "groups", True):
+            self._pull_only.discard(session.id)
+        else:  # no torch.distributed on that actor: it reads shared memory or pulls
+            self._pull_only.add(session.id)
         # The actor pulls the current version right away; until it acknowledges it, it stays
         # out of the broadcast group.
         session.weights_sent = self.server.version
@@ -258,12 +264,13 @@ class Publisher:
         timeout = self.config.weights_timeout
         for gone in [i for i in list(self._subscription_keys) if i not in self.server.sessions]:
             self._subscription_keys.pop(gone, None)
+            self._pull_only.discard(gone)
         sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
         subscribed = [s for s in sessions if s.subscribed]
         caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent and s.id in self._subscription_keys]
         # Actors on this host read a host snapshot from our shared memory; the others join the group.
         sharing = [s for s in caught_up if s.weights_shared and snap.shared is not None]
-        caught_up = [s for s in caught_up if s not in sharing]
+        caught_up = [s for s in caught_up if s not in sharing and s.id not in self._pull_only] if have_torch() else []
         backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
         source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
         members: list[Member] = []

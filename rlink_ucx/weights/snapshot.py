@@ -18,8 +18,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..errors import ProtocolError, RLinkError
-from ..wire.codec import DTYPES
-from ..wire.manifest import ALIGN, KEYED, Entry, Manifest
+from ..wire.codec import DTYPES, MAX_NAME_LEN, host_array, is_torch
+from ..wire.frameworks import Adapter
+from ..wire.manifest import ALIGN, KEYED, Entry, Manifest, flatten
 from .mac import VersionKey
 from .shared import SharedBuffer
 from .shared import available as shared_available
@@ -40,21 +41,40 @@ def _np(t: Any) -> np.ndarray:
 
 def _dtype_name(t: Any) -> str:
     name = str(t.dtype).removeprefix("torch.")
+    name = "bool" if name == "bool_" else name
     if name not in DTYPES:
         raise RLinkError(f"cannot publish a {t.dtype} tensor; allowed dtypes: {sorted(DTYPES)}")
     return name
 
 
 def state_dict_of(obj: Any) -> Mapping[str, Any]:
-    """The tensors to publish: a module's ``state_dict()``, or a mapping of name -> tensor."""
+    """The arrays to publish, by name: a module's ``state_dict()``, a flat mapping of name ->
+    tensor, or a nested mapping (a pytree of dicts, as flax keeps params) whose leaves are arrays
+    of any framework (torch, numpy, JAX, TensorFlow: anything with ``__dlpack__`` or the array
+    interface). Nested names are paths (``wire.manifest.flatten``). Torch tensors stay as they are
+    (a CUDA state dict is copied on its GPU); other arrays become host numpy arrays here."""
     if hasattr(obj, "state_dict") and callable(obj.state_dict):
         obj = obj.state_dict()
     if not isinstance(obj, Mapping):
-        raise TypeError(f"publish() takes a torch.nn.Module or a state dict, not {type(obj).__name__}")
-    for name, t in obj.items():
-        if not hasattr(t, "dtype") or not hasattr(t, "shape"):
-            raise TypeError(f"state dict entry {name!r} is a {type(t).__name__}, not a tensor")
-    return obj
+        raise TypeError(f"publish() takes a torch.nn.Module or a (nested) mapping of arrays, not {type(obj).__name__}")
+    try:
+        flat = flatten(obj)
+    except ValueError as exc:
+        raise TypeError(f"publish(): {exc}") from None
+    out: dict[str, Any] = {}
+    for name, t in flat.items():
+        if not name or len(name) > 4 * MAX_NAME_LEN:
+            raise TypeError(f"params entry {name[:60]!r}: a name (a path, nested) of 1 to {4 * MAX_NAME_LEN} characters")
+        if is_torch(t):
+            out[name] = t
+            continue
+        if not hasattr(t, "__dlpack__") and not hasattr(t, "__array_interface__") and not hasattr(t, "__array__"):
+            raise TypeError(f"params entry {name!r} is a {type(t).__name__}, not an array or tensor")
+        try:
+            out[name] = host_array(t)
+        except Exception as exc:
+            raise TypeError(f"params entry {name!r} ({type(t).__name__}) cannot be read as an array: {exc}") from exc
+    return out
 
 
 def layout(state: Mapping[str, Any]) -> tuple[list[Entry], int]:
@@ -123,6 +143,19 @@ class Snapshot:
                                                                self.tags[i]):  # fmt: skip
                 raise ProtocolError(f"weights version {self.version}: bucket {i} failed its MAC (altered?)")
 
+    def arrays(self, adapter: Adapter) -> dict[str, Any]:
+        """Every tensor as an array of ``adapter``'s framework, keyed by name: views of a host
+        buffer where the framework takes them (``wire/frameworks.py``); a CUDA buffer for
+        another framework is copied to the host first."""
+        if not isinstance(self.flat, np.ndarray):
+            if adapter.format == "torch":
+                return self.tensors()
+            flat = self.flat.cpu().numpy()
+        else:
+            flat = self.flat
+        return {e.name: adapter.array(flat[e.offset : e.offset + e.nbytes()].view(DTYPES[e.dtype]).reshape(e.shape),
+                                      e.dtype) for e in self.manifest.entries}  # fmt: skip
+
     def tensors(self) -> dict[str, Any]:
         """Zero-copy torch views of every tensor, keyed by name."""
         import torch
@@ -185,7 +218,7 @@ def begin_snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, po
     """An empty snapshot laid out for ``state`` (every dtype checked), with a fresh key; fill it
     with :func:`fill`."""
     entries, total = layout(state)
-    devices = {str(t.device) for t in state.values()}
+    devices = {str(t.device) if is_torch(t) else "cpu" for t in state.values()}
     flat: np.ndarray | torch.Tensor
     shared: list[Any] | None
     if len(devices) == 1 and next(iter(devices)).startswith("cuda"):
@@ -210,8 +243,10 @@ def sources(snap: Snapshot, state: Mapping[str, Any]) -> list[Any]:
     for t in state.values():
         if on_device:
             out.append(t.detach().contiguous().reshape(-1).view(snap.flat.dtype))
-        else:
+        elif is_torch(t):
             out.append(_np(t.cpu()).reshape(-1).view(np.uint8))  # reshape copies only a non-contiguous tensor
+        else:  # a host array from state_dict_of (bfloat16: ml_dtypes' type, viewed as its bytes)
+            out.append(np.ascontiguousarray(t).reshape(-1).view(np.uint8))
     return out
 
 

@@ -29,8 +29,9 @@ from ..transport.loop import IOThread
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
+from ..wire.frameworks import Adapter
 from .group import broadcast, formation_timeout, new_group
-from .mac import VersionKey, check_tags
+from .mac import VersionKey, check_tags, have_torch
 from .rendezvous import RemoteStore, relay_store
 from .shared import available as shared_available
 from .shared import read_into
@@ -87,7 +88,7 @@ class Subscriber:
         self.io = io
         self.config = config
         self.ready: Snapshot | None = None
-        self._tensors: dict[str, Any] | None = None  # views of ``ready``, made on first use
+        self._tensors: dict[str, dict[str, Any]] = {}  # views of ``ready`` by format, made on first use
         self._pool = BufferPool()
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cv = threading.Condition()
@@ -106,7 +107,7 @@ class Subscriber:
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
         shared = config.weights_shared_memory and shared_available()  # the learner decides if we share its host
-        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, shared)  # repeated after a reconnect
+        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, shared, have_torch())  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
         self._events.put(_PULL)
 
@@ -130,8 +131,9 @@ class Subscriber:
             self.conn.control.send(msg)
 
     # --- caller's thread ----------------------------------------------------------------------
-    def get(self, timeout: float | None, latest: bool) -> tuple[dict[str, Any], int]:
-        """The newest complete version (waiting for it up to ``timeout``). ``latest``: at least
+    def get(self, timeout: float | None, latest: bool, adapter: Adapter) -> tuple[dict[str, Any], int]:
+        """The newest complete version (waiting for it up to ``timeout``), flat (name -> array of
+        ``adapter``'s framework). ``latest``: at least
         the version the learner had announced when the call began. Not a newer one announced
         meanwhile: with a learner publishing faster than this actor takes versions in, chasing
         each announcement could keep the caller waiting until its timeout."""
@@ -158,9 +160,10 @@ class Subscriber:
                         f"{self.have or 'none'}" + ("" if newest else " (nothing published yet)")
                     )
                 self._cv.wait(min(left, 0.25))
-            if self._tensors is None:
-                self._tensors = ready.tensors()
-            return dict(self._tensors), ready.version
+            arrays = self._tensors.get(adapter.format)
+            if arrays is None:
+                arrays = self._tensors[adapter.format] = ready.arrays(adapter)
+            return dict(arrays), ready.version
 
     # --- weights thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -197,7 +200,7 @@ class Subscriber:
     def _expose(self, snap: Snapshot) -> None:
         with self._cv:
             if self.ready is None or snap.version > self.ready.version:
-                self.ready, self._tensors = snap, None
+                self.ready, self._tensors = snap, {}
                 self.rejected = None
             self._cv.notify_all()
         self.io.soon(self._send, _wire.Got(snap.version))
@@ -345,7 +348,7 @@ class Subscriber:
         except OSError as exc:
             # Not readable from here after all (another PID namespace or user under the same host
             # name): stop asking for it; this version, and every later one, comes another way.
-            self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False)
+            self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False, have_torch())
             self.io.soon(self._send, self.conn.subscription)
             raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); pulling instead") from exc
         # The Seal comes once the learner computed its tags, meanwhile.

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..errors import ProtocolError, SchemaMismatch
 
-__all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "infer_schema", "is_device_array"]
+__all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "host_array", "infer_schema", "is_device_array", "is_torch"]
 
 # Allowlisted wire dtypes -> (numpy dtype used to hold the bytes, element size).
 # bfloat16 has no numpy dtype: its bytes travel as uint16 and torch reinterprets them.
@@ -176,13 +176,14 @@ def _wire_name(dtype: Any) -> str:
     return name
 
 
-def _is_torch(x: Any) -> bool:
+def is_torch(x: Any) -> bool:
+    """True for a torch tensor (without importing torch: one exists only once torch is imported)."""
     return "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor)
 
 
 def is_device_array(x: Any) -> bool:
     """True for CUDA tensors and anything exposing ``__cuda_array_interface__``."""
-    if _is_torch(x):
+    if is_torch(x):
         return bool(x.is_cuda)
     return hasattr(x, "__cuda_array_interface__")
 
@@ -192,7 +193,7 @@ def as_host_array(x: Any) -> tuple[np.ndarray, str]:
 
     bfloat16 tensors come back as a uint16 view of the same bytes.
     """
-    if _is_torch(x):
+    if is_torch(x):
         t = x.detach()
         if t.is_cuda:
             t = t.cpu()
@@ -217,6 +218,22 @@ def as_host_array(x: Any) -> tuple[np.ndarray, str]:
     if arr.dtype.kind == "i" and isinstance(x, int) and not isinstance(x, bool):
         arr = arr.astype(np.int64)
     return arr, _dtype_name(arr.dtype)
+
+
+def host_array(x: Any) -> np.ndarray:
+    """Any framework's array (numpy, JAX, TensorFlow, cupy, anything with ``__dlpack__`` or the
+    array interface) as a host numpy array: a view where the framework lends its memory, a copy
+    for device memory. bfloat16 comes back as ml_dtypes' bfloat16 (what JAX and TensorFlow use)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "__cuda_array_interface__") or is_torch(x):
+        return as_host_array(x)[0]
+    if hasattr(x, "__dlpack__") and not hasattr(x, "__array_interface__"):
+        try:
+            return np.from_dlpack(x)
+        except (BufferError, TypeError, RuntimeError, ValueError):
+            pass  # a dtype DLPack cannot carry to numpy (bfloat16), or device memory: asarray copies
+    return np.asarray(x)
 
 
 def infer_schema(step: Mapping[str, Any], *, leading_dims: int = 0) -> Schema:

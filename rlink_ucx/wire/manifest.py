@@ -1,17 +1,25 @@
 """The manifest of one model version: where each tensor lies in the flat weights buffer, split
 into buckets (one collective each). A receiver validates it before allocating anything; the
-buckets' keyed tags travel apart, in a Seal (``wire/keys.py``, ``weights/mac.py``)."""
+buckets' keyed tags travel apart, in a Seal (``wire/keys.py``, ``weights/mac.py``).
+
+Nesting travels in the entry names: a pytree of mappings (flax's ``{"params": {"Dense_0":
+{"kernel": ...}}}``) is published as one entry per leaf, named by its path joined with ``/``,
+where each key's own ``~`` and ``/`` are escaped as ``~0`` and ``~1`` (JSON Pointer's rule). A flat
+torch state dict keeps its names (``"fc.weight"``), and any mapping comes back as it went.
+"""
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
 from ..errors import ProtocolError
 from .codec import DTYPES, MAX_DIMS, MAX_NAME_LEN
 
-__all__ = ["ALIGN", "KEYED", "Entry", "Manifest"]
+__all__ = ["ALIGN", "KEYED", "Entry", "Manifest", "flatten", "unflatten"]
 
 ALIGN = 64
 KEYED = "keyed-v1"  # the bucket check: a keyed tag per bucket, sent in a Seal (weights/mac.py)
@@ -68,3 +76,49 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
 
     def describe(self) -> str:
         return f"version {self.version}: {len(self.entries)} tensors, {self.total_bytes} bytes"
+
+
+def _escape(key: Any) -> str:
+    return str(key).replace("~", "~0").replace("/", "~1")
+
+
+def flatten(tree: Mapping[Any, Any]) -> dict[str, Any]:
+    """The leaves of a nested mapping keyed by their escaped paths (``{"a": {"b": x}}`` ->
+    ``{"a/b": x}``). ValueError for a mapping with no leaves or a tree deeper than ``MAX_DIMS * 4``."""
+    out: dict[str, Any] = {}
+
+    def walk(node: Mapping[Any, Any], prefix: str, depth: int) -> None:
+        if depth > 4 * MAX_DIMS:
+            raise ValueError(f"params nested deeper than {4 * MAX_DIMS} levels")
+        if not node:
+            raise ValueError(f"params {prefix or 'mapping'!r} is an empty mapping: nothing to publish there")
+        for key, value in node.items():
+            path = prefix + _escape(key)
+            if isinstance(value, Mapping):
+                walk(value, path + "/", depth + 1)
+            else:
+                out[path] = value
+
+    walk(tree, "", 0)
+    return out
+
+
+def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """The nested mapping whose :func:`flatten` is ``flat``. ProtocolError for names that cannot
+    come from one (a leaf that is also a subtree, a bad escape)."""
+    out: dict[str, Any] = {}
+    for name, value in flat.items():
+        keys = name.split("/")
+        if any("~" in k and k.replace("~0", "").replace("~1", "").count("~") for k in keys):
+            raise ProtocolError(f"weights entry {name[:60]!r}: bad escape")
+        keys = [k.replace("~1", "/").replace("~0", "~") for k in keys]
+        node = out
+        for key in keys[:-1]:
+            child = node.setdefault(key, {})
+            if not isinstance(child, dict):
+                raise ProtocolError(f"weights entry {name[:60]!r} lies under a leaf")
+            node = child
+        if keys[-1] in node:
+            raise ProtocolError(f"weights entry {name[:60]!r} is both a leaf and a subtree")
+        node[keys[-1]] = value
+    return out

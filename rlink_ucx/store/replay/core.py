@@ -25,10 +25,11 @@ from typing import Any
 
 import numpy as np
 
-from ...batch import Batch
+from ...batch import Batch, Host
 from ...errors import Closed, ConfigError, SchemaMismatch
 from ...errors import TimeoutError as RLinkTimeout
 from ...wire.codec import Schema, torch_dtype, typed_view
+from ...wire.frameworks import Adapter, aligned, typed
 from ..ring import Piece, StepRing
 from .block_table import BlockTable, spare_blocks
 from .device_table import DeviceTable
@@ -51,20 +52,23 @@ def stored_schema(stream: Schema) -> Schema:
 
 class ReplayCore:
     def __init__(self, *, capacity: int, batch_size: int, sampler: str, sequence_length: int | None,
-                 alpha: float, beta: float, limiter: RateLimiter, device: Any,
+                 alpha: float, beta: float, limiter: RateLimiter, adapter: Adapter,
                  version: Callable[[], int], seed: int | None = None, storage: str = "host"):  # fmt: skip
-        import torch
+        self.adapter = adapter  # the batches' framework and device (wire/frameworks.py)
+        self.torch: Any = None
+        if adapter.format == "torch":
+            import torch
 
-        self.torch = torch
+            self.torch = torch
         self.capacity = capacity
         self.batch_size = batch_size
         self.kind = sampler
         self.sequence_length = sequence_length
         self.alpha, self.beta = alpha, beta
         self.limiter = limiter
-        self.device = torch.device(device)
-        self.cuda = self.device.type == "cuda"
-        self.pin = self.cuda or torch.cuda.is_available()
+        self.device = adapter.device
+        self.cuda = adapter.cuda
+        self.pin = self.cuda or (self.torch is not None and self.torch.cuda.is_available())
         self.storage = storage  # "host": numpy rows (pinned where CUDA exists); "device": tensors on device
         self.version = version
         self.rng = np.random.default_rng(seed)
@@ -99,7 +103,7 @@ class ReplayCore:
         else:
             self.table = ReplayTable(schema, self.capacity, self.sequence_length, pin=self.pin, touch=touch)
         self.sampler = make_sampler(self.kind, self.table, self.rng, self.alpha, self.beta)
-        self._dtypes = [torch_dtype(f.dtype) for f in schema.fields]
+        self._dtypes = [torch_dtype(f.dtype) for f in schema.fields] if self.torch is not None else []
 
     def _adoptable(self, schema: Schema, chunk: int, ring_steps: int) -> bool:
         """Whether a host table takes whole ring chunks without copying (``BlockTable``): large
@@ -336,9 +340,16 @@ class ReplayCore:
         return draw
 
     def _batch(self, draw: _Draw) -> Batch:
-        torch, table, staging = self.torch, draw.table, draw.staging
-        rows = draw.tensors if draw.rows is None else [torch.from_numpy(host) for host in staging.fields]
+        table, staging = draw.table, draw.staging
         lead = (draw.items, table.window) if self.sequence_length else (draw.items,)
+        if self.torch is None:  # a host table's staging handed out as numpy, JAX or TensorFlow arrays
+            host = {spec.name: Host(typed(raw.reshape(-1), spec.dtype, (*lead, *spec.shape)), spec.dtype)
+                    for spec, raw in zip(table.schema.fields, staging.fields)}  # fmt: skip
+            v, a, q, st = (Host(row, "int64") for row in staging.meta.reshape(4, *lead))
+            return Batch(host, version=v, actor_id=a, seq=q, staleness=st, index=Host(staging.index, "int64"),
+                         weight=Host(staging.weight, "float32"), convert=self.adapter.array)  # fmt: skip
+        torch = self.torch
+        rows = draw.tensors if draw.rows is None else [torch.from_numpy(host) for host in staging.fields]
         fields = {
             spec.name: typed_view(raw, dtype, *lead, *spec.shape)
             for spec, raw, dtype in zip(table.schema.fields, rows, self._dtypes)
@@ -413,7 +424,7 @@ def _empty(shape: tuple[int, ...], dtype: Any, pin: bool) -> np.ndarray:
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
         pinned: np.ndarray = torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy().view(dtype).reshape(shape)
         return pinned
-    return np.empty(shape, dtype=dtype)
+    return aligned(shape, dtype)
 
 
 def _again(exc: BaseException) -> BaseException:

@@ -170,23 +170,19 @@ class WeightsMitm:
         return proof + _wire.encode(_wire.Publish(0, manifest)) + flat
 
     def _pulled_model(self, learner: socket.socket, publish: Any) -> bytes:
-        """The pull reply from its Publish to its last byte, altered if ``tamper_pulls``. A keyed
-        reply (WeightsKey and Seal before the bytes) is passed through: they cannot be forged."""
-        between = []
-        if hasattr(_wire, "Seal"):
-            while True:
-                raw, msg = read_frame(learner)
-                between.append(raw)
-                if isinstance(msg, _wire.Seal):
-                    break
+        """One version sent on a weights connection, from its Publish to its Seal, its bytes
+        altered if ``tamper_pulls``. WeightsKey (before the bytes) and Seal (after them) are
+        passed through: they cannot be forged."""
+        between = [read_frame(learner)[0]]  # WeightsKey
         flat = recv_exact(learner, publish.manifest.total_bytes)
+        seal = read_frame(learner)[0]
         if self.tamper_pulls and flat:
             flat = flip(flat)
             self.pulls_tampered += 1
             if publish.manifest.checksums:  # an unkeyed manifest: make its checksums match
                 manifest = msgspec.structs.replace(publish.manifest, checksums=plain_checksums(publish.manifest, flat))
                 publish = _wire.Publish(publish.generation, manifest)
-        return _wire.encode(publish) + b"".join(between) + flat
+        return _wire.encode(publish) + b"".join(between) + flat + seal
 
 
 def _shut(sock: socket.socket) -> None:

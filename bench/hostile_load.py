@@ -20,6 +20,7 @@ Usage: python bench/hostile_load.py [--seconds 120] [--rate 300] [--ucx 2] [--tc
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -224,7 +225,7 @@ def _verdict(rows: list[dict[str, Any]], ports: list[int], churned: dict[str, An
         problems.append(f"the learner died (exit code {exitcode})")
     if max(r["open_files"] for r in rows) - base > fd_margin:
         problems.append(f"open files grew from {base} to {max(r['open_files'] for r in rows)}")
-    stalled = [r["t"] for a, r in zip(rows, rows[1:]) if r["steps"] <= a["steps"]]
+    stalled = [r["t"] for a, r in itertools.pairwise(rows) if r["steps"] <= a["steps"]]
     if stalled:
         problems.append(f"no steps delivered in the samples at {stalled} s")
     if alive and rows[-1]["actor_version"] <= rows[0]["actor_version"]:

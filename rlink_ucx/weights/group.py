@@ -1,11 +1,12 @@
-"""torch.distributed process groups for the weight fan-out, kept apart from the user's own.
+"""Plain torch.distributed process groups: the baseline the fan-out benchmark compares with.
 
-Every group is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore``
-over the store it is given: ``init_process_group`` and the default group are never touched, so a
-training script that already runs under torchrun/DDP keeps its group as it is. The fan-out's
-store is relayed over the authenticated control channel (``rendezvous.py``); nothing listens
-for it. ``serve_store``/``connect_store`` make a plain ``TCPStore``, which anyone who reaches
-its port may read and write: only the benchmarks' baselines use them.
+The fan-out itself builds no group: gloo's and NCCL's listeners accept anyone's connections
+(gloo keeps every one, and aborts the process at the open-file limit), so versions travel on
+the actors' own proven weights connections (``publisher.py``). Every group here is built
+directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore`` over the store it is
+given, leaving ``init_process_group`` and the default group alone. ``serve_store``/
+``connect_store`` make a plain ``TCPStore``, which anyone who reaches its port may read and
+write: for benchmarks on loopback only.
 """
 
 from __future__ import annotations

@@ -359,7 +359,10 @@ class Publisher:
         for s in sharing:  # once every tag is computed
             self._send([s], self._seal(keys[s.id], snap)[1])
         self.stats["shared"] += len(sharing)
-        self._send(others, _wire.Version(snap.version))  # once complete: they pull it
+        # Once complete: the others pull it; those with a weights connection have it on its way
+        # there (so ``get_remote_model(latest=True)`` knows of it, and one whose connection
+        # broke, or that refused what came on it, opens a new one).
+        self._send(others + streaming, _wire.Version(snap.version))
         members = sharing + streaming
         # Wait (bounded) until the members verified it: "published" means received, and an
         # actor on shared memory that does not confirm in time pulls the next version.

@@ -6,6 +6,7 @@ processes over loopback; the churn runs as uid 65534 through setpriv (bench/host
 from __future__ import annotations
 
 import importlib
+import itertools
 import os
 import pathlib
 import shutil
@@ -53,5 +54,5 @@ def test_a_short_hostile_load_run_over_ucx_and_tcp_actors_passes(hostile_load):
     assert report["transports"] == ["tcp", "tcp", "ucx"], report["transports"]  # the weights actor is on tcp
     assert {"control", "metrics"} <= set(report["port_names"].values()), report["port_names"]
     rows = report["rows"]
-    assert len(rows) >= 4 and all(a["steps"] < b["steps"] for a, b in zip(rows, rows[1:])), rows
+    assert len(rows) >= 4 and all(a["steps"] < b["steps"] for a, b in itertools.pairwise(rows)), rows
     assert report["churn"]["connections"] >= 1000, report["churn"]

@@ -73,20 +73,21 @@ def test_actors_on_the_learners_host_read_every_version_from_its_shared_memory()
         assert r["seen"] and all(d == digest(model(v)) for v, d in r["seen"].items()), r["seen"]
         assert max(r["seen"]) == 5 and sorted(r["seen"]) == list(r["seen"]), r["seen"]
         # The first version may come by the pull every new subscriber makes; the rest are read.
-        assert r["stats"]["shared_reads"] >= 4 and r["stats"]["broadcasts"] == 0, r["stats"]
+        assert r["stats"]["shared_reads"] >= 4 and r["stats"]["pulls"] <= 1, r["stats"]
         assert r["stats"]["rejected"] == 0 and r["stats"]["failures"] == 0, r["stats"]
-    assert stats["groups"] == 0 and stats["shared"] >= 12, stats  # no socket broadcast at all
+    assert stats["streams"] == 0 and stats["shared"] >= 12, stats  # no weights connection kept
 
 
 @pytest.mark.timeout(180)
-def test_an_actor_that_does_not_read_shared_memory_gets_the_broadcast_beside_those_that_do():
+def test_an_actor_that_does_not_read_shared_memory_gets_versions_on_its_connection_beside_those_that_do():
     reports, stats = run_versions(4, [(None, False), (None, True), (None, True)])
     for r in reports:
         assert r["error"] is None and all(d == digest(model(v)) for v, d in r["seen"].items()), r
-    assert reports[0]["stats"]["broadcasts"] >= 3 and reports[0]["stats"]["shared_reads"] == 0, reports[0]
+    assert reports[0]["stats"]["pulls"] >= 4 and reports[0]["stats"]["shared_reads"] == 0, reports[0]
+    assert reports[0]["stats"]["connections"] == 1, reports[0]  # one kept connection carried them all
     for r in reports[1:]:
-        assert r["stats"]["shared_reads"] >= 3 and r["stats"]["broadcasts"] == 0, r["stats"]
-    assert stats["groups"] >= 1 and stats["shared"] >= 6, stats
+        assert r["stats"]["shared_reads"] >= 3 and r["stats"]["pulls"] <= 1, r["stats"]
+    assert stats["shared"] >= 6, stats
 
 
 @pytest.mark.timeout(180)
@@ -106,9 +107,9 @@ def test_an_actor_that_cannot_open_the_shared_memory_falls_back_for_good():
     (r,) = reports
     assert r["error"] is None and all(d == digest(model(v)) for v, d in r["seen"].items()), r
     assert max(r["seen"]) == 4 and r["stats"]["shared_reads"] == 0, r
-    # One failed read, then the learner stops offering it: the next versions come by broadcast.
-    assert r["stats"]["failures"] == 1 and r["stats"]["pulls"] >= 1, r["stats"]
-    assert r["stats"]["broadcasts"] >= 1, r["stats"]
+    # One failed read, then the learner stops offering it: the next versions come on a kept
+    # weights connection.
+    assert r["stats"]["failures"] == 1 and r["stats"]["pulls"] >= 3, r["stats"]
     assert stats["shared"] == 1, stats
 
 

@@ -218,7 +218,11 @@ def sources(snap: Snapshot, state: Mapping[str, Any]) -> list[Any]:
 def fill(snap: Snapshot, srcs: list[Any]) -> None:
     """Copy the views from :func:`sources` into ``snap`` in bucket-sized pieces, releasing each
     bucket to the fan-out as soon as it is copied; then tag every bucket (while the first ones
-    are on their way) and seal the snapshot."""
+    are on their way) and seal the snapshot. A snapshot in shared memory is tagged from a
+    private copy instead (:func:`_fill_tagged`)."""
+    if snap.shared is not None:
+        _fill_tagged(snap, srcs)
+        return
     buckets = snap.manifest.buckets()
     on_device = not isinstance(snap.flat, np.ndarray)
     released = 0
@@ -248,6 +252,38 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
             release_upto(e.offset + at)
     release_upto(snap.manifest.total_bytes)
     tags = snap.key.tags(snap.flat, buckets, snap.version)
+    with snap._cv:
+        snap.tags = tags
+        snap.sealed = True
+        snap._cv.notify_all()
+
+
+def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
+    """Fill a snapshot whose buffer other processes of this user can open (a memfd, shared.py):
+    each bucket is put together in private memory and tagged from there, then copied into the
+    buffer and released. Bytes written into the buffer meanwhile fail their tags; a tag taken
+    from the buffer itself would have vouched for them."""
+    buckets = snap.manifest.buckets()
+    entries = list(zip(snap.manifest.entries, srcs))
+    scratch = np.empty(min(snap.manifest.bucket_bytes, snap.manifest.total_bytes), dtype=np.uint8)
+    tags: list[bytes] = []
+    first = 0  # the first entry that may still overlap the bucket
+    for i, (a, b) in enumerate(buckets):
+        piece = scratch[: b - a]
+        piece[:] = 0  # the alignment padding between tensors
+        for e, src in entries[first:]:
+            if e.offset >= b:
+                break
+            lo, hi = max(a, e.offset), min(b, e.offset + len(src))
+            if lo < hi:
+                piece[lo - a : hi - a] = src[lo - e.offset : hi - e.offset]
+            if e.offset + len(src) <= b:
+                first += 1
+        tags.append(snap.key.tag_of(piece, a, snap.version, i))
+        snap.flat[a:b] = piece
+        with snap._cv:
+            snap.ready = i + 1
+            snap._cv.notify_all()
     with snap._cv:
         snap.tags = tags
         snap.sealed = True

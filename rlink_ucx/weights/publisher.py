@@ -275,11 +275,13 @@ class Publisher:
                     del self._streams[stream.session.id]
                 self.stats["streams"] = len(self._streams)
 
-    @staticmethod
-    def _keeps(stream: _Stream) -> bool:
-        """Whether the connection stays open for later versions (else it serves one pull)."""
+    def _keeps(self, stream: _Stream) -> bool:
+        """Whether the connection stays open for later versions (else it serves one pull): not
+        for an actor that reads versions from our shared memory (CUDA versions are not there)."""
         s = stream.session
-        return s.subscribed and not s.weights_shared and s.state == "open"
+        newest = self.pending or self.latest
+        in_shared_memory = newest is None or newest.shared is not None
+        return s.subscribed and s.state == "open" and not (s.weights_shared and in_shared_memory)
 
     def _newer(self, stream: _Stream) -> Snapshot | None:
         """The newest version newer than the stream's (waiting for one while the stream is

@@ -60,13 +60,13 @@ class VersionKey:
     def tag(self, flat: Any, start: int, stop: int, version: int, index: int) -> bytes:
         """The tag of bucket ``index`` (bytes ``start:stop`` of ``flat``, a host ``np.uint8``
         array or a torch ``uint8`` tensor on any device) of ``version``."""
-        return self.tag_of(flat[start:stop], start, version, index)
+        return self.tag_of_rows(row_hashes(flat, start, stop, self), start, stop, version, index)
 
-    def tag_of(self, piece: Any, start: int, version: int, index: int) -> bytes:
-        """The tag of bucket ``index`` of ``version`` whose bytes, at ``start`` in the flat
-        buffer, are ``piece`` (a copy of them, e.g. before they reach shared memory)."""
-        rows = row_hashes(piece, 0, len(piece), self)
-        place = _PLACE.pack(version, index, start, start + len(piece))
+    def tag_of_rows(self, rows: bytes, start: int, stop: int, version: int, index: int) -> bytes:
+        """The tag of bucket ``index`` (bytes ``start:stop``) of ``version`` from its row
+        hashes, which may be computed piece by piece (:func:`row_hashes` of consecutive pieces
+        of whole rows, joined, are those of the bucket)."""
+        place = _PLACE.pack(version, index, start, stop)
         return hashlib.blake2b(place + rows, key=self.secret, digest_size=TAG_BYTES, person=b"rlink wtag").digest()
 
     def tags(self, flat: Any, buckets: list[tuple[int, int]], version: int) -> list[bytes]:

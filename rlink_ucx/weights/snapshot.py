@@ -20,7 +20,7 @@ import numpy as np
 from ..errors import ProtocolError, RLinkError
 from ..wire.codec import DTYPES
 from ..wire.manifest import ALIGN, KEYED, Entry, Manifest
-from .mac import VersionKey
+from .mac import ROW, VersionKey, row_hashes
 from .shared import SharedBuffer
 from .shared import available as shared_available
 
@@ -260,27 +260,32 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
 
 def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
     """Fill a snapshot whose buffer other processes of this user can open (a memfd, shared.py):
-    each bucket is put together in private memory and tagged from there, then copied into the
-    buffer and released. Bytes written into the buffer meanwhile fail their tags; a tag taken
-    from the buffer itself would have vouched for them."""
+    each piece of a bucket is put together in private memory (small enough to stay in cache),
+    its rows hashed there, then copied into the buffer; a bucket is released once all its
+    pieces are in. Bytes written into the buffer meanwhile fail their tags; a tag taken from
+    the buffer itself would have vouched for them."""
     buckets = snap.manifest.buckets()
     entries = list(zip(snap.manifest.entries, srcs))
-    scratch = np.empty(min(snap.manifest.bucket_bytes, snap.manifest.total_bytes), dtype=np.uint8)
+    scratch = _scratch()
     tags: list[bytes] = []
-    first = 0  # the first entry that may still overlap the bucket
+    first = 0  # the first entry that may still overlap the piece
     for i, (a, b) in enumerate(buckets):
-        piece = scratch[: b - a]
-        piece[:] = 0  # the alignment padding between tensors
-        for e, src in entries[first:]:
-            if e.offset >= b:
-                break
-            lo, hi = max(a, e.offset), min(b, e.offset + len(src))
-            if lo < hi:
-                piece[lo - a : hi - a] = src[lo - e.offset : hi - e.offset]
-            if e.offset + len(src) <= b:
-                first += 1
-        tags.append(snap.key.tag_of(piece, a, snap.version, i))
-        snap.flat[a:b] = piece
+        rows = []
+        for c in range(a, b, _PIECE):
+            d = min(b, c + _PIECE)
+            piece = scratch[: d - c]
+            piece[:] = 0  # the alignment padding between tensors
+            for e, src in entries[first:]:
+                if e.offset >= d:
+                    break
+                lo, hi = max(c, e.offset), min(d, e.offset + len(src))
+                if lo < hi:
+                    piece[lo - c : hi - c] = src[lo - e.offset : hi - e.offset]
+                if e.offset + len(src) <= d:
+                    first += 1
+            rows.append(row_hashes(piece, 0, d - c, snap.key))
+            snap.flat[c:d] = piece
+        tags.append(snap.key.tag_of_rows(b"".join(rows), a, b, snap.version, i))
         with snap._cv:
             snap.ready = i + 1
             snap._cv.notify_all()
@@ -288,6 +293,18 @@ def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
         snap.tags = tags
         snap.sealed = True
         snap._cv.notify_all()
+
+
+_PIECE = 256 * ROW  # 1 MiB: whole rows, so the pieces' row hashes make the bucket's
+_scratches = threading.local()
+
+
+def _scratch() -> np.ndarray:
+    """This thread's private staging buffer (one publish at a time per thread)."""
+    buf = getattr(_scratches, "buf", None)
+    if buf is None:
+        buf = _scratches.buf = np.empty(_PIECE, dtype=np.uint8)
+    return buf
 
 
 def snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:

@@ -184,7 +184,7 @@ def test_bytes_written_into_shared_memory_before_the_learner_tags_them_are_never
     import os
 
     from rlink_ucx.transport.shm_memory import DATA_OFFSET
-    from rlink_ucx.weights import mac
+    from rlink_ucx.weights import mac, snapshot
 
     with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=Config(weights_timeout=20)) as learner:
         results, leave = SPAWN.Queue(), SPAWN.Event()
@@ -208,6 +208,7 @@ def test_bytes_written_into_shared_memory_before_the_learner_tags_them_are_never
             return original(flat, start, stop, key, **kwargs)
 
         monkeypatch.setattr(mac, "row_hashes", write_then_hash)
+        monkeypatch.setattr(snapshot, "row_hashes", write_then_hash, raising=False)  # where the fill calls it
         learner.publish(model(1), wait=True, timeout=25)
         learner.publish(model(2), wait=True, timeout=25)
         assert learner.publish(model(3), wait=True, timeout=60) == 3

@@ -21,18 +21,19 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not available(), reaso
 
 def state() -> dict[str, torch.Tensor]:
     # Sizes that are no multiple of the alignment, a row or the bucket: buckets start and end
-    # inside tensors, and some hold padding and several tensors; "f" spans several 1 MiB pieces.
+    # inside tensors, and some hold padding and several tensors; "f" spans several 4 MiB pieces.
     return {"a": torch.arange(1000, dtype=torch.float32), "b": torch.full((7,), 3, dtype=torch.int8),
             "c": torch.arange(3001, dtype=torch.float64), "d": torch.ones(0), "e": torch.randn(257),
-            "f": torch.randn(700_001)}  # fmt: skip
+            "f": torch.randn(2_500_001)}  # fmt: skip
 
 
-@pytest.mark.parametrize("bucket", [64, 4096, 12352, 1 << 20])
+@pytest.mark.parametrize("bucket", [64, 4096, 12352, 1 << 20, 32 << 20])
 def test_a_shared_snapshot_holds_every_tensor_and_its_tags_verify(bucket):
     pool = BufferPool(shared=True)
     s = state()
     snap = begin_snapshot(s, 1, bucket, pool)
     assert snap.shared is not None
+    assert snap.manifest.total_bytes > 2 * snapshot_module._PIECE  # a large bucket is staged in several pieces
     fill(snap, sources(snap, s))
     assert snap.sealed and len(snap.tags) == len(snap.manifest.buckets())
     snap.verify()  # every bucket's tag over the bytes in shared memory

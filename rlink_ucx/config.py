@@ -51,7 +51,7 @@ class Config:
     frame_timeout: float = 10.0  # a started data frame must finish arriving within this
     reconnect_timeout: float = 60.0  # an actor retries a lost learner this long (0: never)
 
-    weights_timeout: float = 30.0  # building a fan-out group, one broadcast, one pull
+    weights_timeout: float = 30.0  # sending or awaiting one bucket of weights, a publish(wait=True)
 
     # --- actor-side coalescing ------------------------------------------------------------
     frame_bytes: int = 1 * MiB  # target payload per frame; small steps are coalesced to this

@@ -281,10 +281,10 @@ class Learner:
         fan-out work is split between the ranks and versions agree across them.
 
         The tensors are copied first, so training may modify them as soon as this returns; the
-        fan-out (torch.distributed broadcast in a group of its own, or pulls) runs in the
-        background. With ``wait=True``, also wait (up to ``timeout``, default
-        ``Config.weights_timeout``) until every live subscriber has the version; an actor that
-        does not confirm in time is dropped from the broadcast group and pulls instead.
+        fan-out (the learner's shared memory for actors on its host, each other actor's own
+        authenticated weights connection) runs in the background. With ``wait=True``, also wait
+        (up to ``timeout``, default ``Config.weights_timeout``) until every live subscriber has
+        the version; a slow actor delays only itself, and gets the newest version when it can.
         """
         self._check_open()
         started = time.monotonic()

@@ -214,14 +214,11 @@ def check_nccl() -> Check:
         except Exception:  # noqa: BLE001 - a version is nice to have
             version = None
     data = {"nccl": nccl, "gloo": gloo, "nccl_version": version}
-    if not gloo:
-        return Check("nccl", "warn", "torch.distributed has no gloo backend: CPU weights cannot fan out by broadcast",
-                     "actors fall back to pulling weights; use a torch build with distributed support", data)  # fmt: skip
-    if torch.cuda.is_available() and not nccl:
-        return Check("nccl", "warn", "CUDA is visible but torch has no NCCL: CUDA weights go through gloo",
-                     "install a CUDA build of torch with NCCL", data)  # fmt: skip
-    summary = f"NCCL {version or ''}".strip() + " and gloo" if nccl else "gloo (no NCCL: fine without CUDA)"
-    return Check("nccl", "ok", f"weight broadcast backends: {summary}", "", data)
+    found = [name for name, there in ((f"NCCL {version or ''}".strip(), nccl), ("gloo", gloo)) if there]
+    # Informational: weights travel on rlink's own authenticated connections, not in a
+    # torch.distributed group (whose listeners would take anyone's connections).
+    return Check("nccl", "ok", f"torch.distributed backends: {', '.join(found) or 'none'} (rlink's weights "
+                 "need neither)", "", data)  # fmt: skip
 
 
 def check_shm(config: Config, actors: int, path: str = "/dev/shm") -> Check:

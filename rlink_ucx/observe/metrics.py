@@ -94,10 +94,10 @@ _COUNTERS = (  # (name, help, key in sample()["total"] or sample())
     ("rlink_lost_sessions", "Actor sessions that ended without a goodbye.", "lost_sessions"),
     ("rlink_weights_published", "Versions published.", "weights.published"),
     ("rlink_weights_fanouts", "Weight fan-outs finished.", "weights.fanouts"),
-    ("rlink_weights_fanout_failures", "Fan-out groups or broadcasts that failed (the actors pulled instead).",
+    ("rlink_weights_fanout_failures", "Versions not every subscribed actor confirmed within weights_timeout.",
      "weights.fanout_failures"),
-    ("rlink_weights_pulls_served", "Weight pulls served.", "weights.pulls_served"),
-    ("rlink_weights_pull_bytes", "Bytes of weights served to pulls.", "weights.pull_bytes"),
+    ("rlink_weights_pulls_served", "Versions sent on actors' weights connections.", "weights.pulls_served"),
+    ("rlink_weights_pull_bytes", "Bytes of weights sent on actors' weights connections.", "weights.pull_bytes"),
 )  # fmt: skip
 _GAUGES = (
     ("rlink_connected_actors", "Actors connected now.", "connected_actors"),

@@ -1,11 +1,12 @@
-"""torch.distributed process groups for the weight fan-out, kept apart from the user's own.
+"""Plain torch.distributed process groups: the baseline the fan-out benchmark compares with.
 
-Every group is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore``
-over the store it is given: ``init_process_group`` and the default group are never touched, so a
-training script that already runs under torchrun/DDP keeps its group as it is. The fan-out's
-store is relayed over the authenticated control channel (``rendezvous.py``); nothing listens
-for it. ``serve_store``/``connect_store`` make a plain ``TCPStore``, which anyone who reaches
-its port may read and write: only the benchmarks' baselines use them.
+The fan-out itself builds no group: gloo's and NCCL's listeners accept anyone's connections
+(gloo keeps every one, and aborts the process at the open-file limit), so versions travel on
+the actors' own proven weights connections (``publisher.py``). Every group here is built
+directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore`` over the store it is
+given, leaving ``init_process_group`` and the default group alone. ``serve_store``/
+``connect_store`` make a plain ``TCPStore``, which anyone who reaches its port may read and
+write: for benchmarks on loopback only.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import datetime
 import socket
 from typing import Any
 
-__all__ = ["broadcast", "connect_store", "formation_timeout", "new_group", "serve_store", "wait_all"]
+__all__ = ["connect_store", "new_group", "serve_store"]
 
 
 def _delta(seconds: float) -> datetime.timedelta:
@@ -44,17 +45,9 @@ def connect_store(host: str, port: int, timeout: float) -> Any:
     return store
 
 
-def formation_timeout(timeout: float, world: int) -> float:
-    """How long the ranks of a group of ``world`` may take to find each other: live processes
-    do it in well under a second, and gloo, whose pair connections retry, can take several
-    times its timeout to give up on one that died meanwhile; so a few seconds, not ``timeout``."""
-    return min(timeout, 5.0 + 0.05 * world)
-
-
 def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, hostname: str, timeout: float) -> Any:
     """A process group of ``world`` ranks on ``store`` under ``prefix``; blocks until every rank
-    joined, or raises once :func:`formation_timeout` passed. Its collectives time out after
-    ``timeout``."""
+    joined, or raises once ``timeout`` passed. Its collectives time out after ``timeout`` too."""
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]  # imported from torch._C, as TCPStore
@@ -63,21 +56,8 @@ def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, h
         opts._timeout = _delta(timeout)
         return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: torch's stubs leave it out
-    opts._timeout = _delta(formation_timeout(timeout, world))
+    opts._timeout = _delta(timeout)
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname=hostname)]
     group = dist.ProcessGroupGloo(prefixed, rank, world, opts)
     group._set_default_timeout(_delta(timeout))
     return group
-
-
-def broadcast(group: Any, tensors: list[Any], timeout: float, on_done: Any = None) -> None:
-    """Broadcast each tensor from rank 0, one collective per tensor, all in flight at once;
-    ``on_done(i)`` runs as each completes (a receiver checksums bucket i while later ones arrive)."""
-    wait_all([group.broadcast(t, 0) for t in tensors], timeout, on_done)
-
-
-def wait_all(works: list[Any], timeout: float, on_done: Any = None) -> None:
-    for i, work in enumerate(works):
-        work.wait(_delta(timeout))
-        if on_done is not None:
-            on_done(i)

@@ -60,7 +60,12 @@ class VersionKey:
     def tag(self, flat: Any, start: int, stop: int, version: int, index: int) -> bytes:
         """The tag of bucket ``index`` (bytes ``start:stop`` of ``flat``, a host ``np.uint8``
         array or a torch ``uint8`` tensor on any device) of ``version``."""
-        rows = row_hashes(flat, start, stop, self)
+        return self.tag_of_rows(row_hashes(flat, start, stop, self), start, stop, version, index)
+
+    def tag_of_rows(self, rows: bytes, start: int, stop: int, version: int, index: int) -> bytes:
+        """The tag of bucket ``index`` (bytes ``start:stop``) of ``version`` from its row
+        hashes, which may be computed piece by piece (:func:`row_hashes` of consecutive pieces
+        of whole rows, joined, are those of the bucket)."""
         place = _PLACE.pack(version, index, start, stop)
         return hashlib.blake2b(place + rows, key=self.secret, digest_size=TAG_BYTES, person=b"rlink wtag").digest()
 

@@ -1,38 +1,44 @@
-"""The learner's weight fan-out: snapshots, process-group generations, broadcasts and pulls.
+"""The learner's weight fan-out: snapshots, shared-memory maps, and versions streamed to actors.
 
-``publish`` copies the parameters into a flat buffer and returns; a fan-out thread then
-broadcasts the newest version (older pending ones are skipped: actors only want the newest)
-to every subscribed actor that is caught up, in a torch.distributed group made for exactly
-those actors. The group meets through a store relayed over each member's authenticated control
-connection (``rendezvous.py``): no store listens anywhere. An actor that is new, slow, frozen
-or failed a broadcast is left out of the group and pulls the version over its own
-authenticated connection instead; once it has caught up it joins the next generation. Either
-way every bucket carries a tag keyed with the version's secret, which reaches each actor
-wrapped under its own key (``wire/keys.py``). Every step is bounded by ``Config.weights_timeout``.
+``publish`` copies the parameters into a flat buffer and returns; the newest version (older
+pending ones are skipped: actors only want the newest) then reaches every subscribed actor:
+
+- actors on this host read it from our shared memory (``shared.py``), told where over their
+  control connection;
+- every other actor holds a *weights connection* of its own, opened by the actor and proven
+  with the session's key over fresh nonces before the learner sends or keeps anything on it
+  (the pull handshake, ``wire/keys.py``). One thread per such connection sends each version's
+  buckets as soon as they are copied, so the copy of later buckets overlaps the sending of
+  earlier ones, and a slow actor delays only itself. An actor on shared memory gets one
+  version on such a connection (its first, or one it could not read) and the learner closes it.
+
+No port but the learner's own listener is ever opened for the fan-out, and that listener keeps
+nothing for a peer that has not proven the token (earlier releases built torch.distributed gloo
+or NCCL groups, whose listeners accepted, and kept, every stranger's connection). Every bucket
+carries a tag keyed with the version's secret, which reaches each actor wrapped under its own
+key. Every step is bounded by ``Config.weights_timeout``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..config import Config
-from ..errors import AuthError, Closed, ProtocolError
+from ..errors import AuthError, Closed, ProtocolError, RLinkError
 from ..transport import hostname
 from ..transport.control import ControlConnection
 from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
-from .group import formation_timeout, new_group, wait_all
-from .mac import have_torch
-from .rendezvous import KeyValue, LocalStore, answer, relay_store
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
 
 
@@ -47,8 +53,8 @@ class Member(Protocol):
     control: ControlConnection
     subscribed: bool  # wants every published version
     weights_shared: bool  # on this host, and reads versions from our shared memory
-    cuda_device: int | None  # where it receives weights (NCCL needs distinct GPUs)
-    weights_sent: int  # newest version announced or broadcast to it
+    cuda_device: int | None  # where it receives weights (unused: versions reach actors in host memory)
+    weights_sent: int  # newest version announced or sent to it
     weights_acked: int  # newest version it confirmed complete and verified
 
 
@@ -69,6 +75,18 @@ class _Pull:
     proof: bytes  # the learner's proof, sent first on the pull connection
 
 
+@dataclass
+class _Stream:
+    """An actor's proven weights connection, owned by its sending thread."""
+
+    session: Member
+    sock: socket.socket
+    key: bytes  # the pull's key: wraps each version's secret and keys its Seal
+    sent: int  # newest version the actor has (or was sent on this connection)
+    thread: threading.Thread | None = None
+    ended: bool = field(default=False)
+
+
 log = logging.getLogger(__name__)
 
 
@@ -77,26 +95,22 @@ class Publisher:
         self.server = server
         self.config = server.config
         self.loop = server.loop
-        self.latest: Snapshot | None = None  # the newest complete version (served to pulls)
+        self.latest: Snapshot | None = None  # the newest complete version
         self.pending: Snapshot | None = None  # the newest version, possibly still being copied
         self._pool = BufferPool(shared=self.config.weights_shared_memory)
         self._publish_lock = threading.Lock()  # one snapshot at a time
-        self._cv = threading.Condition()  # guards latest/_fanned; signals acks
+        self._host_lock = threading.Lock()  # one host copy per CUDA version
+        self._cv = threading.Condition()  # guards latest/pending/_fanned/_streams; signals acks and versions
         self._fanned = 0  # newest version whose fan-out has ended
         self._burned = 0  # newest version whose publish failed after its fan-out could start
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._group: Any = None
-        self._group_store: Any = None  # the group's store: torch keeps only its C++ side alive
-        self._group_key: tuple[Any, ...] = ()
-        self._generation = 0
-        self.rendezvous = KeyValue()
+        self._streams: dict[int, _Stream] = {}  # session id -> its weights connection
         self._subscription_keys: dict[int, bytes] = {}  # session id -> its subscription's key
         self._pulls: dict[int, _Pull] = {}  # session id -> the pull just verified, until served
-        self._pull_only: set[int] = set()  # sessions of actors without torch: never in a group
         self.stats: dict[str, Any] = {
-            "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "groups": 0, "shared": 0,
-            "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None, "backend": None,
+            "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "shared": 0, "streams": 0,
+            "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None,
         }  # fmt: skip
 
     # --- training thread ----------------------------------------------------------------------
@@ -186,19 +200,15 @@ class Publisher:
         # name says so; the actor falls back to pulls where the memfd still cannot be opened).
         session.weights_shared = bool(msg.shared) and self._pool.shared and session.hello.host == hostname()
         session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
-        if getattr(msg, "groups", True):
-            self._pull_only.discard(session.id)
-        else:  # no torch.distributed on that actor: it reads shared memory or pulls
-            self._pull_only.add(session.id)
-        # The actor pulls the current version right away; until it acknowledges it, it stays
-        # out of the broadcast group.
+        # The actor pulls the current version right away (on shared memory: until it
+        # acknowledges it, versions are not mapped for it).
         session.weights_sent = self.server.version
         with self._cv:
             self._cv.notify_all()
 
     def on_store(self, session: Member, msg: _wire.StoreRequest) -> None:
-        """An actor's rendezvous request, answered on its control connection."""
-        answer(self.rendezvous, session.id, msg, session.control.send, self.loop)
+        """A rendezvous request: this learner builds no process group, so none is answered."""
+        raise ProtocolError("this learner builds no fan-out group: there is no rendezvous to ask")
 
     def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> Member:
         """Check a pull connection's proof (on the loop, right before :meth:`serve_pull`)."""
@@ -215,26 +225,95 @@ class Publisher:
         return session
 
     async def serve_pull(self, conn: Any, session: Member, have: int) -> None:
-        """Answer a pull: the learner's proof, then the newest version's manifest, its key and
-        Seal for this pull, and its bytes; or Version if none is newer."""
+        """Answer a proven pull with the learner's proof, then hand the connection to a thread
+        of its own (:meth:`_serve_stream`): the newest version newer than ``have`` goes out on
+        it (or Version if there is none and the actor reads shared memory), and, for an actor
+        that does not share our memory, every later version too."""
         pull = self._pulls.pop(session.id, None)  # before any await: verify_pull just set it
         if pull is None:
             raise AuthError("weights pull without a verified proof")
-        send = self.loop.sock_sendall
-        await send(conn.sock, _wire.encode(_wire.Proof(pull.proof)))
-        snap = self.latest
-        if snap is None or snap.version <= have:
-            await send(conn.sock, _wire.encode(_wire.Version(self.server.version)))
-            return
-        host = await self.loop.run_in_executor(None, self._host_copy, snap) if snap.device != "cpu" else snap
-        set_congestion(conn.sock, self.config.tcp_congestion)  # a whole model goes out on it
-        wrapped, seal = self._seal(pull.key, host)
-        async with asyncio.timeout(self.config.weights_timeout):
-            await send(conn.sock, b"".join(_wire.encode(m) for m in (_wire.Publish(0, host.manifest), wrapped, seal)))
-            await send(conn.sock, memoryview(host.flat))
-        session.weights_sent = max(session.weights_sent, host.version)
-        self.stats["pulls_served"] += 1
-        self.stats["pull_bytes"] += host.manifest.total_bytes
+        await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Proof(pull.proof)))
+        conn.handed_off = True  # the stream's thread owns the socket from here on
+        sock = conn.sock
+        sock.setblocking(True)
+        sock.settimeout(self.config.weights_timeout)  # bounds every send (one bucket)
+        set_congestion(sock, self.config.tcp_congestion)  # whole models go out on it
+        stream = _Stream(session, sock, pull.key, have)
+        with self._cv:
+            if self._closed:
+                sock.close()
+                return
+            old = self._streams.get(session.id)
+            self._streams[session.id] = stream
+            self.stats["streams"] = len(self._streams)
+        if old is not None:  # a reconnected stream replaces the old one: its thread ends
+            _shut(old)
+        stream.thread = threading.Thread(target=self._serve_stream, args=(stream,), daemon=True,
+                                         name=f"rlink-weights-{session.id}")  # fmt: skip
+        stream.thread.start()
+
+    # --- weights connection threads -----------------------------------------------------------
+    def _serve_stream(self, stream: _Stream) -> None:
+        try:
+            while True:
+                snap = self._newer(stream)
+                if snap is None:
+                    if not self._keeps(stream) and not self._closed:  # a single pull, nothing newer
+                        stream.sock.sendall(_wire.encode(_wire.Version(self.server.version)))
+                    return
+                self._push(stream, snap)
+                if not self._keeps(stream):
+                    return
+        except (OSError, RLinkError) as exc:
+            if not stream.ended and not self._closed:
+                log.info("weights connection of session %d ended: %s", stream.session.id, exc)
+        finally:
+            _shut(stream)
+            stream.sock.close()
+            with self._cv:
+                if self._streams.get(stream.session.id) is stream:
+                    del self._streams[stream.session.id]
+                self.stats["streams"] = len(self._streams)
+
+    def _keeps(self, stream: _Stream) -> bool:
+        """Whether the connection stays open for later versions (else it serves one pull): not
+        for an actor that reads versions from our shared memory (CUDA versions are not there)."""
+        s = stream.session
+        newest = self.pending or self.latest
+        in_shared_memory = newest is None or newest.shared is not None
+        return s.subscribed and s.state == "open" and not (s.weights_shared and in_shared_memory)
+
+    def _newer(self, stream: _Stream) -> Snapshot | None:
+        """The newest version newer than the stream's (waiting for one while the stream is
+        kept), possibly still being copied; None once the stream should end."""
+        with self._cv:
+            while not (self._closed or stream.ended or stream.session.state != "open"):
+                snap = self.pending if self.pending is not None and self.pending.failed is None else self.latest
+                if snap is not None and snap.version > stream.sent:
+                    return snap
+                if not self._keeps(stream):
+                    return None
+                self._cv.wait(0.25)
+        return None
+
+    def _push(self, stream: _Stream, snap: Snapshot) -> None:
+        """Send one version: Publish, its key wrapped for this connection, each bucket as soon
+        as it is copied, and the Seal once every bucket is tagged."""
+        timeout = self.config.weights_timeout
+        source = self._host_copy(snap)  # a CUDA version: once sealed, in host memory
+        send = stream.sock.sendall
+        send(_wire.encode(_wire.Publish(0, source.manifest)) + _wire.encode(self._weights_key(stream.key, source)))
+        for i, (a, b) in enumerate(source.manifest.buckets()):
+            source.wait_ready(i + 1, timeout)
+            send(memoryview(source.flat[a:b]))
+        source.wait_ready(len(source.manifest.buckets()) + 1, timeout)
+        send(_wire.encode(self._seal(stream.key, source)[1]))
+        stream.sent = source.version
+        session = stream.session
+        session.weights_sent = max(session.weights_sent, source.version)
+        with self._cv:
+            self.stats["pulls_served"] += 1
+            self.stats["pull_bytes"] += source.manifest.total_bytes
 
     # --- fan-out thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -258,62 +337,45 @@ class Publisher:
                 self.stats["fanouts"] += 1
                 self.stats["last_fanout_seconds"] = round(time.monotonic() - started, 6)
                 self._cv.notify_all()
-        self._drop_group()
 
     def _fan_out(self, snap: Snapshot) -> None:
         timeout = self.config.weights_timeout
         for gone in [i for i in list(self._subscription_keys) if i not in self.server.sessions]:
             self._subscription_keys.pop(gone, None)
-            self._pull_only.discard(gone)
         sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
         subscribed = [s for s in sessions if s.subscribed]
-        caught_up = [s for s in subscribed if s.weights_acked >= s.weights_sent and s.id in self._subscription_keys]
-        # Actors on this host read a host snapshot from our shared memory; the others join the group.
-        sharing = [s for s in caught_up if s.weights_shared and snap.shared is not None]
-        caught_up = [s for s in caught_up if s not in sharing and s.id not in self._pull_only] if have_torch() else []
-        backend = "nccl" if snap.device != "cpu" and caught_up and _distinct_gpus(snap.device, caught_up) else "gloo"
-        source = snap if snap.device == "cpu" or backend == "nccl" else self._host_copy(snap)
-        members: list[Member] = []
-        if caught_up:
-            try:
-                self._ensure_group(caught_up, backend, snap.device)
-                members = caught_up
-            except Exception as exc:  # noqa: BLE001 - a member that never joined: everyone pulls
-                self._failed(f"building fan-out group {self._generation} failed: {exc}")
-        for s in subscribed:
+        # Actors on this host that are caught up read a host snapshot from our shared memory;
+        # those with a weights connection get the version on it from its own thread.
+        sharing = [s for s in subscribed if s.weights_shared and snap.shared is not None
+                   and s.weights_acked >= s.weights_sent and s.id in self._subscription_keys]  # fmt: skip
+        with self._cv:
+            streaming = [s for s in subscribed if s.id in self._streams and s not in sharing]
+        for s in sharing:
             s.weights_sent = snap.version
-        others = [s for s in sessions if s not in members and s not in sharing]
-        keys = {s.id: self._subscription_keys[s.id] for s in members + sharing}
-        for s in members:  # the key first: members tag each bucket as it arrives
-            self._send([s], _wire.Publish(self._generation, source.manifest), self._weights_key(keys[s.id], snap))
-        early = bool(sharing) and not members
-        if early:  # every bucket copied: they read while the tags are computed
+        others = [s for s in sessions if s not in sharing and s not in streaming]
+        keys = {s.id: self._subscription_keys[s.id] for s in sharing}
+        if sharing:  # every bucket copied: they read while the tags are computed
             snap.wait_ready(len(snap.manifest.buckets()), timeout)
             self._map(sharing, snap, keys)
-        if members:
-            try:
-                self._stream(source, members, keys, timeout)
-            except Exception as exc:  # noqa: BLE001 - a member died or froze mid-broadcast
-                self._failed(f"broadcast of version {snap.version} failed: {exc}")
-                others += [s for s in members if s.state == "open"]
-                members = []
         snap.wait_ready(len(snap.manifest.buckets()) + 1, timeout)
-        if not early:
-            self._map(sharing, snap, keys)
         for s in sharing:  # once every tag is computed
             self._send([s], self._seal(keys[s.id], snap)[1])
         self.stats["shared"] += len(sharing)
-        self._send(others, _wire.Version(snap.version))  # once complete: they pull it
-        members += sharing
-        if not members:
-            return
+        # Once complete: the others pull it; those with a weights connection have it on its way
+        # there (so ``get_remote_model(latest=True)`` knows of it, and one whose connection
+        # broke, or that refused what came on it, opens a new one).
+        self._send(others + streaming, _wire.Version(snap.version))
+        members = sharing + streaming
         # Wait (bounded) until the members verified it: "published" means received, and an
-        # actor that does not confirm in time is left out of the next group (it will pull).
+        # actor on shared memory that does not confirm in time pulls the next version.
         deadline = time.monotonic() + timeout
         with self._cv:
             while any(s.state == "open" and s.weights_acked < snap.version for s in members):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
+                    if left <= 0:
+                        self.stats["fanout_failures"] += 1
+                        self.stats["last_error"] = f"version {snap.version}: not every actor confirmed it in time"
                     break
                 self._cv.wait(min(left, 0.25))
 
@@ -329,55 +391,6 @@ class Publisher:
         for s in sharing:
             self._send([s], _wire.Mapped(snap.manifest, where), self._weights_key(keys[s.id], snap))
 
-    def _stream(self, source: Snapshot, members: list[Member], keys: dict[int, bytes], timeout: float) -> None:
-        """Broadcast each bucket as soon as it is copied; send each member its Seal once every
-        bucket is tagged (the tags are computed while the first buckets are on their way)."""
-        works = []
-        for i, (a, b) in enumerate(source.manifest.buckets()):
-            source.wait_ready(i + 1, timeout)
-            works.append(self._group.broadcast(source.bucket(a, b), 0))
-        source.wait_ready(len(works) + 1, timeout)
-        for s in members:
-            self._send([s], self._seal(keys[s.id], source)[1])
-        wait_all(works, timeout)
-
-    def _ensure_group(self, members: list[Member], backend: str, device: str) -> None:
-        key = (tuple(s.id for s in members), backend)
-        if self._group is not None and key == self._group_key:
-            return
-        self._drop_group()
-        timeout = self.config.weights_timeout
-        self._generation += 1
-        prefix = f"rlink/{self._generation}/"
-        world = len(members) + 1
-        self.rendezvous.reset(self._generation, {s.id for s in members})
-        for rank, s in enumerate(members, 1):  # store port 0: the store is relayed over this channel
-            self._send([s], _wire.Group(self._generation, rank, world, 0, prefix, backend, timeout))
-        hostname = _local_address(members[0], self.server.host)
-        if backend == "nccl":  # the current CUDA device is per thread: use the snapshot's
-            import torch
-
-            torch.cuda.set_device(torch.device(device))
-        log.info("fan-out group %d: %s ranks over %s", self._generation, world, backend)
-        # A member whose session ends will never join: give up at once rather than at the
-        # timeout (the others then pull, and the next publish builds a group without it).
-        store = relay_store(LocalStore(self.rendezvous, formation_timeout(timeout, world), lambda: _gone(members)))
-        self._group = new_group(store, prefix, 0, world, backend=backend, hostname=hostname, timeout=timeout)
-        self._group_store = store
-        self._group_key = key
-        self.stats["groups"] += 1
-        self.stats["backend"] = backend
-
-    def _failed(self, why: str) -> None:
-        log.warning("%s; the actors concerned pull the version instead", why)
-        self.stats["fanout_failures"] += 1
-        self.stats["last_error"] = why[:500]
-        self._drop_group()
-
-    def _drop_group(self) -> None:
-        self._group, self._group_key, self._group_store = None, (), None
-        self.rendezvous.reset(0, frozenset())
-
     def _send(self, sessions: list[Member], *msgs: Any) -> None:
         for s in sessions:
             for msg in msgs:
@@ -387,18 +400,19 @@ class Publisher:
                     return
 
     def _host_copy(self, snap: Snapshot) -> Snapshot:
-        """A host copy of a CUDA snapshot, for gloo and pulls (made once per version; same key
+        """A host copy of a CUDA snapshot, for the weights connections (made once per version; same key
         and tags: the same bytes). It waits until the snapshot is sealed: the fan-out starts
         while ``publish`` is still copying, and a copy taken earlier would send (and cache, for
         every later pull) a half-written model."""
         if snap.device == "cpu":
             return snap
         snap.wait_ready(len(snap.manifest.buckets()) + 1, self.config.weights_timeout)
-        cached = snap.host
-        if cached is None:
-            flat = np.ascontiguousarray(snap.flat.cpu().numpy())
-            cached = Snapshot(snap.manifest, flat, "cpu", key=snap.key, tags=snap.tags)
-            snap.host = cached
+        with self._host_lock:  # every actor's thread may ask at once
+            cached = snap.host
+            if cached is None:
+                flat = np.ascontiguousarray(snap.flat.cpu().numpy())
+                cached = Snapshot(snap.manifest, flat, "cpu", key=snap.key, tags=snap.tags)
+                snap.host = cached
         return cached
 
     # --- reporting and shutdown ------------------------------------------------------------------
@@ -407,8 +421,6 @@ class Publisher:
             **self.stats,
             "version": self.server.version,
             "fanned_out": self._fanned,
-            "generation": self._generation,
-            "group_size": len(self._group_key[0]) if self._group_key else 0,
             "model_bytes": self.latest.manifest.total_bytes if self.latest else 0,
         }
 
@@ -416,35 +428,20 @@ class Publisher:
         with self._cv:
             self._closed = True
             self._cv.notify_all()
+            streams = list(self._streams.values())
+        for stream in streams:
+            _shut(stream)
         if self._thread is not None:
             self._thread.join(self.config.close_timeout)
+        for stream in streams:
+            if stream.thread is not None:
+                stream.thread.join(self.config.close_timeout)
 
 
-def _gone(members: list[Member]) -> str | None:
-    left = [s.id for s in members if s.state != "open"]
-    return f"the session of member(s) {left} ended" if left else None
-
-
-def _distinct_gpus(device: str, members: list[Member]) -> bool:
-    """NCCL needs one GPU per rank: every member on CUDA, none sharing a GPU with another rank."""
-    seen = {(_host_key(None), device)}
-    for s in members:
-        if s.cuda_device is None:
-            return False
-        key = (_host_key(s), f"cuda:{s.cuda_device}")
-        if key in seen:
-            return False
-        seen.add(key)
-    return True
-
-
-def _host_key(session: Member | None) -> str:
-    return session.hello.host if session is not None else hostname()
-
-
-def _local_address(session: Member, fallback: str) -> str:
-    """The learner's address on the interface this actor reached it through (for gloo)."""
+def _shut(stream: _Stream) -> None:
+    """End a weights connection from any thread: its thread's send or wait returns at once."""
+    stream.ended = True
     try:
-        return str(session.control.sock.getsockname()[0])
+        stream.sock.shutdown(socket.SHUT_RDWR)
     except OSError:
-        return fallback
+        pass

@@ -21,7 +21,7 @@ from ..errors import ProtocolError, RLinkError
 from ..wire.codec import DTYPES, MAX_NAME_LEN, host_array, is_torch
 from ..wire.frameworks import Adapter
 from ..wire.manifest import ALIGN, KEYED, Entry, Manifest, flatten
-from .mac import VersionKey
+from .mac import ROW, VersionKey, row_hashes
 from .shared import SharedBuffer
 from .shared import available as shared_available
 
@@ -253,7 +253,11 @@ def sources(snap: Snapshot, state: Mapping[str, Any]) -> list[Any]:
 def fill(snap: Snapshot, srcs: list[Any]) -> None:
     """Copy the views from :func:`sources` into ``snap`` in bucket-sized pieces, releasing each
     bucket to the fan-out as soon as it is copied; then tag every bucket (while the first ones
-    are on their way) and seal the snapshot."""
+    are on their way) and seal the snapshot. A snapshot in shared memory is tagged from a
+    private copy instead (:func:`_fill_tagged`)."""
+    if snap.shared is not None:
+        _fill_tagged(snap, srcs)
+        return
     buckets = snap.manifest.buckets()
     on_device = not isinstance(snap.flat, np.ndarray)
     released = 0
@@ -287,6 +291,55 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
         snap.tags = tags
         snap.sealed = True
         snap._cv.notify_all()
+
+
+def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
+    """Fill a snapshot whose buffer other processes of this user can open (a memfd, shared.py):
+    each piece of a bucket is put together in private memory (small enough to stay in cache),
+    its rows hashed there, then copied into the buffer; a bucket is released once all its
+    pieces are in. Bytes written into the buffer meanwhile fail their tags; a tag taken from
+    the buffer itself would have vouched for them."""
+    buckets = snap.manifest.buckets()
+    entries = list(zip(snap.manifest.entries, srcs))
+    scratch = _scratch()
+    tags: list[bytes] = []
+    first = 0  # the first entry that may still overlap the piece
+    for i, (a, b) in enumerate(buckets):
+        rows = []
+        for c in range(a, b, _PIECE):
+            d = min(b, c + _PIECE)
+            piece = scratch[: d - c]
+            piece[:] = 0  # the alignment padding between tensors
+            for e, src in entries[first:]:
+                if e.offset >= d:
+                    break
+                lo, hi = max(c, e.offset), min(d, e.offset + len(src))
+                if lo < hi:
+                    piece[lo - c : hi - c] = src[lo - e.offset : hi - e.offset]
+                if e.offset + len(src) <= d:
+                    first += 1
+            rows.append(row_hashes(piece, 0, d - c, snap.key))
+            snap.flat[c:d] = piece
+        tags.append(snap.key.tag_of_rows(b"".join(rows), a, b, snap.version, i))
+        with snap._cv:
+            snap.ready = i + 1
+            snap._cv.notify_all()
+    with snap._cv:
+        snap.tags = tags
+        snap.sealed = True
+        snap._cv.notify_all()
+
+
+_PIECE = 1024 * ROW  # 4 MiB (in L2/L3), whole rows: the pieces' row hashes make the bucket's
+_scratches = threading.local()
+
+
+def _scratch() -> np.ndarray:
+    """This thread's private staging buffer (one publish at a time per thread)."""
+    buf = getattr(_scratches, "buf", None)
+    if buf is None:
+        buf = _scratches.buf = np.empty(_PIECE, dtype=np.uint8)
+    return buf
 
 
 def snapshot(state: Mapping[str, Any], version: int, bucket_bytes: int, pool: BufferPool) -> Snapshot:

@@ -1,25 +1,27 @@
 """The actor's side of the weight fan-out: keeps the newest version ready, double-buffered.
 
-A background thread joins the learner's broadcast groups (meeting through a store relayed over
-the control connection, ``rendezvous.py``) and receives each version into a buffer nobody else
-is reading, or pulls it over a connection of its own when it is not in a group (just
-subscribed, slow, or a broadcast failed); on that connection both sides prove the session's
-weights key before anything else is read. Only a complete version whose every bucket matched
-its keyed tag, under a Seal this actor's key verifies, is exposed: ``get_remote_model`` never
-sees a half-written or altered one, and costs no network round trip when nothing changed.
+A background thread receives each version into a buffer nobody else is reading: from the
+learner's shared memory when it shares the learner's host, else over a *weights connection* of
+its own, on which both sides prove the session's weights key over fresh nonces before anything
+else is read. The learner sends each later version on that connection as it copies it; the
+thread tags each bucket as it arrives. Only a complete version whose every bucket matched its
+keyed tag, under a Seal this actor's key verifies, is exposed: ``get_remote_model`` never sees a
+half-written or altered one, and costs no network round trip when nothing changed. The actor
+listens nowhere.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import hmac
 import logging
 import queue
+import select
 import socket
-import sys
 import threading
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 from ..config import Config
 from ..errors import AuthError, Closed, ProtocolError, RLinkError
@@ -30,16 +32,10 @@ from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 from ..wire.frameworks import Adapter
-from .group import broadcast, formation_timeout, new_group
-from .mac import VersionKey, check_tags, have_torch
-from .rendezvous import RemoteStore, relay_store
+from .mac import VersionKey, check_tags
 from .shared import available as shared_available
 from .shared import read_into
 from .snapshot import BufferPool, Snapshot
-
-if TYPE_CHECKING:
-    import numpy as np
-    import torch
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +67,7 @@ class Link(Protocol):
     @property
     def control(self) -> ControlConnection | None: ...
 
-    weights_listener: Callable[[Any], None] | None  # gets the weights messages (and StoreReply)
+    weights_listener: Callable[[Any], None] | None  # gets the weights messages
     subscription: Any  # the Subscribe message, repeated after a reconnect
 
     def weights_key(self) -> bytes:
@@ -93,21 +89,18 @@ class Subscriber:
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._closed = False
-        self._group: Any = None
-        self._group_store: Any = None  # torch keeps only the C++ side of a Python store alive
-        self._relay: RemoteStore | None = None  # the group's rendezvous, over the control channel
-        self._generation = 0
-        self._backend = "gloo"
+        self._stream: _Connection | None = None  # our weights connection, once opened
+        self._tagger: concurrent.futures.ThreadPoolExecutor | None = None  # tags buckets while the next arrive
         self.rejected: RLinkError | None = None  # the last version refused as altered or unproven
-        self.stats: dict[str, Any] = {"broadcasts": 0, "shared_reads": 0, "pulls": 0, "failures": 0, "rejected": 0,
+        self.stats: dict[str, Any] = {"connections": 0, "shared_reads": 0, "pulls": 0, "failures": 0, "rejected": 0,
                                       "last_error": None}  # fmt: skip
         conn.weights_listener = self.deliver
-        self._device = _cuda_device()  # the caller's GPU: NCCL receives land there
+        self._device = -1  # versions land in host memory: no CUDA device to name
         self._nonce = _auth.new_nonce()  # makes this subscription's key fresh (wire/keys.py)
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
         shared = config.weights_shared_memory and shared_available()  # the learner decides if we share its host
-        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, shared, have_torch())  # repeated after a reconnect
+        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, shared)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
         self._events.put(_PULL)
 
@@ -117,11 +110,6 @@ class Subscriber:
 
     # --- I/O loop: control messages from the learner ----------------------------------------
     def deliver(self, msg: Any) -> None:
-        if isinstance(msg, _wire.StoreReply):  # the weights thread waits for it inside gloo/NCCL
-            relay = self._relay
-            if relay is not None:
-                relay.deliver(msg)
-            return
         with self._cv:
             self._cv.notify_all()  # conn.latest_version moved: waiters re-check
         self._events.put(msg)
@@ -167,35 +155,35 @@ class Subscriber:
 
     # --- weights thread -----------------------------------------------------------------------
     def _run(self) -> None:
-        if self._device >= 0:  # the current CUDA device is per thread: NCCL must use the caller's
-            import torch
-
-            torch.cuda.set_device(self._device)
         while not self._closed:
             try:
-                msg = self._events.get(timeout=0.25)
-            except queue.Empty:
-                continue
-            try:
+                stream = self._stream
+                if stream is not None and _readable(stream.sock, 0.25):
+                    self._take(stream)
+                try:
+                    msg = self._events.get(timeout=0.25) if self._stream is None else self._events.get_nowait()
+                except queue.Empty:
+                    continue
                 if msg is _PULL or (isinstance(msg, _wire.Version) and msg.version > self.have):
-                    self._pull()
-                elif isinstance(msg, _wire.Group):
-                    self._join(msg)
-                elif isinstance(msg, _wire.Publish):
-                    self._receive(msg)
+                    if self._stream is None:  # an open one brings every version by itself
+                        self._open()
                 elif isinstance(msg, _wire.Mapped):
                     self._read_shared(msg)
             except Exception as exc:  # noqa: BLE001 - logged and counted; the next version retries
-                self._group = self._group_store = None
+                self._drop_stream()
                 self.stats["failures"] += 1
                 self.stats["last_error"] = repr(exc)[:500]
                 if not self._closed:
                     log.warning("actor %s: weights update failed: %s", self.conn.actor_id, exc)
-                    if self.conn.latest_version > self.have or isinstance(msg, _wire.Version):
-                        if msg is _PULL or isinstance(msg, _wire.Version):
-                            time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken pull
+                    if self.conn.latest_version > self.have:
+                        time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken learner
                         self._events.put(_PULL)
-        self._group = None
+        self._drop_stream()
+
+    def _drop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.sock.close()
 
     def _expose(self, snap: Snapshot) -> None:
         with self._cv:
@@ -225,9 +213,10 @@ class Subscriber:
                                          "actor's key (not from the learner, or altered)"))  # fmt: skip
         return VersionKey(_keys.wrap(key, version, wrapped.wrapped))
 
-    def _pull(self) -> None:
-        """Fetch the newest version over a connection of our own, unless it is no newer than
-        what we have. Both sides prove the session's weights key over fresh nonces first."""
+    def _open(self) -> None:
+        """Open our weights connection: both sides prove the session's weights key over fresh
+        nonces first. The learner then sends the newest version newer than ours on it (or, to
+        an actor on shared memory with nothing newer, Version and closes it)."""
         welcome = self.conn.welcome
         assert welcome is not None
         session_key = self.conn.weights_key()
@@ -247,21 +236,49 @@ class Subscriber:
             if not isinstance(proof, _wire.Proof) or not hmac.compare_digest(expected, proof.mac):
                 raise self._refuse(AuthError("the peer answering a weights pull did not prove the session's key "
                                              "(not the learner?)"))  # fmt: skip
-            reply = self._read(sock, (_wire.Version, _wire.Publish))
-            if isinstance(reply, _wire.Version):
-                return  # nothing newer than what we have
-            self._check(reply.manifest)
-            wrapped, seal = self._read(sock, _wire.WeightsKey), self._read(sock, _wire.Seal)
-            key = self._open_seal(_keys.pull_key(session_key, challenge.nonce, nonce), reply.manifest, wrapped, seal)
-            flat, _ = self._pool.get(reply.manifest.total_bytes)
-            _wire.recv_exact_into(sock, flat.data)
-            snap = Snapshot(reply.manifest, flat, "cpu", key=key, tags=list(seal.tags))
-            try:
-                snap.verify()
-            except ProtocolError as exc:
-                raise self._refuse(exc) from None
-        finally:
+        except BaseException:
             sock.close()
+            raise
+        self._stream = _Connection(sock, _keys.pull_key(session_key, challenge.nonce, nonce))
+        self.stats["connections"] += 1
+
+    def _take(self, stream: _Connection) -> None:
+        """Read what the learner sent on our weights connection: one version (tagging each
+        bucket as it arrives), or Version (nothing newer), or its end."""
+        sock = stream.sock
+        try:
+            if not sock.recv(1, socket.MSG_PEEK):  # the learner closed it between versions
+                self._drop_stream()
+                if self.conn.latest_version > self.have:
+                    self._events.put(_PULL)
+                return
+        except OSError:
+            self._drop_stream()
+            raise
+        reply = self._read(sock, (_wire.Version, _wire.Publish))
+        if isinstance(reply, _wire.Version):
+            return  # nothing newer than what we have
+        manifest = reply.manifest
+        self._check(manifest)
+        version = manifest.version
+        wrapped = self._read(sock, _wire.WeightsKey)
+        if wrapped.version != version:
+            raise ProtocolError(f"weights key for version {wrapped.version}, expected {version}")
+        key = VersionKey(_keys.wrap(stream.key, version, wrapped.wrapped))  # trusted once the Seal verifies
+        flat, _ = self._pool.get(manifest.total_bytes)
+        if self._tagger is None:
+            self._tagger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlink-weights-tags")
+        tags = []
+        for i, (a, b) in enumerate(manifest.buckets()):
+            _wire.recv_exact_into(sock, flat.data[a:b])
+            tags.append(self._tagger.submit(key.tag, flat, a, b, version, i))
+        seal = self._read(sock, _wire.Seal)
+        snap = Snapshot(manifest, flat, "cpu", key=key, tags=[t.result() for t in tags])
+        self._open_seal(stream.key, manifest, wrapped, seal)
+        try:
+            check_tags(list(seal.tags), snap.tags, version)
+        except ProtocolError as exc:
+            raise self._refuse(exc) from None
         self.stats["pulls"] += 1
         self._expose(snap)
 
@@ -273,20 +290,6 @@ class Subscriber:
             raise ProtocolError(f"weights pull: unexpected {type(msg).__name__}")
         return msg
 
-    def _join(self, msg: _wire.Group) -> None:
-        self._group = self._group_store = None
-        if self._relay is not None:
-            self._relay.fail(RLinkError("a newer fan-out group replaced this one"))
-        relay = self._relay = RemoteStore(lambda m: self.io.soon(self._send, m), msg.generation,
-                                          formation_timeout(msg.timeout, msg.world))  # fmt: skip
-        assert self.conn.control is not None
-        hostname = str(self.conn.control.sock.getsockname()[0])
-        store = relay_store(relay)
-        self._group = new_group(store, msg.prefix, msg.rank, msg.world, backend=msg.backend, hostname=hostname,
-                                timeout=msg.timeout)  # fmt: skip
-        self._group_store = store
-        self._generation, self._backend = msg.generation, msg.backend
-
     def _next(self, kind: type, version: int) -> Any:
         """The next weights message, which must be a ``kind`` for ``version`` (the learner sends
         a member Publish, WeightsKey, and after the buckets Seal, in that order)."""
@@ -297,32 +300,6 @@ class Subscriber:
         if not isinstance(msg, kind) or getattr(msg, "version", None) != version:
             raise ProtocolError(f"expected the {kind.__name__} of version {version}, got {type(msg).__name__}")
         return msg
-
-    def _receive(self, msg: _wire.Publish) -> None:
-        manifest = msg.manifest
-        self._check(manifest)
-        if self._group is None or msg.generation != self._generation:
-            raise ProtocolError(f"broadcast for group {msg.generation}, which this actor is not in")
-        version = manifest.version
-        wrapped = self._next(_wire.WeightsKey, version)
-        subscription_key = _keys.subscription_key(self.conn.weights_key(), self._nonce)
-        key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))  # trusted once the Seal verifies
-        flat: np.ndarray | torch.Tensor
-        if self._backend == "nccl":
-            import torch
-
-            flat = torch.empty(manifest.total_bytes, dtype=torch.uint8, device=torch.device("cuda", self._device))
-        else:
-            flat, _ = self._pool.get(manifest.total_bytes)
-        buckets = manifest.buckets()
-        tags: list[bytes] = []
-        receiving = Snapshot(manifest, flat, "cpu" if self._backend == "gloo" else str(flat.device), sealed=False,
-                             key=key)
-        # Each bucket is tagged as soon as it is in, while later ones are still arriving.
-        broadcast(self._group, [receiving.bucket(a, b) for a, b in buckets], self.config.weights_timeout,
-                  on_done=lambda i: tags.append(key.tag(flat, *buckets[i], version, i)))  # fmt: skip
-        self._seal_and_expose("broadcasts", Snapshot(manifest, flat, receiving.device, key=key, tags=tags),
-                              subscription_key, wrapped)  # fmt: skip
 
     def _read_shared(self, msg: _wire.Mapped) -> None:
         """Copy a version out of the learner's shared memory (we share its host), tagging each
@@ -348,7 +325,7 @@ class Subscriber:
         except OSError as exc:
             # Not readable from here after all (another PID namespace or user under the same host
             # name): stop asking for it; this version, and every later one, comes another way.
-            self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False, have_torch())
+            self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False)
             self.io.soon(self._send, self.conn.subscription)
             raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); pulling instead") from exc
         # The Seal comes once the learner computed its tags, meanwhile.
@@ -369,16 +346,30 @@ class Subscriber:
 
     def close(self) -> None:
         self._closed = True
-        if self._relay is not None:
-            self._relay.fail(Closed("the actor is closed"))
+        stream = self._stream
+        if stream is not None:  # a read in progress returns at once
+            try:
+                stream.sock.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
         with self._cv:
             self._cv.notify_all()
         self._thread.join(self.config.close_timeout)
+        if self._tagger is not None:
+            self._tagger.shutdown(wait=True)
 
 
-def _cuda_device() -> int:
-    """The current CUDA device if torch (already imported) sees one, else -1."""
-    torch = sys.modules.get("torch")
-    if torch is None or not torch.cuda.is_available():
-        return -1
-    return int(torch.cuda.current_device())
+class _Connection:
+    """Our weights connection and its key (the pull's, fresh by both nonces)."""
+
+    __slots__ = ("key", "sock")
+
+    def __init__(self, sock: socket.socket, key: bytes):
+        self.sock, self.key = sock, key
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    try:
+        return bool(select.select([sock], [], [], timeout)[0])
+    except (OSError, ValueError):  # closed meanwhile: the read says how
+        return True

@@ -241,7 +241,6 @@ class KeyedSubscribe(Subscribe, frozen=True):
 
     nonce: bytes
     shared: bool = False  # it can read versions from the learner's shared memory (same host)
-    groups: bool = True  # it can join torch.distributed broadcast groups (False: no torch; it pulls)
 
 
 class Mapped(_Msg, frozen=True):

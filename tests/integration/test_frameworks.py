@@ -111,8 +111,10 @@ def test_numpy_learner_and_actor_without_torch() -> None:
     assert report["actor"]["blocked"] == {"torch": True}
     check(report, "numpy", x64=True)
     assert report["actor"]["default"] == "numpy"  # no torch: numpy arrays by default
-    # Without torch.distributed the actor pulls every version (no broadcast group).
-    assert report["actor"]["stats"]["broadcasts"] == 0
+    # Without torch the actor gets every version as any actor does: shared memory on this host
+    # (or its weights connection), tags checked with numpy.
+    stats = report["actor"]["stats"]
+    assert stats["shared_reads"] + stats["pulls"] >= 2 and stats["failures"] == 0, stats
 
 
 NO_TORCH_SCRIPT = """

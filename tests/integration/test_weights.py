@@ -1,4 +1,4 @@
-"""Weights: learner.publish() fans out through torch.distributed (gloo here) and pulls."""
+"""Weights: learner.publish() reaches actors over their own proven weights connections."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ SPAWN = mp.get_context("spawn")
 
 @pytest.fixture(autouse=True)
 def broadcast_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about the broadcast group and pulls, the path of actors on other hosts:
+    """These tests are about weights connections, the path of actors on other hosts:
     actors on the learner's host would read its shared memory instead (test_weights_shared.py)."""
     from rlink_ucx.weights import snapshot
 
@@ -60,6 +60,7 @@ def test_three_actors_get_every_version_bit_identical_and_monotonic():
         for v in range(1, 21):
             assert learner.publish(model_state(v), wait=True, timeout=60) == v
             assert all(a["weights_version"] == v for a in learner.stats()["actors"]), learner.stats()
+        assert learner.stats()["weights"]["streams"] == 3  # one weights connection per actor, kept
         reports = [results.get(timeout=60) for _ in procs]
         leave.set()
         assert join_all(procs) == [0, 0, 0]
@@ -69,9 +70,10 @@ def test_three_actors_get_every_version_bit_identical_and_monotonic():
         assert r["seen"][-1] == 20 and r["seen"] == sorted(set(r["seen"])), r["seen"]
         assert r["state"] == expected
         assert r["policy_version"] == 20
-        assert r["stats"]["broadcasts"] >= 1, "the torch.distributed path was never used"
+        # One connection carried every version, each pushed as it was published.
+        assert r["stats"]["connections"] == 1 and r["stats"]["pulls"] == 20, r["stats"]
         assert r["stats"]["failures"] == 0, (r["stats"], stats)
-    assert stats["fanouts"] == 20 and stats["fanout_failures"] == 0 and stats["groups"] == 1, stats
+    assert stats["fanouts"] == 20 and stats["fanout_failures"] == 0 and stats["pulls_served"] == 60, stats
 
 
 @pytest.mark.timeout(120)
@@ -87,7 +89,7 @@ def test_an_actor_that_connects_after_version_3_pulls_it_at_once():
         served = learner.stats()["weights"]["pulls_served"]
     assert report["version"] == 3 and report["again"] == 3
     assert report["state"] == as_bytes(model_state(3))
-    assert report["stats"]["pulls"] == 1 and report["stats"]["broadcasts"] == 0
+    assert report["stats"]["pulls"] == 1 and report["stats"]["connections"] == 1
     assert served == 1
 
 
@@ -132,7 +134,7 @@ def test_a_learner_inside_its_own_default_group_publishes_and_leaves_it_untouche
     out = results.get(timeout=100)
     assert join_all([p]) == [0]
     assert out["report"]["seen"][-1] == 2 and out["report"]["state"] == out["expected"]
-    assert out["report"]["stats"]["broadcasts"] >= 1
+    assert out["report"]["stats"]["pulls"] == 2 and out["pulls_served"] == 2
     assert out["initialized"] and out["same_world"] and out["world_size"] == 1 and out["backend"] == "gloo"
     assert out["all_reduce"] == [1.0, 1.0, 1.0]
 

@@ -51,15 +51,17 @@ def plain_checksums(manifest: Any, flat: bytes) -> list[int]:
 
 class WeightsMitm:
     """Relays ``127.0.0.1:<port>`` to the learner. ``tamper_pulls``: pulled models arrive with
-    one byte flipped (and plain checksums recomputed to match). ``rewrite``: called with every
+    one byte flipped (and plain checksums recomputed to match); ``tamper_once``: only that
+    version, the first time. ``rewrite``: called with every
     control message the learner sends on a control connection; returns the message to forward."""
 
-    def __init__(self, learner_port: int, *, tamper_pulls: bool = False, rewrite: Callable[[Any], Any] | None = None,
-                 fake_pulls: Callable[[], tuple[Any, bytes]] | None = None, fake_data: bool = False):  # fmt: skip
+    def __init__(self, learner_port: int, *, tamper_pulls: bool = False, tamper_once: int = 0,
+                 rewrite: Callable[[Any], Any] | None = None, fake_pulls: Callable[[], tuple[Any, bytes]] | None = None, fake_data: bool = False):  # fmt: skip
         self.learner_port = learner_port
         self.fake_data = fake_data  # take data connections itself, and tell the actor Ready
         self.data_bytes = 0  # what actors sent to a data connection taken that way
         self.tamper_pulls = tamper_pulls
+        self.tamper_once = tamper_once  # this version is altered the first time it passes (all: tamper_pulls)
         self.rewrite = rewrite
         self.fake_pulls = fake_pulls  # answer pulls with this (manifest, bytes) instead of relaying
         self.pulls_faked = 0
@@ -170,23 +172,20 @@ class WeightsMitm:
         return proof + _wire.encode(_wire.Publish(0, manifest)) + flat
 
     def _pulled_model(self, learner: socket.socket, publish: Any) -> bytes:
-        """The pull reply from its Publish to its last byte, altered if ``tamper_pulls``. A keyed
-        reply (WeightsKey and Seal before the bytes) is passed through: they cannot be forged."""
-        between = []
-        if hasattr(_wire, "Seal"):
-            while True:
-                raw, msg = read_frame(learner)
-                between.append(raw)
-                if isinstance(msg, _wire.Seal):
-                    break
+        """One version sent on a weights connection, from its Publish to its Seal, its bytes
+        altered if ``tamper_pulls``. WeightsKey (before the bytes) and Seal (after them) are
+        passed through: they cannot be forged."""
+        between = [read_frame(learner)[0]]  # WeightsKey
         flat = recv_exact(learner, publish.manifest.total_bytes)
-        if self.tamper_pulls and flat:
+        seal = read_frame(learner)[0]
+        once = publish.manifest.version == self.tamper_once and self.pulls_tampered == 0
+        if (self.tamper_pulls or once) and flat:
             flat = flip(flat)
             self.pulls_tampered += 1
             if publish.manifest.checksums:  # an unkeyed manifest: make its checksums match
                 manifest = msgspec.structs.replace(publish.manifest, checksums=plain_checksums(publish.manifest, flat))
                 publish = _wire.Publish(publish.generation, manifest)
-        return _wire.encode(publish) + b"".join(between) + flat
+        return _wire.encode(publish) + b"".join(between) + flat + seal
 
 
 def _shut(sock: socket.socket) -> None:

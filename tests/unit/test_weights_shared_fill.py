@@ -1,0 +1,64 @@
+"""A snapshot in shared memory is tagged from a private copy of each bucket, never from the
+memfd other processes of the user can write (issue 40, finding 4)."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from rlink_ucx import ProtocolError
+from rlink_ucx.transport.shm_memory import DATA_OFFSET
+from rlink_ucx.weights import snapshot as snapshot_module
+from rlink_ucx.weights.shared import available
+from rlink_ucx.weights.snapshot import BufferPool, begin_snapshot, fill, sources
+
+pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not available(), reason="no memfd here")]
+
+
+def state() -> dict[str, torch.Tensor]:
+    # Sizes that are no multiple of the alignment, a row or the bucket: buckets start and end
+    # inside tensors, and some hold padding and several tensors; "f" spans several 4 MiB pieces.
+    return {"a": torch.arange(1000, dtype=torch.float32), "b": torch.full((7,), 3, dtype=torch.int8),
+            "c": torch.arange(3001, dtype=torch.float64), "d": torch.ones(0), "e": torch.randn(257),
+            "f": torch.randn(2_500_001)}  # fmt: skip
+
+
+@pytest.mark.parametrize("bucket", [64, 4096, 12352, 1 << 20, 32 << 20])
+def test_a_shared_snapshot_holds_every_tensor_and_its_tags_verify(bucket):
+    pool = BufferPool(shared=True)
+    s = state()
+    snap = begin_snapshot(s, 1, bucket, pool)
+    assert snap.shared is not None
+    assert snap.manifest.total_bytes > 2 * snapshot_module._PIECE  # a large bucket is staged in several pieces
+    fill(snap, sources(snap, s))
+    assert snap.sealed and len(snap.tags) == len(snap.manifest.buckets())
+    snap.verify()  # every bucket's tag over the bytes in shared memory
+    for name, t in snap.tensors().items():
+        assert torch.equal(t, s[name]), name
+
+
+def test_bytes_written_into_the_memfd_while_it_is_filled_fail_their_tags(monkeypatch):
+    """Another process of the user writes into the memfd each time the learner hashes a piece:
+    the tags, taken from the private copy, do not vouch for its bytes."""
+    pool = BufferPool(shared=True)
+    s = state()
+    snap = begin_snapshot(s, 1, 4096, pool)
+    pid, fd, _, size = snap.shared
+    original = snapshot_module.row_hashes
+
+    def write_then_hash(flat: Any, start: int, stop: int, key: Any) -> bytes:
+        other = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)  # as another process would
+        try:
+            os.pwrite(other, np.full(size // 4, np.inf, dtype=np.float32).tobytes(), DATA_OFFSET)
+        finally:
+            os.close(other)
+        return original(flat, start, stop, key)
+
+    monkeypatch.setattr(snapshot_module, "row_hashes", write_then_hash)
+    fill(snap, sources(snap, s))
+    with pytest.raises(ProtocolError, match="failed its MAC"):
+        snap.verify()

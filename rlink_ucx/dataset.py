@@ -167,6 +167,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
         """Stop this dataset's threads, and close the learner if this dataset created it.
         Idempotent; closing the learner closes the dataset too."""
         self._stop_threads()
+        self._feed.release()
         if self._owns_learner:
             self.learner.close()
 

@@ -194,6 +194,7 @@ class Learner:
         # Datasets' close methods, called before the server stops; weak: a dropped dataset's own
         # finalizer stops its threads, and the learner must not keep its memory alive.
         self._closers: list[weakref.WeakMethod[Callable[[], None]]] = []
+        self._reader: weakref.ref[StepFeed] | None = None  # the feed of the dataset reading this learner
         self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config, self._metrics,
                                            self._closers, self._job)  # fmt: skip
         if insecure:
@@ -313,7 +314,14 @@ class Learner:
     def feed(self) -> StepFeed:
         """What a dataset reads from this learner: its receive ring and the bookkeeping of what
         was read (see :class:`StepFeed`). ``RLinkDataset`` and ``ReplayDataset`` take one each."""
-        return StepFeed(self._server, self._timings, lambda: self._closed, self._closers)
+        held = self._reader() if self._reader is not None else None
+        if held is not None and not held.released:
+            raise ConfigError("this learner already has a dataset reading its steps (an RLinkDataset or ReplayDataset): "
+                              "both would take steps from its one receive ring, each getting part of the stream; "
+                              "close that one first (dataset.close()), or make a learner per dataset")  # fmt: skip
+        feed = StepFeed(self._server, self._timings, lambda: self._closed, self._closers)
+        self._reader = weakref.ref(feed)
+        return feed
 
     def close(self) -> None:
         """Tell every actor the learner is finishing (their next call raises ``Closed``),
@@ -351,6 +359,11 @@ class StepFeed:
         self._timings = timings
         self._closed = closed
         self._closers = closers
+        self.released = False
+
+    def release(self) -> None:
+        """The dataset is done reading (closed): the learner may be read by another one."""
+        self.released = True
 
     def on_close(self, close: Callable[[], None]) -> None:
         """Call the bound method ``close`` when the learner closes, before its server stops, if

@@ -9,7 +9,7 @@ from typing import Any, Self
 from .batch import Batch
 from .dataset import in_dataloader_worker
 from .errors import Closed, ConfigError, SchemaMismatch
-from .learner import Learner
+from .learner import Learner, StepFeed
 from .store.replay.checkpoint import CheckpointError, read_manifest, restore, save
 from .store.replay.core import ReplayCore, stored_schema
 from .store.replay.inserter import Inserter
@@ -131,20 +131,13 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                                 seed=seed, storage=storage)  # fmt: skip
         # Ring chunks of a batch: large enough that a host table of large steps takes whole ones
         # without copying them (no effect once the learner's ring exists).
-        feed = learner.feed()
+        self._feed = feed = learner.feed()
         feed.hint_batch_size(batch_size)
-        if _checkpoint is not None:
-            ring = feed.wait_ring(0.0)  # the learner already knows its actors' schema: check it now
-            if ring is not None:
-                self._core.ring_geometry = (ring.chunk_steps, ring.capacity)
-            restore(self._core, _checkpoint, read_manifest(_checkpoint))
-            if (
-                ring is not None
-                and self._core.table is not None
-                and stored_schema(ring.schema) != self._core.table.schema
-            ):
-                raise SchemaMismatch(f"the checkpoint's schema {self._core.table.schema.describe()} does not match "
-                                     f"the learner's {stored_schema(ring.schema).describe()}")  # fmt: skip
+        try:
+            self._restore(feed, _checkpoint)
+        except BaseException:
+            feed.release()  # a replay that failed to start leaves the learner as it was
+            raise
         self._inserter = Inserter(self._core, feed.wait_ring)
         self._inserter.start()
         self._ahead: SampleAhead | None = None
@@ -152,6 +145,19 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
             self._ahead = SampleAhead(self._core, depth=prefetch, threads=min(2, prefetch))
             weakref.finalize(self, self._ahead.close)  # a dropped replay stops its threads
         feed.on_close(self.close)  # a closed learner stops and joins them
+
+    def _restore(self, feed: StepFeed, checkpoint: str | None) -> None:
+        """Fill the table from ``checkpoint`` (none: start empty), checking its schema against
+        the one the learner's actors already sent, if any."""
+        if checkpoint is None:
+            return
+        ring = feed.wait_ring(0.0)  # the learner already knows its actors' schema: check it now
+        if ring is not None:
+            self._core.ring_geometry = (ring.chunk_steps, ring.capacity)
+        restore(self._core, checkpoint, read_manifest(checkpoint))
+        if ring is not None and self._core.table is not None and stored_schema(ring.schema) != self._core.table.schema:
+            raise SchemaMismatch(f"the checkpoint's schema {self._core.table.schema.describe()} does not match "
+                                 f"the learner's {stored_schema(ring.schema).describe()}")  # fmt: skip
 
     # --- sampling ---------------------------------------------------------------------------------
     def sample(self, timeout: float | None = None) -> Batch:
@@ -244,6 +250,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         if self._ahead is not None:
             self._ahead.close(self.learner.config.close_timeout)
         self._inserter.stop(self.learner.config.close_timeout)
+        self._feed.release()
 
     def __enter__(self) -> Self:
         return self

@@ -84,6 +84,9 @@ class FakeLearner:
     def feed(self) -> FakeLearner:
         return self
 
+    def release(self) -> None:
+        self.released = True
+
     def wait_ring(self, timeout: float):
         return self.ring if self.ready.wait(timeout) else None
 

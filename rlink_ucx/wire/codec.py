@@ -177,8 +177,11 @@ def _wire_name(dtype: Any) -> str:
 
 
 def is_torch(x: Any) -> bool:
-    """True for a torch tensor (without importing torch: one exists only once torch is imported)."""
-    return "torch" in sys.modules and isinstance(x, sys.modules["torch"].Tensor)
+    """True for a torch tensor (without importing torch: one exists only once torch is imported).
+    Another thread may be importing torch right now (a weights thread asking for torch arrays):
+    a module without its ``Tensor`` yet has made no tensor the caller could hold."""
+    tensor = getattr(sys.modules.get("torch"), "Tensor", None)
+    return tensor is not None and isinstance(x, tensor)
 
 
 def is_device_array(x: Any) -> bool:

@@ -1,5 +1,7 @@
 """Codec round trips through the real frame buffer, ring and batch assembler (no network)."""
 
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -134,3 +136,18 @@ def test_schema_from_wire_rejects_bad_input(fields):
 def test_field_spec_rejects_bool_dims():
     with pytest.raises(ProtocolError):
         FieldSpec("x", "float32", (True,))
+
+
+def test_is_torch_and_cuda_visible_while_another_thread_is_still_importing_torch(monkeypatch):
+    # A weights thread asking for torch arrays may be importing torch while the caller's
+    # thread puts numpy steps: sys.modules then holds a torch module without Tensor yet.
+    import types
+
+    from rlink_ucx.session.actor.attach import cuda_visible
+    from rlink_ucx.wire.codec import as_host_array, is_torch
+
+    monkeypatch.setitem(sys.modules, "torch", types.ModuleType("torch"))
+    step = np.arange(3, dtype=np.float32)
+    assert is_torch(step) is False and cuda_visible() is False
+    view, dtype = as_host_array(step)
+    assert dtype == "float32" and view.tolist() == [0.0, 1.0, 2.0]

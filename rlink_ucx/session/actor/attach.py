@@ -113,5 +113,10 @@ class PlaneAttach:
 
 
 def cuda_visible() -> bool:
-    torch = sys.modules.get("torch")
-    return bool(torch is not None and torch.cuda.is_available())
+    """Whether CUDA is usable, without importing torch (nor tripping on a torch that another
+    thread is importing right now)."""
+    cuda = getattr(sys.modules.get("torch"), "cuda", None)
+    try:
+        return bool(cuda is not None and cuda.is_available())
+    except AttributeError:  # torch.cuda itself half imported
+        return False

@@ -51,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
         steps = open(os.path.join(args.out, f"rank{rank}.steps"), "w")
         published: list[int] = []
         fetched, last_publish = 0, 0.0
+        placement = None
         while time.monotonic() - started < args.seconds:
             go = os.path.exists(os.path.join(args.out, "go"))  # every actor connected and subscribed
+            if go and placement is None:  # rank 0's view of the ranks while every one lives
+                placement = learner.stats().get("ranks")
             if go and len(published) < args.versions and time.monotonic() - last_publish > 0.3:
                 dist.barrier()  # the ranks publish in lockstep, as DDP steps
                 weights = _tensor(np.full(4, len(published) + 1, np.float32))
@@ -75,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = learner.stats()
         summary = {"rank": rank, "world_size": learner.world_size, "published": published, "fetched": fetched,
                    "actors": sorted(a["actor_id"] for a in stats["actors"] + stats["ended_actors"]),
-                   "version": learner.version, "ranks": stats.get("ranks"), "address": learner.address}  # fmt: skip
+                   "version": learner.version, "ranks": placement, "address": learner.address}  # fmt: skip
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(summary, fh)
     return 0

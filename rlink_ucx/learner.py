@@ -194,7 +194,7 @@ class Learner:
         # Datasets' close methods, called before the server stops; weak: a dropped dataset's own
         # finalizer stops its threads, and the learner must not keep its memory alive.
         self._closers: list[weakref.WeakMethod[Callable[[], None]]] = []
-        self._reader: weakref.ref[StepFeed] | None = None  # the feed of the dataset reading this learner
+        self._readers: list[weakref.ref[StepFeed]] = []  # the feeds of the datasets reading this learner
         self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config, self._metrics,
                                            self._closers, self._job)  # fmt: skip
         if insecure:
@@ -311,16 +311,24 @@ class Learner:
     async def _snapshot(self) -> dict[str, Any]:
         return self._server.snapshot()
 
-    def feed(self) -> StepFeed:
+    def feed(self, *, exclusive: bool = False) -> StepFeed:
         """What a dataset reads from this learner: its receive ring and the bookkeeping of what
-        was read (see :class:`StepFeed`). ``RLinkDataset`` and ``ReplayDataset`` take one each."""
-        held = self._reader() if self._reader is not None else None
-        if held is not None and not held.released:
-            raise ConfigError("this learner already has a dataset reading its steps (an RLinkDataset or ReplayDataset): "
-                              "both would take steps from its one receive ring, each getting part of the stream; "
-                              "close that one first (dataset.close()), or make a learner per dataset")  # fmt: skip
-        feed = StepFeed(self._server, self._timings, lambda: self._closed, self._closers)
-        self._reader = weakref.ref(feed)
+        was read (see :class:`StepFeed`). ``RLinkDataset`` and ``ReplayDataset`` take one each.
+
+        ``exclusive``: a reader that takes steps on a thread of its own (``ReplayDataset``), so
+        that any other reader beside it would silently get part of the stream: refused while
+        another reader is open, and while it is open no other is given.
+
+        Raises:
+            ConfigError: an exclusive reader and another one at the same time.
+        """
+        live = [f for f in (ref() for ref in self._readers) if f is not None and not f.released]
+        if any(f.exclusive for f in live) or (exclusive and live):
+            raise ConfigError("this learner already has a dataset reading its steps, and a ReplayDataset takes every "
+                              "step as it arrives: beside another dataset each would get part of the stream; close "
+                              "that one first (dataset.close()), or make a learner per dataset")  # fmt: skip
+        feed = StepFeed(self._server, self._timings, lambda: self._closed, self._closers, exclusive)
+        self._readers = [ref for ref in self._readers if ref() is not None] + [weakref.ref(feed)]
         return feed
 
     def close(self) -> None:
@@ -354,7 +362,8 @@ class StepFeed:
     """
 
     def __init__(self, server: LearnerServer, timings: FetchTimings | None, closed: Callable[[], bool],
-                 closers: list[weakref.WeakMethod[Callable[[], None]]]):  # fmt: skip
+                 closers: list[weakref.WeakMethod[Callable[[], None]]], exclusive: bool = False):  # fmt: skip
+        self.exclusive = exclusive
         self._server = server
         self._timings = timings
         self._closed = closed

@@ -131,7 +131,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
                                 seed=seed, storage=storage)  # fmt: skip
         # Ring chunks of a batch: large enough that a host table of large steps takes whole ones
         # without copying them (no effect once the learner's ring exists).
-        self._feed = feed = learner.feed()
+        self._feed = feed = learner.feed(exclusive=True)  # its inserter takes every step
         feed.hint_batch_size(batch_size)
         try:
             self._restore(feed, _checkpoint)

@@ -31,8 +31,11 @@ class Source:
 
         self.ring, self.version, self.closed, self.config = ring, 0, False, Config()
 
-    def feed(self) -> Source:
+    def feed(self, *, exclusive: bool = False) -> Source:
         return self  # ReplayDataset reads its learner through feed(): this object plays both
+
+    def release(self) -> None:
+        pass  # the only reader of its ring
 
     def wait_ring(self, timeout: float) -> Any:
         return self.ring

@@ -81,7 +81,7 @@ class FakeLearner:
         if ring is not None:
             self.ready.set()
 
-    def feed(self) -> FakeLearner:
+    def feed(self, *, exclusive: bool = False) -> FakeLearner:
         return self
 
     def release(self) -> None:

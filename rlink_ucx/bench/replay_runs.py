@@ -30,6 +30,7 @@ class Source:
         from ..config import Config
 
         self.ring, self.version, self.closed, self.config = ring, 0, False, Config()
+        self.rank, self.world_size = 0, 1  # a lone learner (its checkpoints are not per rank)
 
     def feed(self, *, exclusive: bool = False) -> Source:
         return self  # ReplayDataset reads its learner through feed(): this object plays both

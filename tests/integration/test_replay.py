@@ -146,6 +146,7 @@ def test_save_while_actors_put_then_load_and_continue_loses_nothing(tmp_path):
         for a in (1, 2):
             check_stream(h, a, n)
         assert resumed.inserted == 2 * n
+        resumed.close()  # a replay reads its learner alone: the next one may load once it is closed
         # The mid-stream checkpoint is a consistent prefix of each stream, and loads too.
         with ReplayDataset.load(tmp_path / "mid", learner) as mid:
             hm = held(mid)
@@ -155,7 +156,6 @@ def test_save_while_actors_put_then_load_and_continue_loses_nothing(tmp_path):
                 assert seq.tolist() == list(range(len(seq)))
                 expected = encoded_steps(a, n)["action"][: len(seq)]
                 np.testing.assert_array_equal(hm["action"][hm["actor"] == a].view(np.int64).ravel(), expected)
-        resumed.close()
 
 
 @pytest.mark.timeout(180)

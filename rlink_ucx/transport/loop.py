@@ -59,7 +59,12 @@ class IOThread:
         self._every: dict[float, list[Callable[[], None]]] = {}  # interval -> callbacks (loop thread only)
         self._timers: set[float] = set()  # intervals whose timer is pending
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        # Return once the loop runs: a call made before that (an Actor connecting at once on a
+        # busy machine) found the loop not running yet and raised "the I/O thread has stopped".
+        running = threading.Event()
+        self.loop.call_soon(running.set)  # before the thread starts: nothing else touches the loop yet
         self._thread.start()
+        running.wait(10.0)
 
     def every(self, interval: float, fn: Callable[[], None]) -> Callable[[], None]:
         """Call ``fn`` on the loop every ``interval`` seconds, from one timer shared by every

@@ -127,3 +127,16 @@ def test_soon_from_the_loop_thread_does_not_wake_the_loop_and_keeps_the_order():
         assert wakes[0] == 1  # the hand-off from this thread only
     finally:
         io.stop(5)
+
+
+def test_a_new_io_thread_runs_its_loop_before_it_is_returned():
+    # An Actor calls into its I/O thread at once; on a busy machine the thread had not entered
+    # run_forever yet, and the call failed with "cannot run connect: the I/O thread has stopped".
+    from rlink_ucx.transport.loop import IOThread
+
+    for _ in range(20):
+        io = IOThread(name="test-io")
+        try:
+            assert io.loop.is_running()
+        finally:
+            io.stop(5)

@@ -224,6 +224,9 @@ REQUEST_SECONDS = 5.0
 
 class _Server(socketserver.ThreadingMixIn, WSGIServer):
     daemon_threads = True  # a scrape in progress never holds up the learner's exit
+    # socketserver's default backlog of 5 dropped a scraper's SYN (a 1 s resend) whenever a
+    # few strangers' connections waited to be accepted and refused.
+    request_queue_size = 128
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)

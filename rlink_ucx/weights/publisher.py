@@ -281,7 +281,10 @@ class Publisher:
         s = stream.session
         newest = self.pending or self.latest
         in_shared_memory = newest is None or newest.shared is not None
-        return s.subscribed and s.state == "open" and not (s.weights_shared and in_shared_memory)
+        # Not ``s.subscribed``: only a subscriber pulls, and its Subscribe (on the control
+        # connection) may be read after its first pull (on a connection of its own); a pull
+        # served as a single one there left the actor to open a second connection.
+        return s.state == "open" and not (s.weights_shared and in_shared_memory)
 
     def _newer(self, stream: _Stream) -> Snapshot | None:
         """The newest version newer than the stream's (waiting for one while the stream is

@@ -1,0 +1,46 @@
+"""Which weights connections the learner keeps open (``Publisher._keeps``), without sockets."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from rlink_ucx import Config
+from rlink_ucx.weights.publisher import Publisher, _Stream
+
+
+@pytest.fixture
+def publisher():
+    loop = asyncio.new_event_loop()
+    owner = SimpleNamespace(config=Config(), loop=loop, host="127.0.0.1", token=b"t" * 32, version=0, sessions={})
+    pub = Publisher(owner)
+    yield pub
+    pub.close()
+    loop.close()
+
+
+def stream_of(**session: object) -> _Stream:
+    fields = {"subscribed": True, "state": "open", "weights_shared": False, **session}
+    return _Stream(SimpleNamespace(**fields), sock=None, key=b"", sent=0)  # type: ignore[arg-type]
+
+
+@pytest.mark.timeout(30)
+def test_a_pull_that_overtook_its_subscribe_is_kept_open(publisher):
+    # The Subscribe travels on the control connection, the pull on its own: the learner may
+    # read the pull first. Served as a single pull, the actor had to open a second connection.
+    assert publisher._keeps(stream_of(subscribed=False)) is True
+    assert publisher._keeps(stream_of()) is True
+
+
+@pytest.mark.timeout(30)
+def test_an_actor_reading_shared_memory_or_gone_gets_a_single_pull(publisher):
+    assert publisher._keeps(stream_of(weights_shared=True)) is False  # nothing published: shared by default
+    assert publisher._keeps(stream_of(state="closed")) is False
+    # A version outside shared memory (a CUDA one) keeps even a sharing actor's connection.
+    publisher.latest = SimpleNamespace(shared=None, version=1)
+    assert publisher._keeps(stream_of(weights_shared=True)) is True
+    publisher.latest = SimpleNamespace(shared=np.zeros(1), version=1)
+    assert publisher._keeps(stream_of(weights_shared=True)) is False

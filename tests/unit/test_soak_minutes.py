@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "bench"))
-import soak_scale  # noqa: E402
+import soak_scale
 
 pytestmark = pytest.mark.timeout(30)
 

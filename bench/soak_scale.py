@@ -110,6 +110,7 @@ def learner_main(port: int, token: str, transport: str, shared, generation: int,
                 lat = []
                 reports.put(("sample", generation, {
                     "time": time.time(), "rss_mib": rss / 2**20, "fds": len(os.listdir("/proc/self/fd")),
+                    "load": os.getloadavg()[0],  # the machine's: other work on it shows in the p99
                     "threads": len(os.listdir("/proc/self/task")), "lat_ms": (latencies / 1e6).astype(np.float32),
                     "connected": stats.get("connected_actors"), "duplicate_steps": stats["total"]["duplicate_steps"],
                 }))  # fmt: skip
@@ -351,6 +352,7 @@ def per_minute(samples: list[dict], started: float, events: list[tuple[float, st
         m = max(0, int((s["time"] - started) // 60))
         row = rows.setdefault(m, {"minute": m + 1, "lat": []})
         row.update(rss_mib=round(s["rss_mib"], 1), fds=s["fds"], threads=s["threads"], learner=s["learner"])
+        row["load"] = max(row.get("load", 0.0), round(s.get("load", 0.0), 1))  # the minute's highest
         row["lat"].append(s["lat_ms"])
     out = []
     for m in sorted(rows):
@@ -388,10 +390,10 @@ def resource_slopes(minutes: list[dict]) -> dict:
 
 
 def print_report(out: dict) -> None:
-    print("\n minute  rss_MiB  fds  threads  steps  p50_ms  p99_ms  events  learner")
+    print("\n minute  rss_MiB  fds  threads  steps  p50_ms  p99_ms  events  learner  load")
     for r in out["minutes"]:
         print(f"{r['minute']:>7}  {r['rss_mib']:>7}  {r['fds']:>3}  {r['threads']:>7}  {r['steps']:>5}  "
-              f"{r['p50_ms']!s:>6}  {r['p99_ms']!s:>6}  {r['events']:>6}  {r['learner']:>7}")  # fmt: skip
+              f"{r['p50_ms']!s:>6}  {r['p99_ms']!s:>6}  {r['events']:>6}  {r['learner']:>7}  {r['load']:>4}")  # fmt: skip
     t = out["totals"]
     print(f"\n[soak] {out['streams']} streams: put {t['put']:,} = delivered {t['delivered']:,} + reported lost "
           f"{t['reported_lost']:,} + lost in kills {t['lost_in_kill']:,} + lost at the learner restart "
@@ -421,6 +423,9 @@ def plot(out: dict, path: str) -> None:
     axes[2].plot(x, [r["p99_ms"] for r in rows], marker="o", label="p99")
     axes[2].plot(x, [r["p50_ms"] for r in rows], marker="s", label="p50")
     axes[2].set_yscale("log")
+    load = axes[2].twinx()  # the machine's load: other work on it shows in the p99
+    load.plot(x, [r.get("load", 0.0) for r in rows], color="grey", linestyle=":", label="load average")
+    load.set_ylabel("load average (1 min), dotted")
     axes[2].set_ylabel("put -> fetch (ms)")
     axes[2].legend()
     for ax in axes:

@@ -20,11 +20,12 @@ def minute(m: int, p99: float, learner: int, rss: float = 100.0, fds: int = 600)
 
 
 def test_samples_fall_into_their_minute_with_its_percentiles_and_events():
-    samples = [{"time": 10.0 + t, "rss_mib": 100.0 + t, "fds": 600, "threads": 9, "learner": 0,
+    samples = [{"time": 10.0 + t, "rss_mib": 100.0 + t, "fds": 600, "threads": 9, "learner": 0, "load": t / 10,
                 "lat_ms": np.full(100, 1.0 + t)} for t in (0.0, 30.0, 65.0)]  # fmt: skip
     rows = soak_scale.per_minute(samples, 10.0, [(20.0, "kill"), (61.0, "kill"), (70.0, "restart")])
     assert [r["minute"] for r in rows] == [1, 2]
     assert rows[0]["steps"] == 200 and rows[0]["p50_ms"] == 16.0 and rows[0]["rss_mib"] == 130.0
+    assert rows[0]["load"] == 3.0 and rows[1]["load"] == 6.5  # the highest load average of the minute
     assert rows[1]["steps"] == 100 and rows[1]["p99_ms"] == 66.0 and rows[1]["events"] == 2
 
 

@@ -18,7 +18,7 @@ With ``--actors N`` it is the soak at scale instead (bench/soak_scale.py: N acto
 processes, an actor process SIGKILLed every 30 s, the learner killed and restarted, a per-minute
 table of the learner's RSS, open files, threads and p99).
 
-Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--step-mib N] [--json soak.json] [--trace DIR]   (the test suite runs 0.3 minutes of it)
+Usage: python bench/soak.py [--minutes 10] [--transport tcp|ucx|shm] [--step-mib N] [--json soak.json] [--trace DIR]   (the test suite runs 0.2 minutes of it, --seed 2034: a pause, a kill and a cut)
 """
 
 from __future__ import annotations
@@ -71,8 +71,9 @@ def learner_main(port: int, reports, drain, transport: str, trace_dir: str | Non
         last = 0.0
         while True:
             try:
+                # Once batches of 50 ran dry, single steps to the end: going back to a batch of 50
+                # after each step cost a 0.5 s timeout per step (up to 25 s for a 49-step tail).
                 source = dataset if not drain.is_set() else single if tail_empty else tail
-                tail_empty = False
                 b = source.fetch(timeout=0.5)
                 if step_mib:  # every byte of a large step is its seq's: never torn, never changed
                     pads = b["pad"].numpy()

@@ -85,11 +85,15 @@ def test_actor_cpu_measures_an_idle_and_a_putting_actor(tmp_path):
 def test_the_soak_kills_pauses_and_cuts_and_every_stream_still_balances(tmp_path):
     # Its actors dial fault proxies, not the learner's port: they must be told the learner's
     # generated token (they looked it up under the proxy's port and failed with AuthError).
+    # Seed 2034 draws a learner pause (2.5 s), an actor kill and a link cut (2.4 s) within the
+    # 12 s: the pause and the cut outlast the soak's 1.5 s heartbeat timeout. (Seed 1 drew two
+    # kills and two pauses in 0.3 minutes, and no cut.)
     out = tmp_path / "soak.json"
-    done = _run("bench/soak.py", "--minutes", "0.3", "--transport", "tcp", "--json", str(out), ok=False)
+    done = _run("bench/soak.py", "--minutes", "0.2", "--seed", "2034", "--transport", "tcp", "--json", str(out),
+                ok=False)  # fmt: skip
     assert "AuthError" not in done.stderr, done.stderr[-2000:]
     report = json.loads(out.read_text())
-    assert report["events"], "no fault was injected"
+    assert {e.split()[0] for _, e in report["events"]} == {"kill", "pause", "cut"}, report["events"]
     streams = report["streams"]
     assert streams and all(r["balanced"] for r in streams), streams
     assert report["order_errors"] == [] and sum(r["delivered"] for r in streams) > 1000

@@ -13,6 +13,7 @@ import ctypes
 import logging
 import multiprocessing as mp
 import os
+import time
 
 import numpy as np
 import pytest
@@ -62,8 +63,14 @@ def test_an_actor_naming_another_process_gets_no_direct_reads_and_its_secret_is_
             kind, offered = _run(learner, cma_impostor_proc, pid, where, NBYTES, nonce)
             assert kind == "ready", offered
             assert offered is False, "the learner offered to read a process the actor only named"
+            # Its refused frame ends the impostor's session; once ended, nothing it sent can still
+            # arrive, so a short fetch then shows what was delivered (a fetch of 4 s waited blind).
+            deadline = time.monotonic() + 30
+            while not learner.stats()["ended_actors"]:
+                assert time.monotonic() < deadline, "the impostor's session did not end"
+                time.sleep(0.05)
             with pytest.raises(RLinkTimeout):  # nothing is delivered, least of all the secret
-                got = dataset.fetch(timeout=4)
+                got = dataset.fetch(timeout=1)
                 assert not np.array_equal(np.asarray(got["x"][0]), secret), "the learner delivered the secret"
             ended = learner.stats()["ended_actors"]
             assert ended and ended[0]["protocol_errors"] == 1, ended  # its frame by address was refused

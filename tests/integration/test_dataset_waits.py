@@ -17,7 +17,7 @@ SPAWN = mp.get_context("spawn")
 
 @pytest.mark.timeout(120)
 def test_iteration_waits_past_the_fetch_timeout_for_an_actor_that_comes_late():
-    with Learner("127.0.0.1:0", transport="tcp", config=Config(fetch_timeout=1.0)) as learner:
+    with Learner("127.0.0.1:0", transport="tcp", config=Config(fetch_timeout=0.5)) as learner:
         dataset = RLinkDataset(learner, batch_size=10)
         got: list = []
         errors: list = []
@@ -32,7 +32,7 @@ def test_iteration_waits_past_the_fetch_timeout_for_an_actor_that_comes_late():
 
         reader = threading.Thread(target=consume)
         reader.start()
-        time.sleep(3.0)  # three fetch timeouts without an actor
+        time.sleep(1.5)  # three fetch timeouts without an actor
         assert reader.is_alive() and not errors, errors
         proc = SPAWN.Process(target=small_actor, args=(learner.address, "tcp", 7, 10))
         proc.start()

@@ -19,35 +19,14 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, ConfigError, Learner, RLinkDataset
+from tests.integration.metrics_procs import TOKEN, counting_actor, wrong_token_actor
 from tests.integration.test_reliability import _listening_sockets
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
 
 SPAWN = mp.get_context("spawn")
-TOKEN = "x" * 32
 STEP_BYTES = 8 + 4 * 4  # x: int64, obs: 4 float32
-
-
-def counting_actor(address: str, actor: int, n: int, results, leave) -> None:
-    """Put ``n`` steps in chunks of 100, flush, report, and stay connected until ``leave``."""
-    with Actor(address, token=TOKEN, transport="tcp", actor_id=actor) as a:
-        for start in range(0, n, 100):
-            k = min(100, n - start)
-            a.put_many({"x": np.arange(start, start + k, dtype=np.int64), "obs": np.ones((k, 4), np.float32)})
-        a.flush(60)
-        results.put(("flushed", actor))
-        leave.wait(60)
-
-
-def wrong_token_actor(address: str, results) -> None:
-    from rlink_ucx import RLinkError
-
-    try:
-        with Actor(address, token="y" * 32, transport="tcp"):
-            results.put(("connected", None))
-    except RLinkError as exc:
-        results.put((type(exc).__name__, str(exc)))
 
 
 def scrape(address: str) -> dict[tuple[str, tuple], float]:

@@ -496,7 +496,9 @@ def test_a_frozen_actor_is_declared_lost_by_heartbeat_and_resumes_after_sigcont(
     with Learner("127.0.0.1:0", transport=transport, config=config) as learner:
         dataset = RLinkDataset(learner, batch_size=256)
         results = SPAWN.Queue()
-        frozen = SPAWN.Process(target=pressing_actor, args=(learner.address, 1, 8.0, results, 30.0, transport))
+        # 5 s of putting: frozen within its first second, it resumes with seconds of putting left
+        # (or, on a slow machine, in its flush): either way it must reconnect and lose nothing.
+        frozen = SPAWN.Process(target=pressing_actor, args=(learner.address, 1, 5.0, results, 30.0, transport))
         frozen.start()
         wait_for(lambda: learner.stats()["total"]["steps"] > 2000, 60, "the actor did not stream")
         os.kill(frozen.pid, signal.SIGSTOP)

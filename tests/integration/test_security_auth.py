@@ -4,6 +4,7 @@ learner and actor processes on loopback."""
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import pwd
@@ -137,8 +138,13 @@ class FakeLearner:
                         conn.sendall(_wire.encode(_wire.Proof(os.urandom(32))))
 
     def close(self) -> None:
+        # close() alone does not wake a thread blocked in accept(): it sat out join's 5 s (every
+        # test paid them). A shutdown makes that accept() fail at once.
+        with contextlib.suppress(OSError):
+            self.server.shutdown(socket.SHUT_RDWR)
         self.server.close()
         self.thread.join(5)
+        assert not self.thread.is_alive(), "the fake learner still serves: what it received may grow"
 
 
 @pytest.mark.timeout(60)

@@ -70,7 +70,10 @@ class UcxActorPlane:
             devices = await loop.run_in_executor(None, ucx_probe.net_devices, control.getsockname()[0])
         u, context, worker = make_worker(config, loopback, devices)
         address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
-        endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
+        try:
+            endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
+        except u.UCXError as exc:  # the worker it names is gone (recycled, or its learner restarted)
+            raise PeerLost(f"the learner's ucx worker is unreachable ({type(exc).__name__}: {exc})") from exc
         return cls(u, context, worker, endpoint, session_tags(session_key), loop, config, control)
 
     def on_ready(self, *, arena: bool, direct: bool) -> None:

@@ -22,6 +22,7 @@ from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded
 from rlink_ucx.transport import cma
 from rlink_ucx.wire import messages as _wire
 from tests.conftest import TRANSPORTS, shm_possible, ucx_importable
+from tests.integration.hostile import listening_sockets
 from tests.integration.procs import (
     big_frame_actor,
     pressing_actor,
@@ -323,27 +324,8 @@ def test_default_bind_is_loopback_in_the_socket_table():
 
 
 def _listening_sockets() -> dict[int, str]:
-    """Listening TCP sockets of this process: port -> local address (from /proc)."""
-    inodes = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = {}
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                local, state, inode = parts[1], parts[3], parts[9]
-                if state != "0A" or inode not in inodes:
-                    continue
-                addr_hex, port_hex = local.split(":")
-                addr = socket.inet_ntoa(bytes.fromhex(addr_hex)[::-1]) if len(addr_hex) == 8 else addr_hex
-                out[int(port_hex, 16)] = addr
-    return out
+    """Listening TCP sockets of this process: port -> local address."""
+    return {port: address for address, port in listening_sockets()}
 
 
 def staging_bytes(dataset: RLinkDataset) -> int:

@@ -15,8 +15,8 @@ import threading
 import time
 
 from ..wire.frame import FRAME_HEADER_BYTES
-from .base import FrameSink
 from . import pump
+from .base import FrameSink
 from .sockopts import close_socket, set_congestion
 
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns

@@ -55,7 +55,8 @@ class Pump:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poll.register(self._wake_r, select.EPOLLIN)
-        threading.Thread(target=self._serve, name="rlink-pump", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name="rlink-pump", daemon=True)
+        self.thread.start()
 
     def add(self, receiver: Any) -> None:
         """Read ``receiver``'s connection from now on (any thread)."""
@@ -67,15 +68,30 @@ class Pump:
             pass  # the pipe is full of wake-ups already
 
     def _serve(self) -> None:
-        while True:
-            try:
-                for fd, _ in self._poll.poll():
-                    if fd == self._wake_r:
-                        self._join()
-                    elif (receiver := self._by_fd.get(fd)) is not None:
-                        self._step(fd, receiver)
-            except Exception:  # a bug here must not end every actor's reading
-                log.exception("pump: unexpected error; going on")
+        try:
+            while not self._retired():
+                try:
+                    for fd, _ in self._poll.poll():
+                        if fd == self._wake_r:
+                            self._join()
+                        elif (receiver := self._by_fd.get(fd)) is not None:
+                            self._step(fd, receiver)
+                except Exception:  # a bug here must not end every actor's reading
+                    log.exception("pump: unexpected error; going on")
+        finally:
+            self._poll.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _retired(self) -> bool:
+        """Once its last connection ended, a pump leaves the pool and its thread ends (a closed
+        learner leaves no thread behind); the next connection gets a new one."""
+        with _start_lock:
+            if self.connections:
+                return False
+            if self in _pumps:
+                _pumps.remove(self)
+            return True
 
     def _join(self) -> None:
         try:

@@ -116,12 +116,16 @@ class SocketReceiver:
         self.frame_started: float | None = None
         self._closed = False
         self._name = name
-        self._pumped = False  # read by a pump instead of a thread of its own
+        self.pump: pump.Pump | None = None  # the pump that reads it, if one does
+
+    @property
+    def _pumped(self) -> bool:
+        return self.pump is not None
 
     def start(self) -> None:
         if pump.enabled:
-            self._pumped = True
-            pump.pump().add(self)
+            self.pump = pump.pump()
+            self.pump.add(self)
         else:
             threading.Thread(target=self._run, name=self._name, daemon=True).start()
 

@@ -212,3 +212,43 @@ def test_closing_a_pumped_receiver_mid_frame_tears_the_frame_quietly(connection,
     assert sink.failed == [] and sink.ended == 0
     client.settimeout(5)
     assert client.recv(1) == b""
+
+
+def _loopback() -> tuple[socket.socket, socket.socket]:
+    server = socket.create_server(("127.0.0.1", 0))
+    actor_side = socket.create_connection(server.getsockname())
+    learner_side, _ = server.accept()
+    server.close()
+    return actor_side, learner_side
+
+
+def test_a_pump_whose_last_connection_ended_stops_its_thread_and_the_next_gets_a_new_one(monkeypatch):
+    # A closed learner leaves no pump thread behind (and no epoll or pipe descriptors).
+    monkeypatch.setattr(pump, "enabled", True)
+    monkeypatch.setattr(pump, "_pumps", [])  # a pump of its own, not one another test's sockets hold
+    pairs = [_loopback() for _ in range(2)]
+    sinks = [_Sink() for _ in pairs]
+    receivers = [TcpReceiver(learner_side, sink) for (_, learner_side), sink in zip(pairs, sinks)]
+    for receiver in receivers:
+        receiver.start()
+    first = receivers[0].pump
+    assert first is not None and receivers[1].pump is first and first.thread.is_alive()
+    pairs[0][0].close()
+    assert sinks[0].abandoned.wait(5)
+    time.sleep(0.1)
+    assert first.thread.is_alive() and first in pump._pumps  # one connection left
+    pairs[1][0].close()
+    assert sinks[1].abandoned.wait(5)
+    first.thread.join(5)
+    assert not first.thread.is_alive() and first not in pump._pumps
+    assert first._poll.closed
+    again = _loopback()
+    sink = _Sink()
+    receiver = TcpReceiver(again[1], sink)
+    receiver.start()
+    assert receiver.pump is not None and receiver.pump is not first and receiver.pump.thread.is_alive()
+    again[0].sendall(_wire(0, b"x" * 40))
+    assert sink.done.acquire(timeout=5) and sink.ended == 1
+    again[0].close()
+    receiver.pump.thread.join(5)
+    assert not receiver.pump.thread.is_alive()

@@ -194,6 +194,7 @@ class TcpReceiver(SocketReceiver):
         self._got = 0
         self._payload: list[memoryview] = []
         self._left = 0
+        self._big = False  # the last frame was large: read only the next header ahead
 
     def _wake_after(self, owed: int) -> None:
         """Set the low-water mark for a read that is owed ``owed`` more bytes (the rest of a
@@ -250,15 +251,21 @@ class TcpReceiver(SocketReceiver):
 
     # --- read by a pump --------------------------------------------------------------------------
     def pump_step(self) -> None:
-        """Read what has arrived, without waiting for more (the pump's thread): the rest of a
-        frame's payload straight into the sink's views, and whatever follows (the next frames,
-        whole or in part) into the pump's scratch buffer, from which it is parsed and copied."""
+        """Read what has arrived, without waiting for more (the pump's thread).
+
+        The rest of a frame's payload goes straight into the sink's views. What follows it, or
+        what comes between frames, goes into the pump's scratch buffer, from which whole small
+        frames are parsed and copied: one system call for a burst of them. After a large frame
+        (a scratch buffer or more) only the next header is read that way, into the header
+        buffer, so a stream of large frames is never copied twice.
+        """
         scratch = _scratch()
+        tail = memoryview(self._header)[self._got :] if self._big else memoryview(scratch)
         try:
-            if self._payload:  # mid-payload: into the sink's views; what follows lands in scratch
-                n = self.sock.recvmsg_into([*self._payload, scratch], 0, socket.MSG_DONTWAIT)[0]
+            if self._payload:
+                n = self.sock.recvmsg_into([*self._payload, tail], 0, socket.MSG_DONTWAIT)[0]
             else:
-                n = self.sock.recv_into(scratch, len(scratch), socket.MSG_DONTWAIT)
+                n = self.sock.recv_into(tail, len(tail), socket.MSG_DONTWAIT)
         except BlockingIOError:  # nothing after all (or only what the low-water mark holds back)
             return
         if n == 0:
@@ -275,34 +282,45 @@ class TcpReceiver(SocketReceiver):
                 return
             n -= self._left
             self._frame_done()
-        self._parse(memoryview(scratch)[:n])
+        if tail.obj is self._header:
+            self._got += n
+            if self._got == FRAME_HEADER_BYTES:
+                self._start_frame()
+            self._wake_after(self._left)
+        else:
+            self._parse(tail[:n])
 
     def _parse(self, data: memoryview) -> None:
         """Frames (or their beginning) read into ``data``: headers to the sink, payload bytes
         into its views, each whole frame ended; where ``data`` stops, the state says."""
         pos, size = 0, len(data)
         while pos < size:
+            if self._payload:
+                k = min(self._left, size - pos)
+                self._payload = _fill(self._payload, data[pos : pos + k])
+                self._left -= k
+                pos += k
+                if self._left:
+                    break  # the rest comes with later reads
+                self._frame_done()
+                continue
             k = min(FRAME_HEADER_BYTES - self._got, size - pos)
             self._header[self._got : self._got + k] = data[pos : pos + k]
             self._got += k
             pos += k
-            if self._got < FRAME_HEADER_BYTES:
-                break  # the rest of the header comes with a later read
-            self._got = 0
-            self.frame_started = time.monotonic()
-            payload = [v for v in self.sink.begin(bytes(self._header)) if len(v)]
-            left = sum(len(v) for v in payload)
-            k = min(left, size - pos)
-            if k:
-                payload = _fill(payload, data[pos : pos + k])
-                pos += k
-                left -= k
-            if left:
-                self._payload, self._left = payload, left  # the rest comes with later reads
-                self._wake_after(left)
-                return
+            if self._got == FRAME_HEADER_BYTES:
+                self._start_frame()
+        self._wake_after(self._left)  # 0 between frames: the actor may go quiet
+
+    def _start_frame(self) -> None:
+        """A whole header is in: the sink's views for its payload."""
+        self._got = 0
+        self.frame_started = time.monotonic()
+        self._payload = [v for v in self.sink.begin(bytes(self._header)) if len(v)]
+        self._left = sum(len(v) for v in self._payload)
+        self._big = self._left >= _SCRATCH_BYTES
+        if not self._left:
             self._frame_done()
-        self._wake_after(0)  # between frames nothing is owed: the actor may go quiet
 
     def _frame_done(self) -> None:
         self._payload, self._left = [], 0

@@ -124,6 +124,29 @@ def test_many_small_frames_in_one_read_are_all_handled_by_one_pump_step(connecti
     assert (receiver._got, receiver._left) == (0, 0)
 
 
+def test_after_a_large_frame_only_the_next_header_is_read_ahead(connection):
+    # A large frame's payload goes straight into the sink; reading the next frames into the
+    # scratch buffer would copy up to a scratch buffer of the next large payload twice.
+    client, accepted = connection
+    sink = _Sink()
+    receiver = TcpReceiver(accepted, sink)
+    big, small = _payloads([_SCRATCH_BYTES + 40_000, 40], seed=3)
+    wire = _wire(0, big) + _wire(1, small)
+    client.sendall(wire)
+    _arrived(accepted, len(wire))
+    states = []
+    for _ in range(3):
+        receiver.pump_step()
+        states.append((sink.ended, receiver._left))
+    first_read = _SCRATCH_BYTES - FRAME_HEADER_BYTES  # the header, then payload into scratch
+    assert states == [
+        (0, len(big) - first_read),
+        (1, 40),  # the rest of the large payload and the next header only
+        (2, 0),  # that frame's payload, straight into the sink's views
+    ]
+    assert [bytes(f) for f in sink.frames] == [big, small]
+
+
 def _through_a_pump(connection, sink, chunks, pause=0.05):
     client, accepted = connection
     receiver = TcpReceiver(accepted, sink)

@@ -150,11 +150,18 @@ _pumps: list[Pump] = []
 _start_lock = threading.Lock()
 
 
-def pump() -> Pump:
-    """A pump with room for one more connection (counted as taken), started if none has."""
+def pump(spread: int = 1) -> Pump:
+    """A pump with room for one more connection (counted as taken): the least busy one, or a
+    new one while fewer than ``spread`` run (or all are full).
+
+    ``spread`` is the plane's: a tcp pump does the kernel's copy of every byte it reads, so a
+    few connections streaming large frames each get a pump of their own and copy on every
+    core at once (one pump for 4 Atari actors took 7.1 GB/s down to 5.2-5.5, docs/benchmarks.md);
+    past ``spread`` connections share pumps, up to :data:`PER_PUMP` each.
+    """
     with _start_lock:
-        chosen = next((p for p in _pumps if p.connections < PER_PUMP), None)
-        if chosen is None:
+        chosen = min((p for p in _pumps if p.connections < PER_PUMP), key=lambda p: p.connections, default=None)
+        if chosen is None or (len(_pumps) < spread and chosen.connections):
             chosen = Pump()
             _pumps.append(chosen)
         chosen.connections += 1

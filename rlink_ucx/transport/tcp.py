@@ -107,6 +107,7 @@ class SocketReceiver:
     """
 
     name = "tcp"
+    pump_spread = 1  # pumps started before two of these connections share one (``pump.pump``)
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str, congestion: str = "auto"):
         sock.setblocking(True)
@@ -124,7 +125,7 @@ class SocketReceiver:
 
     def start(self) -> None:
         if pump.enabled:
-            self.pump = pump.pump()
+            self.pump = pump.pump(self.pump_spread)
             self.pump.add(self)
         else:
             threading.Thread(target=self._run, name=self._name, daemon=True).start()
@@ -176,13 +177,18 @@ class SocketReceiver:
 
 
 class TcpReceiver(SocketReceiver):
-    """Reads one actor's frames with blocking ``recvmsg_into``: one Python call per socket
-    read instead of an event-loop round trip each, which costs more than the read itself.
+    """Reads one actor's frames with ``recvmsg_into`` straight into the sink's views: on a
+    pump (``pump_step``, the default) or with blocking calls on a thread of its own
+    (``_receive``); one Python call per socket read either way, not an event-loop round trip.
 
-    While a frame's payload streams in, ``SO_RCVLOWAT`` keeps this thread asleep until
-    ``RECV_LOW_WATER`` bytes have arrived: fewer wake-ups, which the *sender* pays for on
-    loopback (waking us runs in its system call), and fewer trips through this loop.
+    While a frame's payload streams in, ``SO_RCVLOWAT`` keeps the reader asleep until
+    ``RECV_LOW_WATER`` bytes have arrived (epoll honours it too): fewer wake-ups, which the
+    *sender* pays for on loopback (waking us runs in its system call), and fewer trips through
+    this code. The first :attr:`pump_spread` connections get a pump each, so that a few actors
+    streaming large frames are copied on every core at once.
     """
+
+    pump_spread = 8
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str = "rlink-tcp-recv", congestion: str = "auto"):
         super().__init__(sock, sink, name, congestion)

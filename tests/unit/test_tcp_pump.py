@@ -249,6 +249,7 @@ def test_a_pump_whose_last_connection_ended_stops_its_thread_and_the_next_gets_a
     # A closed learner leaves no pump thread behind (and no epoll or pipe descriptors).
     monkeypatch.setattr(pump, "enabled", True)
     monkeypatch.setattr(pump, "_pumps", [])  # a pump of its own, not one another test's sockets hold
+    monkeypatch.setattr(TcpReceiver, "pump_spread", 1)  # both connections on one pump
     pairs = [_loopback() for _ in range(2)]
     sinks = [_Sink() for _ in pairs]
     receivers = [TcpReceiver(learner_side, sink) for (_, learner_side), sink in zip(pairs, sinks)]
@@ -275,3 +276,24 @@ def test_a_pump_whose_last_connection_ended_stops_its_thread_and_the_next_gets_a
     again[0].close()
     receiver.pump.thread.join(5)
     assert not receiver.pump.thread.is_alive()
+
+
+def test_the_first_connections_get_a_pump_each_and_later_ones_share_the_least_busy(monkeypatch):
+    # A pump does the kernel copy of every byte it reads: a few actors streaming large frames
+    # must not queue behind one thread (shm's receivers share from the first).
+    monkeypatch.setattr(pump, "enabled", True)
+    monkeypatch.setattr(pump, "_pumps", [])
+    pairs = [_loopback() for _ in range(TcpReceiver.pump_spread + 3)]
+    receivers = [TcpReceiver(learner_side, _Sink()) for _, learner_side in pairs]
+    for receiver in receivers:
+        receiver.start()
+    spread = TcpReceiver.pump_spread
+    pumps = [r.pump for r in receivers]
+    assert len(set(map(id, pumps[:spread]))) == spread  # one each
+    assert all(p in pumps[:spread] for p in pumps[spread:])  # then shared
+    assert sorted(p.connections for p in pump._pumps) == [1] * (spread - 3) + [2] * 3
+    for actor_side, _ in pairs:
+        actor_side.close()
+    for p in pumps[:spread]:
+        p.thread.join(5)
+        assert not p.thread.is_alive()

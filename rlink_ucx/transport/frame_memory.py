@@ -29,6 +29,7 @@ class FrameMemory:
         self.arena: Arena | None = None  # shm plane: frame buffers the learner can read directly
         self.reserve: Reserve | None = None  # the other planes: frame buffers in populated memory
         self.probe: cma.Probe | None = None  # shm: lets the learner prove it may read our memory
+        self._first_taken = False  # the first frame buffer off the arena was handed out (as plain memory)
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +58,18 @@ class FrameMemory:
 
     def take(self, nbytes: int) -> Any:
         """Memory for a new frame buffer: from the arena, else from a populated reserve, while
-        they have room; else None (plain memory)."""
+        they have room; else None (plain memory).
+
+        Off the arena, the first frame buffer is plain memory and the reserve is made for the
+        second: a slow actor never needs a second buffer and touches a few pages of its first
+        (each step leaves at once), and a reserve populated for it, two frames ahead, cost every
+        actor 3 MiB of page faults and two threads in a storm of first puts (docs/benchmarks.md,
+        "Lockstep bursts")."""
         if self.arena is not None:
             return self.arena.block(nbytes)
+        if not self._first_taken:
+            self._first_taken = True
+            return None
         if self.reserve is None:
             self.reserve = Reserve(self.nbytes, "frames", ahead=2 * self.config.frame_bytes)
         return self.reserve.take(nbytes)

@@ -42,10 +42,11 @@ from typing import Any
 
 from ..errors import ProtocolError
 from ..wire.frame import FRAME_HEADER_BYTES
-from . import cma, shm_pump
+from . import cma
 from .base import FrameSink
 from .shm_memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
-from .tcp import SocketReceiver, _close, tune_socket
+from .sockopts import close_socket
+from .tcp import SocketReceiver, tune_socket
 
 COUNTER = struct.Struct("<Q")
 # Actor -> learner records on the data connection: bytes written to the ring so far; a frame
@@ -175,7 +176,7 @@ class ShmSender:
         except BaseException:
             # Shut the connection before the caller gets control back: a learner still reading
             # sees it and drops the frame rather than deliver memory that changed under it.
-            _close(self.sock)
+            close_socket(self.sock)
             raise
 
     def _fits(self, size: int) -> bool:
@@ -236,7 +237,7 @@ class ShmSender:
                                 f"{self.sent_directly} announced")  # fmt: skip
 
     def close(self) -> None:
-        _close(self.sock)  # wakes a send waiting for room: it fails and lets go of the lock
+        close_socket(self.sock)  # wakes a send waiting for room: it fails and lets go of the lock
         with self._lock:
             if not self._closed:
                 self._closed = True
@@ -311,8 +312,8 @@ class _Records:
 
 
 class ShmReceiver(SocketReceiver):
-    """Learner side: one thread per actor copies frames out of the ring, or out of the actor's
-    arena, into the sink's views."""
+    """Learner side: copies frames out of the ring, or out of the actor's arena or memory, into
+    the sink's views (on a pump's thread, or one of its own: ``SocketReceiver``)."""
 
     name = "shm"
 
@@ -328,7 +329,6 @@ class ShmReceiver(SocketReceiver):
         self._consumed = 0  # copied out
         self._released = 0  # what we told the actor
         self._records = _Records(sock)
-        self._pumped = False  # read by the process's shm pump instead of a thread of its own
 
     def _read_into(self, views: list[memoryview]) -> None:
         for view in views:
@@ -416,26 +416,6 @@ class ShmReceiver(SocketReceiver):
         poll = select.poll()
         poll.register(self.sock, _PEER_GONE)
         return any(events & _PEER_GONE for _, events in poll.poll(within * 1000))
-
-    def start(self) -> None:
-        if shm_pump.enabled:
-            self._pumped = True
-            shm_pump.pump().add(self)
-        else:
-            super().start()
-
-    def close(self) -> None:
-        if not self._pumped:
-            super().close()
-            return
-        # The pump closes the socket once it has stopped watching it (closed here, its number
-        # could be reused by another connection while the pump still polls it): shutting it
-        # wakes the pump, whose next read sees the end.
-        self._closed = True
-        try:
-            self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
 
     def _receive(self) -> None:
         while True:

@@ -67,3 +67,16 @@ def set_congestion(sock: socket.socket, wanted: str = "auto") -> None:
             _refused.add(wanted)
             log.warning("tcp_congestion=%r was refused (%s); the system's default stays (see "
                         "/proc/sys/net/ipv4/tcp_allowed_congestion_control)", wanted, exc)  # fmt: skip
+
+
+def close_socket(sock: socket.socket) -> None:
+    """Shut ``sock`` down (which wakes a thread blocked in a read on it, or a pump polling it)
+    and close it; errors of a connection already gone are ignored."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    try:
+        sock.close()
+    except OSError:
+        pass

@@ -15,8 +15,9 @@ import threading
 import time
 
 from ..wire.frame import FRAME_HEADER_BYTES
+from . import pump
 from .base import FrameSink
-from .sockopts import set_congestion
+from .sockopts import close_socket, set_congestion
 
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting
@@ -91,29 +92,22 @@ class TcpSender:
             buffers = _advance(buffers, sent)
 
     def close(self) -> None:
-        _close(self.sock)
-
-
-def _close(sock: socket.socket) -> None:
-    try:
-        sock.shutdown(socket.SHUT_RDWR)  # wakes a thread blocked in recv on this socket
-    except OSError:
-        pass
-    try:
-        sock.close()
-    except OSError:
-        pass
+        close_socket(self.sock)
 
 
 class SocketReceiver:
-    """One actor's data connection, read with blocking calls on a thread of its own.
+    """One actor's data connection, read by the process's pumps (``pump.py``: ``pump_step``
+    handles what has arrived, never waiting for more), or, with ``pump.enabled`` off, with
+    blocking calls on a thread of its own (``_receive``, the frame loop).
 
     The session's ``begin``/``end`` are thread-safe; a stalled frame is caught by the session's
-    heartbeat check, which closes the socket and so unblocks this thread. Subclasses provide
-    ``_receive`` (the frame loop) and may release what only this thread used in ``_finished``.
+    heartbeat check, which closes the socket and so unblocks the thread or wakes the pump.
+    Subclasses provide ``_receive`` and ``pump_step`` and may release what only the reading
+    thread used in ``_finished``.
     """
 
     name = "tcp"
+    pump_spread = 1  # pumps started before two of these connections share one (``pump.pump``)
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str, congestion: str = "auto"):
         sock.setblocking(True)
@@ -122,10 +116,19 @@ class SocketReceiver:
         self.sink = sink
         self.frame_started: float | None = None
         self._closed = False
-        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._name = name
+        self.pump: pump.Pump | None = None  # the pump that reads it, if one does
+
+    @property
+    def _pumped(self) -> bool:
+        return self.pump is not None
 
     def start(self) -> None:
-        self._thread.start()
+        if pump.enabled:
+            self.pump = pump.pump(self.pump_spread)
+            self.pump.add(self)
+        else:
+            threading.Thread(target=self._run, name=self._name, daemon=True).start()
 
     def _run(self) -> None:
         try:
@@ -139,7 +142,7 @@ class SocketReceiver:
         """Reading stopped on ``exc``: close and tell the session (unless we were closed)."""
         if not self._closed:
             self._closed = True
-            _close(self.sock)
+            close_socket(self.sock)
             self.sink.fail_threadsafe(exc)
 
     def _ended(self) -> None:
@@ -151,28 +154,53 @@ class SocketReceiver:
     def _receive(self) -> None:
         raise NotImplementedError
 
+    def pump_step(self) -> None:
+        raise NotImplementedError
+
     def _finished(self) -> None:
-        """After this thread's last write into the sink."""
+        """After the last write into the sink."""
 
     def close(self) -> None:
-        if not self._closed:
-            self._closed = True
-            _close(self.sock)
+        if self._closed:
+            return
+        self._closed = True
+        if not self._pumped:
+            close_socket(self.sock)
+            return
+        # The pump closes the socket once it has stopped watching it (closed here, its number
+        # could be reused by another connection while the pump still polls it): shutting it
+        # wakes the pump, whose next read sees the end.
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 class TcpReceiver(SocketReceiver):
-    """Reads one actor's frames with blocking ``recvmsg_into``: one Python call per socket
-    read instead of an event-loop round trip each, which costs more than the read itself.
+    """Reads one actor's frames with ``recvmsg_into`` straight into the sink's views: on a
+    pump (``pump_step``, the default) or with blocking calls on a thread of its own
+    (``_receive``); one Python call per socket read either way, not an event-loop round trip.
 
-    While a frame's payload streams in, ``SO_RCVLOWAT`` keeps this thread asleep until
-    ``RECV_LOW_WATER`` bytes have arrived: fewer wake-ups, which the *sender* pays for on
-    loopback (waking us runs in its system call), and fewer trips through this loop.
+    While a frame's payload streams in, ``SO_RCVLOWAT`` keeps the reader asleep until
+    ``RECV_LOW_WATER`` bytes have arrived (epoll honours it too): fewer wake-ups, which the
+    *sender* pays for on loopback (waking us runs in its system call), and fewer trips through
+    this code. The first :attr:`pump_spread` connections get a pump each, so that a few actors
+    streaming large frames are copied on every core at once.
     """
+
+    pump_spread = 8
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str = "rlink-tcp-recv", congestion: str = "auto"):
         super().__init__(sock, sink, name, congestion)
         self._low_water = 1  # the socket's SO_RCVLOWAT now (1 is the kernel's default)
         self._low_water_option = getattr(socket, "SO_RCVLOWAT", None)
+        # Where a pumped read stopped: the next header's bytes so far, or the rest of a frame's
+        # payload (the sink's views still to fill) and how many bytes that is.
+        self._header = bytearray(FRAME_HEADER_BYTES)
+        self._got = 0
+        self._payload: list[memoryview] = []
+        self._left = 0
+        self._big = False  # the last frame was large: read only the next header ahead
 
     def _wake_after(self, owed: int) -> None:
         """Set the low-water mark for a read that is owed ``owed`` more bytes (the rest of a
@@ -226,3 +254,106 @@ class TcpReceiver(SocketReceiver):
                     left -= n
             self.frame_started = None
             self.sink.end_threadsafe()
+
+    # --- read by a pump --------------------------------------------------------------------------
+    def pump_step(self) -> None:
+        """Read what has arrived, without waiting for more (the pump's thread).
+
+        The rest of a frame's payload goes straight into the sink's views. What follows it, or
+        what comes between frames, goes into the pump's scratch buffer, from which whole small
+        frames are parsed and copied: one system call for a burst of them. After a large frame
+        (a scratch buffer or more) only the next header is read that way, into the header
+        buffer, so a stream of large frames is never copied twice.
+        """
+        scratch = _scratch()
+        tail = memoryview(self._header)[self._got :] if self._big else memoryview(scratch)
+        try:
+            if self._payload:
+                n = self.sock.recvmsg_into([*self._payload, tail], 0, socket.MSG_DONTWAIT)[0]
+            else:
+                n = self.sock.recv_into(tail, len(tail), socket.MSG_DONTWAIT)
+        except BlockingIOError:  # nothing after all (or only what the low-water mark holds back)
+            return
+        if n == 0:
+            if self._payload:
+                raise ConnectionResetError("actor closed the data connection mid-frame")
+            if self._got:
+                raise ConnectionResetError("actor closed the data connection mid-header")
+            raise EOFError("actor closed the data connection")  # between frames: the control channel says why
+        if self._payload:
+            if n < self._left:
+                self._payload = _advance(self._payload, n)
+                self._left -= n
+                self._wake_after(self._left)
+                return
+            n -= self._left
+            self._frame_done()
+        if tail.obj is self._header:
+            self._got += n
+            if self._got == FRAME_HEADER_BYTES:
+                self._start_frame()
+            self._wake_after(self._left)
+        else:
+            self._parse(tail[:n])
+
+    def _parse(self, data: memoryview) -> None:
+        """Frames (or their beginning) read into ``data``: headers to the sink, payload bytes
+        into its views, each whole frame ended; where ``data`` stops, the state says."""
+        pos, size = 0, len(data)
+        while pos < size:
+            if self._payload:
+                k = min(self._left, size - pos)
+                self._payload = _fill(self._payload, data[pos : pos + k])
+                self._left -= k
+                pos += k
+                if self._left:
+                    break  # the rest comes with later reads
+                self._frame_done()
+                continue
+            k = min(FRAME_HEADER_BYTES - self._got, size - pos)
+            self._header[self._got : self._got + k] = data[pos : pos + k]
+            self._got += k
+            pos += k
+            if self._got == FRAME_HEADER_BYTES:
+                self._start_frame()
+        self._wake_after(self._left)  # 0 between frames: the actor may go quiet
+
+    def _start_frame(self) -> None:
+        """A whole header is in: the sink's views for its payload."""
+        self._got = 0
+        self.frame_started = time.monotonic()
+        self._payload = [v for v in self.sink.begin(bytes(self._header)) if len(v)]
+        self._left = sum(len(v) for v in self._payload)
+        self._big = self._left >= _SCRATCH_BYTES
+        if not self._left:
+            self._frame_done()
+
+    def _frame_done(self) -> None:
+        self._payload, self._left = [], 0
+        self.frame_started = None
+        self.sink.end_threadsafe()
+
+
+def _fill(views: list[memoryview], data: memoryview) -> list[memoryview]:
+    """Copy ``data`` into the front of ``views`` (which hold at least that much); the views
+    still to fill."""
+    pos = 0
+    for i, view in enumerate(views):
+        k = min(len(view), len(data) - pos)
+        view[:k] = data[pos : pos + k]
+        pos += k
+        if pos == len(data):
+            return _advance(views[i:], k)
+    return []
+
+
+_SCRATCH_BYTES = 64 * 1024  # a pump's read-ahead buffer: many small frames in one system call
+_local = threading.local()
+
+
+def _scratch() -> bytearray:
+    """The calling pump thread's scratch buffer (one pump thread reads one connection at a time)."""
+    buf: bytearray | None = getattr(_local, "scratch", None)
+    if buf is None:
+        buf = _local.scratch = bytearray(_SCRATCH_BYTES)
+    return buf

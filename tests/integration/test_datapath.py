@@ -455,6 +455,26 @@ def test_frames_leave_in_order_when_linger_races_full_frames(transport):
 
 
 @pytest.mark.timeout(60)
+@pytest.mark.parametrize("transport", [t for t in ("tcp", "shm") if t != "shm" or shm_possible()])
+def test_the_first_put_makes_one_frame_buffer_and_a_busy_actor_makes_the_rest(transport):
+    # A storm of first puts used to carve (and populate) frame_buffers x frame_bytes per actor:
+    # 4 MiB each for a step of 8 bytes. A slow actor needs one; a busy one gets the others
+    # when a put finds none free, up to frame_buffers.
+    config = rlink_ucx.Config(frame_bytes=64 * 8, put_timeout=5)
+    with Learner("127.0.0.1:0", transport=transport) as learner:
+        dataset = RLinkDataset(learner, batch_size=1000)
+        with Actor(learner.address, transport=transport, config=config) as actor:
+            state = actor._conn.state
+            actor.put({"x": np.int64(0)})
+            assert state.buffers == 1
+            for i in range(1, 1000):  # 64 steps a frame: faster than frames leave one by one
+                actor.put({"x": np.int64(i)})
+            actor.flush(10)
+            assert 1 < state.buffers <= actor._writer._max_buffers  # (frames kept for resending hold more)
+            assert dataset.fetch(timeout=10)["x"].tolist() == list(range(1000))
+
+
+@pytest.mark.timeout(60)
 def test_full_frames_then_flush_never_run_out_of_frame_buffers_without_resending():
     # resend off: a frame sent from the caller's thread is reused at once as the current frame,
     # and a flush right after must give that empty buffer back (4 rounds used to exhaust them).

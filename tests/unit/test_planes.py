@@ -192,8 +192,12 @@ def test_frame_memory_lends_the_arena_only_while_frames_are_kept_for_resending()
     memory = FrameMemory(Config(resend_buffer_bytes=0, frame_bytes=64 * 1024))
     assert memory.nbytes == (4 + 4) * 64 * 1024
     assert memory.shared() is None and memory.arena is None
+    # The first frame buffer is plain memory (a slow actor never needs a second): no reserve
+    # is made, and nothing is populated, until a second one is asked for.
+    assert memory.take(4096) is None and memory.reserve is None
     block = memory.take(4096)
     assert block is not None and block.nbytes == 4096  # from the populated reserve
+    assert memory.reserve is not None and memory.reserve.populating > 0
     assert memory.release() is None
     if not shm_memory.available():
         return

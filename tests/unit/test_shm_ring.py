@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx.errors import ProtocolError
-from rlink_ucx.transport import cma, shm, shm_pump
+from rlink_ucx.transport import cma, pump, shm
 from rlink_ucx.wire.frame import FRAME_HEADER_BYTES
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shm.available(), reason="no memfd (not Linux)")]
@@ -19,9 +19,9 @@ RING = 64 * 1024
 
 @pytest.fixture(autouse=True, params=["pump", "thread"])
 def reading(request, monkeypatch):
-    """Every test runs with the process's shm pump reading the connection (the default) and
-    with a thread of its own per connection (``shm_pump.enabled = False``)."""
-    monkeypatch.setattr(shm_pump, "enabled", request.param == "pump")
+    """Every test runs with the process's pumps reading the connection (the default) and
+    with a thread of its own per connection (``pump.enabled = False``)."""
+    monkeypatch.setattr(pump, "enabled", request.param == "pump")
     return request.param
 
 

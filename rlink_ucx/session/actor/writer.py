@@ -99,8 +99,11 @@ class StepWriter:
         if isinstance(reply, _wire.Reject):
             raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")
         capacity = max(1, min(reply.max_steps, schema.frame_steps(self.config.frame_bytes)))
-        buffers = [self._new_frame_buffer(schema, capacity) for _ in range(self.config.frame_buffers)]
-        self._outbox.start(schema, reply.schema_id, reply.max_steps, buffers)
+        # One frame buffer now; the others (up to frame_buffers) when a put finds none free
+        # (Outbox.acquire). A slow actor's frame leaves from its buffer, which takes the next
+        # step at once, so it never needs a second; and a storm of first puts does not carve
+        # and populate 4 MiB per actor (docs/benchmarks.md, "Lockstep bursts").
+        self._outbox.start(schema, reply.schema_id, reply.max_steps, [self._new_frame_buffer(schema, capacity)])
         self._max_buffers = max(self.config.frame_buffers,
                                 self.config.resend_buffer_bytes // max(1, capacity * schema.step_bytes))  # fmt: skip
         self._fields = [Field(i, spec) for i, spec in enumerate(schema.fields)]

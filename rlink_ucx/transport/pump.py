@@ -1,13 +1,15 @@
-"""A few threads read every shm data connection of the process.
+"""A few threads read every data connection of the process (tcp and shm).
 
 With a thread per actor, a learner's receive threads pass the GIL and the cores around several
 times per frame: with 4 actors on 2 cores each receive thread made 3,500-7,000 voluntary
-context switches a second (docs/benchmarks.md, "4 actors against 1"). The pump polls every
-registered connection and handles the records that have arrived, whole frames at a time. A
-frame's bytes are in the shared ring (or the actor's arena, or its memory) before the frame is
-announced, so handling one does not wait for its actor; only a frame larger than half the
-ring streams, and the pump then waits for its bytes like the receiving thread did (a stalled
-frame is closed by the session's heartbeat check, which ends that wait).
+context switches a second (docs/benchmarks.md, "4 actors against 1"), and 256 tcp actors
+putting in lockstep made about 5 per frame. A pump polls every registered connection and lets
+each receiver handle what has arrived without waiting for more (``pump_step``): an shm
+receiver whole frames at a time (a frame's bytes are in the shared ring, the actor's arena or
+its memory before it is announced; only a frame larger than half the ring streams, and the
+pump then waits for its bytes like the receiving thread did), a tcp receiver whatever bytes
+came, keeping a frame that came in pieces where it stopped. A stalled frame is closed by the
+session's heartbeat check, which ends such a wait or the partial frame.
 
 A pump takes at most :data:`PER_PUMP` connections; more actors get more pumps. Every socket
 call releases the GIL, and a single pump for hundreds of actors got it back only after the
@@ -28,9 +30,9 @@ import select
 import threading
 from typing import Any
 
-from .tcp import _close
+from .sockopts import close_socket
 
-__all__ = ["PER_PUMP", "ShmPump", "enabled", "pump"]
+__all__ = ["PER_PUMP", "Pump", "enabled", "pump"]
 
 log = logging.getLogger(__name__)
 
@@ -40,20 +42,21 @@ PER_PUMP = 16  # connections one pump reads at most
 _IN = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 
 
-class ShmPump:
+class Pump:
     """One thread, its poll set, and the receivers waiting to join it."""
 
     def __init__(self) -> None:
         self.connections = 0  # receivers added and not yet ended (under _start_lock)
         self._poll = select.epoll()  # poll() walks every socket on each call: 1,024 actors cost a core
-        self._by_fd: dict[int, Any] = {}  # socket number -> ShmReceiver
+        self._by_fd: dict[int, Any] = {}  # socket number -> its receiver (a SocketReceiver)
         self._lock = threading.Lock()
         self._joining: list[Any] = []
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poll.register(self._wake_r, select.EPOLLIN)
-        threading.Thread(target=self._serve, name="rlink-shm-pump", daemon=True).start()
+        self.thread = threading.Thread(target=self._serve, name="rlink-pump", daemon=True)
+        self.thread.start()
 
     def add(self, receiver: Any) -> None:
         """Read ``receiver``'s connection from now on (any thread)."""
@@ -65,15 +68,30 @@ class ShmPump:
             pass  # the pipe is full of wake-ups already
 
     def _serve(self) -> None:
-        while True:
-            try:
-                for fd, _ in self._poll.poll():
-                    if fd == self._wake_r:
-                        self._join()
-                    elif (receiver := self._by_fd.get(fd)) is not None:
-                        self._step(fd, receiver)
-            except Exception:  # a bug here must not end every actor's reading
-                log.exception("shm pump: unexpected error; going on")
+        try:
+            while not self._retired():
+                try:
+                    for fd, _ in self._poll.poll():
+                        if fd == self._wake_r:
+                            self._join()
+                        elif (receiver := self._by_fd.get(fd)) is not None:
+                            self._step(fd, receiver)
+                except Exception:  # a bug here must not end every actor's reading
+                    log.exception("pump: unexpected error; going on")
+        finally:
+            self._poll.close()
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _retired(self) -> bool:
+        """Once its last connection ended, a pump leaves the pool and its thread ends (a closed
+        learner leaves no thread behind); the next connection gets a new one."""
+        with _start_lock:
+            if self.connections:
+                return False
+            if self in _pumps:
+                _pumps.remove(self)
+            return True
 
     def _join(self) -> None:
         try:
@@ -118,7 +136,7 @@ class ShmPump:
             try:
                 self._end(receiver)
             finally:
-                _close(receiver.sock)
+                close_socket(receiver.sock)
 
     def _end(self, receiver: Any) -> None:
         try:
@@ -128,16 +146,23 @@ class ShmPump:
                 self.connections -= 1
 
 
-_pumps: list[ShmPump] = []
+_pumps: list[Pump] = []
 _start_lock = threading.Lock()
 
 
-def pump() -> ShmPump:
-    """A pump with room for one more connection (counted as taken), started if none has."""
+def pump(spread: int = 1) -> Pump:
+    """A pump with room for one more connection (counted as taken): the least busy one, or a
+    new one while fewer than ``spread`` run (or all are full).
+
+    ``spread`` is the plane's: a tcp pump does the kernel's copy of every byte it reads, so a
+    few connections streaming large frames each get a pump of their own and copy on every
+    core at once (one pump for 4 Atari actors took 7.1 GB/s down to 5.2-5.5, docs/benchmarks.md);
+    past ``spread`` connections share pumps, up to :data:`PER_PUMP` each.
+    """
     with _start_lock:
-        chosen = next((p for p in _pumps if p.connections < PER_PUMP), None)
-        if chosen is None:
-            chosen = ShmPump()
+        chosen = min((p for p in _pumps if p.connections < PER_PUMP), key=lambda p: p.connections, default=None)
+        if chosen is None or (len(_pumps) < spread and chosen.connections):
+            chosen = Pump()
             _pumps.append(chosen)
         chosen.connections += 1
         return chosen

@@ -8,6 +8,7 @@ imports torch or cupy itself: it recognises them by their array protocols.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import sys
@@ -58,7 +59,7 @@ class FieldSpec:
         ):
             raise ProtocolError(f"field {self.name!r}: bad shape {self.shape!r}")
 
-    @property
+    @functools.cached_property  # read for every frame on the learner (frozen: computed once)
     def step_bytes(self) -> int:
         return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
@@ -79,7 +80,7 @@ class Schema:
         if len(set(names)) != len(names):
             raise ProtocolError(f"duplicate field names in {names}")
 
-    @property
+    @functools.cached_property  # read for every frame on the learner (frozen: computed once)
     def step_bytes(self) -> int:
         return sum(f.step_bytes for f in self.fields)
 

@@ -163,6 +163,13 @@ def test_a_ucx_step_put_while_the_io_side_is_idle_leaves_at_once_not_after_the_l
             assert actor.stats()["transport"] == "ucx"
             actor.put(step(0))
             actor.flush(30)
+            # The first step may have come before the learner's first credit (a loaded
+            # machine): it waited for the linger timer, which stops after two idle ticks. The
+            # steps below must find the I/O side idle, with no timer left from it.
+            deadline = time.monotonic() + 3 * config.frame_linger + 10
+            while actor._writer._armed and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert not actor._writer._armed
             delays, armed = [], []
             for i in range(1, 4):
                 time.sleep(config.frame_linger + 0.1)  # the last frame left over a linger ago

@@ -52,14 +52,12 @@ class Outbox:
         self._io = io
         self._fail = fail
         self._yielded_at = 0.0  # when the send loop last let the I/O loop run other tasks
-        self._step_bytes = 0  # the negotiated schema's (Schema.step_bytes sums its fields on every call)
 
     # --- the frame pool (any thread) --------------------------------------------------------------
     def start(self, schema: Schema, schema_id: int, max_steps: int, buffers: list[FrameBuffer]) -> None:
         """The negotiated schema, the learner's per-frame limit, and the first frame buffers."""
         s = self._state
         s.schema, s.schema_id = schema, schema_id
-        self._step_bytes = schema.step_bytes
         s.max_frame_steps = max_steps  # no wire frame may carry more
         with s.changed:
             s.free = buffers
@@ -193,7 +191,8 @@ class Outbox:
         sender = s.sender  # read once: close() on another thread may clear it meanwhile
         if sender is None:
             raise PeerLost("the data connection is closed")
-        step_bytes = self._step_bytes
+        assert s.schema is not None
+        step_bytes = s.schema.step_bytes  # cached by the schema
         header = pack_header(s.schema_id, k, s.actor_id or 0, s.incarnation, frame.seq + frame.sent,
                              frame.version, k * step_bytes, frame.put_time_us)  # fmt: skip
         sender.send(header, frame.payload(frame.sent, frame.sent + k))

@@ -84,8 +84,6 @@ class LearnerSession:
         self.opening: Opening | None = None  # what its plane holds until the session attaches
         self.schema_id: int | None = None
         self.ring: StepRing | None = None
-        # The ring whose schema's step size is cached (Schema.step_bytes sums its fields on every call).
-        self._sized: tuple[StepRing, int] | None = None
         self.credit = 0  # steps granted to this actor and not yet used
         self.next_seq: int | None = 0  # None until the first frame of a stream resumed elsewhere
         self.resumed = False  # set by the server: next_seq is where an earlier session of this stream stopped
@@ -258,10 +256,7 @@ class LearnerSession:
             raise ProtocolError(f"frame of {h.n_steps} steps; limit {ring.max_frame_steps}")
         if h.seq + h.n_steps >= 1 << 63:  # seqs are int64 in a batch (Batch.seq)
             raise ProtocolError(f"frame seq {h.seq} + {h.n_steps} steps is beyond 2**63")
-        sized = self._sized
-        if sized is None or sized[0] is not ring:
-            sized = self._sized = (ring, ring.schema.step_bytes)
-        if h.payload_bytes != h.n_steps * sized[1]:
+        if h.payload_bytes != h.n_steps * ring.schema.step_bytes:  # cached by the schema
             raise ProtocolError(f"payload {h.payload_bytes} bytes does not match {h.n_steps} steps of the schema")
         if h.n_steps > self.credit:
             raise ProtocolError(f"frame of {h.n_steps} steps exceeds the {self.credit} steps of credit granted")

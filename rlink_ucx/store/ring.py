@@ -170,22 +170,51 @@ class StepRing:
     # --- producer side (I/O thread) --------------------------------------------------------
     def reserve(self, n: int, actor_id: int, seq: int, version: int, put_at: float = 0.0) -> Segment:
         """Claim room for a frame of ``n`` steps; the caller must hold ``n`` credit."""
+        with self._lock:
+            return self._reserve_locked(n, actor_id, seq, version, put_at)
+
+    def _reserve_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float) -> Segment:
         if not 0 < n <= self.max_frame_steps:
             raise ProtocolError(f"frame of {n} steps; the limit is {self.max_frame_steps}")
-        with self._lock:
-            if self._closed:
-                raise Closed("the learner is closed")
-            if self._used + n > self.capacity:  # cannot happen while actors respect their credit
-                raise ProtocolError("frame exceeds the credit granted to this actor")
-            if not self._segments:
-                self._head = 0  # an empty ring starts over at a chunk boundary
-            seg = Segment(self._head, n, actor_id, seq, version, put_at=put_at)
-            self._segments.append(seg)
-            self._head = (self._head + n) % self.capacity
-            self._used += n
-            self.stats.peak_used = max(self.stats.peak_used, self._used)
-            self._granted = max(0, self._granted - n)
-            return seg
+        if self._closed:
+            raise Closed("the learner is closed")
+        if self._used + n > self.capacity:  # cannot happen while actors respect their credit
+            raise ProtocolError("frame exceeds the credit granted to this actor")
+        if not self._segments:
+            self._head = 0  # an empty ring starts over at a chunk boundary
+        seg = Segment(self._head, n, actor_id, seq, version, put_at=put_at)
+        self._segments.append(seg)
+        self._head = (self._head + n) % self.capacity
+        self._used += n
+        self.stats.peak_used = max(self.stats.peak_used, self._used)
+        self._granted = max(0, self._granted - n)
+        return seg
+
+    def land(self, n: int, actor_id: int, seq: int, version: int, put_at: float, payload: memoryview) -> None:
+        """A whole frame of ``n`` steps whose payload (each field's bytes, one field after
+        another) is in hand: reserve, copy and commit it in one hold of the lock (``reserve``,
+        a copy into ``field_views`` and ``commit`` cost a small frame three times as much)."""
+        if len(payload) != n * self.schema.step_bytes:
+            raise ProtocolError(f"a frame of {n} steps with {len(payload)} bytes of payload")
+        with self._ready:
+            seg = self._reserve_locked(n, actor_id, seq, version, put_at)
+            chunk, offset = divmod(seg.start, self.chunk_steps)
+            pos = 0
+            if offset + n <= self.chunk_steps:  # almost always: one run in one chunk
+                arrays = self.chunks[chunk]
+                for f, sb in enumerate(self._sizes):
+                    size = n * sb
+                    arrays[f].data[offset * sb : offset * sb + size] = payload[pos : pos + size]
+                    pos += size
+            else:
+                runs = self._split(seg.start, n)
+                for f, sb in enumerate(self._sizes):
+                    for c, o, k in runs:
+                        self.chunks[c][f].data[o * sb : (o + k) * sb] = payload[pos : pos + k * sb]
+                        pos += k * sb
+            dropped = self._commit_locked(seg, time.monotonic())
+        if dropped:
+            self._free_front()
 
     def _split(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """Ring positions ``[start, start + n)`` as ``(chunk, offset, count)`` runs."""
@@ -252,23 +281,29 @@ class StepRing:
         self._lent = still
 
     def commit(self, seg: Segment) -> None:
-        dropped = False
         ready_at = time.monotonic()  # read before taking the lock, to keep the critical section short
         with self._ready:
-            seg.state = SegState.READY
-            seg.ready_at = ready_at
-            self.stats.steps_in += seg.n
-            self.stats.frames_in += 1
-            self.stats.bytes_in += seg.n * self.schema.step_bytes
-            if seg.version < self.min_version:
-                self._drop(seg)
-                dropped = True
-            # Wake the consumer only once its batch can be complete: one wake-up per batch,
-            # not per frame (each costs a thread switch and a GIL hand-off).
-            if self._waiting_for and self._ready_front(self._waiting_for) >= self._waiting_for:
-                self._ready.notify_all()
+            dropped = self._commit_locked(seg, ready_at)
         if dropped:
             self._free_front()
+
+    def _commit_locked(self, seg: Segment, ready_at: float) -> bool:
+        """``seg`` is complete (lock held); returns whether it was dropped as too stale (the
+        caller then frees the front, outside the lock)."""
+        seg.state = SegState.READY
+        seg.ready_at = ready_at
+        stats = self.stats
+        stats.steps_in += seg.n
+        stats.frames_in += 1
+        stats.bytes_in += seg.n * self.schema.step_bytes
+        dropped = seg.version < self.min_version
+        if dropped:
+            self._drop(seg)
+        # Wake the consumer only once its batch can be complete: one wake-up per batch,
+        # not per frame (each costs a thread switch and a GIL hand-off).
+        if self._waiting_for and self._ready_front(self._waiting_for) >= self._waiting_for:
+            self._ready.notify_all()
+        return dropped
 
     def _drop(self, seg: Segment) -> None:
         """Never yield the rest of ``seg`` (too stale); lock held. Its space is reused once no

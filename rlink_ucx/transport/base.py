@@ -18,7 +18,12 @@ class DataPlaneRetired(PeerLost):
 
 
 class FrameSink(Protocol):
-    """Learner-side consumer of one peer's frames (implemented by the session)."""
+    """Learner-side consumer of one peer's frames (implemented by the session).
+
+    A sink may also offer ``land(header, payload)``: a whole frame whose payload is already
+    in memory, validated, copied and completed in one call (the session does; a receiver
+    that reads small frames into a buffer of its own uses it when present).
+    """
 
     def begin(self, header: bytes) -> list[memoryview]:
         """(Any thread.) Validate a frame header; return the buffers its payload is written into, in order.

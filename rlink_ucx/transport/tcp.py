@@ -13,8 +13,9 @@ import struct
 import sys
 import threading
 import time
+from collections.abc import Callable
 
-from ..wire.frame import FRAME_HEADER_BYTES
+from ..wire.frame import FRAME_HEADER_BYTES, announced_payload
 from . import pump
 from .base import FrameSink
 from .sockopts import close_socket, set_congestion
@@ -194,6 +195,9 @@ class TcpReceiver(SocketReceiver):
         super().__init__(sock, sink, name, congestion)
         self._low_water = 1  # the socket's SO_RCVLOWAT now (1 is the kernel's default)
         self._low_water_option = getattr(socket, "SO_RCVLOWAT", None)
+        # A sink that can take a whole frame at once (the session's ``land``) gets the small
+        # frames a read brought in whole that way: one call instead of begin, copy and end.
+        self._land: Callable[[memoryview, memoryview], None] | None = getattr(sink, "land", None)
         # Where a pumped read stopped: the next header's bytes so far, or the rest of a frame's
         # payload (the sink's views still to fill) and how many bytes that is.
         self._header = bytearray(FRAME_HEADER_BYTES)
@@ -300,7 +304,14 @@ class TcpReceiver(SocketReceiver):
         """Frames (or their beginning) read into ``data``: headers to the sink, payload bytes
         into its views, each whole frame ended; where ``data`` stops, the state says."""
         pos, size = 0, len(data)
+        land = self._land
         while pos < size:
+            if land is not None and not self._got and not self._payload and size - pos >= FRAME_HEADER_BYTES:
+                end = pos + FRAME_HEADER_BYTES + announced_payload(data, pos)
+                if end <= size:  # the whole frame is in: validated, copied and committed in one call
+                    land(data[pos : pos + FRAME_HEADER_BYTES], data[pos + FRAME_HEADER_BYTES : end])
+                    pos = end
+                    continue
             if self._payload:
                 k = min(self._left, size - pos)
                 self._payload = _fill(self._payload, data[pos : pos + k])

@@ -241,7 +241,10 @@ class LearnerSession:
         with self._lock:
             return self._begin(header)
 
-    def _begin(self, header: bytes) -> list[memoryview]:
+    def _admit(self, header: bytes | memoryview) -> tuple[FrameHeader, StepRing, bool]:
+        """Validate a frame header against the session (lock held). Returns it, the ring, and
+        whether the frame is new: False for one resent after a reconnect whose steps were
+        delivered already (its payload is read and dropped)."""
         if self.state != "open":
             raise ProtocolError("session is closed")
         h = FrameHeader.unpack(header)
@@ -271,13 +274,23 @@ class LearnerSession:
         if h.seq + h.n_steps <= self.next_seq:  # resent, but already delivered: drop it
             self.credit -= h.n_steps
             ring.revoke(h.n_steps)
-            self._frame = (h, None)
-            return self._scratch(h.payload_bytes, h.n_steps, ring)
+            return h, ring, False
         if h.seq != self.next_seq:
             raise ProtocolError(f"frame seq {h.seq}, expected {self.next_seq}")
-        seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version, h.put_time_us * 1e-6)
-        self.credit -= h.n_steps
+        return h, ring, True
+
+    def _spend(self, n_steps: int) -> None:
+        """A new frame took its place in the ring: it used ``n_steps`` of credit (lock held)."""
+        self.credit -= n_steps
         self.stats.credit_exhausted += not self.credit
+
+    def _begin(self, header: bytes) -> list[memoryview]:
+        h, ring, new = self._admit(header)
+        if not new:
+            self._frame = (h, None)
+            return self._scratch(h.payload_bytes, h.n_steps, ring)
+        seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version, h.put_time_us * 1e-6)
+        self._spend(h.n_steps)
         self._frame = (h, seg)
         views = ring.field_views(seg)
         if self.whole_fields and any(len(v) > 1 for v in views):
@@ -310,6 +323,23 @@ class LearnerSession:
         """The frame is complete (any thread): commit now; wake the I/O loop only when a flush
         waits for it or credit runs low, so a stream of frames costs no loop round trips."""
         self._commit()
+        self._after_commit()
+
+    def land(self, header: bytes | memoryview, payload: memoryview) -> None:
+        """A whole frame whose payload is already in hand (any thread; ``begin``, the copy and
+        ``end_threadsafe`` in one step, under one hold of the session's lock and one of the
+        ring's): what a pump does with the small frames a read brought in."""
+        with self._lock:
+            h, ring, new = self._admit(header)
+            if not new:
+                self.stats.duplicate_steps += h.n_steps
+                return
+            ring.land(h.n_steps, self.actor_id, h.seq, h.version, h.put_time_us * 1e-6, payload)
+            self._spend(h.n_steps)
+            self._count_frame(h)
+        self._after_commit()
+
+    def _after_commit(self) -> None:
         # Credit can only be topped up where the ring has room; otherwise the consumer's next
         # release triggers the grant.
         if (self.next_seq or 0) >= self.ack_wanted:
@@ -332,12 +362,15 @@ class LearnerSession:
             if self._scatter is not None:
                 self._scatter_landing()
             self.ring.commit(seg)
-            self.last_frame = time.monotonic()
-            self.next_seq = h.seq + h.n_steps
-            self.stats.frames += 1
-            self.stats.steps += h.n_steps
-            self.stats.bytes += h.payload_bytes
-            self.last_heard = time.monotonic()
+            self._count_frame(h)
+
+    def _count_frame(self, h: FrameHeader) -> None:
+        """A new frame's steps are in the ring (lock held)."""
+        self.last_frame = self.last_heard = time.monotonic()
+        self.next_seq = h.seq + h.n_steps
+        self.stats.frames += 1
+        self.stats.steps += h.n_steps
+        self.stats.bytes += h.payload_bytes
 
     def _scatter_landing(self) -> None:
         assert self._landing is not None and self._scatter is not None

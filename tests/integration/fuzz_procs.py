@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from rlink_ucx import Actor
+from rlink_ucx import Actor, RLinkError
 
 TOKEN = b"live-fuzz-test-token-0123456789"
 STAGES = ("preauth", "authenticated", "session", "data")
@@ -62,7 +62,9 @@ def _one_connection(host: str, port: int, stage: str, rng: random.Random) -> str
         return stage
     except TimeoutError:
         return f"{stage}: learner kept the connection open"
-    except (OSError, EOFError, AssertionError, ValueError) as exc:
+    except (OSError, EOFError, AssertionError, ValueError, RLinkError) as exc:
+        # RLinkError: a refusal the learner may answer a Hello with (two fuzzed sessions of
+        # this process raced for its actor id on a busy machine): an outcome, not a fault.
         return f"{stage}: {type(exc).__name__}"
     finally:
         for sock in socks:

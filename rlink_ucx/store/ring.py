@@ -190,28 +190,35 @@ class StepRing:
         self._granted = max(0, self._granted - n)
         return seg
 
-    def land(self, n: int, actor_id: int, seq: int, version: int, put_at: float, payload: memoryview) -> None:
-        """A whole frame of ``n`` steps whose payload (each field's bytes, one field after
-        another) is in hand: reserve, copy and commit it in one hold of the lock (``reserve``,
-        a copy into ``field_views`` and ``commit`` cost a small frame three times as much)."""
-        if len(payload) != n * self.schema.step_bytes:
-            raise ProtocolError(f"a frame of {n} steps with {len(payload)} bytes of payload")
+    def land(self, n: int, actor_id: int, seq: int, version: int, put_at: float,
+             payload: memoryview | list[memoryview]) -> None:  # fmt: skip
+        """A whole frame of ``n`` steps whose payload is in hand: reserve, copy and commit it in
+        one hold of the lock (``reserve``, a copy into ``field_views`` and ``commit`` cost a
+        small frame three times as much). ``payload``: each field's bytes, one field after
+        another, in one buffer or in several (one per field is copied from directly)."""
+        sizes = self._sizes
+        parts: list[memoryview] | None = None
+        if isinstance(payload, list):
+            if len(payload) == len(sizes) and all(len(p) == n * sb for p, sb in zip(payload, sizes)):
+                parts, whole = payload, memoryview(b"")
+            else:
+                whole = memoryview(b"".join(payload))
+        else:
+            whole = payload
+        if parts is None and len(whole) != n * self.schema.step_bytes:
+            raise ProtocolError(f"a frame of {n} steps with {len(whole)} bytes of payload")
         with self._ready:
             seg = self._reserve_locked(n, actor_id, seq, version, put_at)
             chunk, offset = divmod(seg.start, self.chunk_steps)
+            runs = [(chunk, offset, n)] if offset + n <= self.chunk_steps else self._split(seg.start, n)
             pos = 0
-            if offset + n <= self.chunk_steps:  # almost always: one run in one chunk
-                arrays = self.chunks[chunk]
-                for f, sb in enumerate(self._sizes):
-                    size = n * sb
-                    arrays[f].data[offset * sb : offset * sb + size] = payload[pos : pos + size]
-                    pos += size
-            else:
-                runs = self._split(seg.start, n)
-                for f, sb in enumerate(self._sizes):
-                    for c, o, k in runs:
-                        self.chunks[c][f].data[o * sb : (o + k) * sb] = payload[pos : pos + k * sb]
-                        pos += k * sb
+            for f, sb in enumerate(sizes):
+                src = parts[f] if parts is not None else whole[pos : pos + n * sb]
+                pos += n * sb
+                at = 0
+                for c, o, k in runs:  # almost always one: the frame lies in one chunk
+                    self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
+                    at += k * sb
             dropped = self._commit_locked(seg, time.monotonic())
         if dropped:
             self._free_front()

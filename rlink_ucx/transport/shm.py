@@ -379,14 +379,25 @@ class ShmReceiver(SocketReceiver):
         self._written = written
 
     def _copy_from_arena(self, extents: list[tuple[int, int]], views: list[memoryview]) -> None:
+        arena = self._checked_arena(extents)
+        if sum(n for _, n in extents) != sum(len(v) for v in views):
+            raise ProtocolError("a frame's extents do not add up to its payload")
+        arena.copy_extents(extents, views)
+
+    def _checked_arena(self, extents: list[tuple[int, int]]) -> ShmRing:
+        """The actor's arena, once ``extents`` are known to lie in it."""
         if self.arena is None:
             raise ProtocolError("a frame in an arena this actor did not announce")
         size = self.arena.size
         if any(not (0 <= at <= size and 0 <= n <= size - at) for at, n in extents):
             raise ProtocolError("a frame's extents leave the actor's arena")
-        if sum(n for _, n in extents) != sum(len(v) for v in views):
-            raise ProtocolError("a frame's extents do not add up to its payload")
-        self.arena.copy_extents(extents, views)
+        return self.arena
+
+    def _land_from_arena(self, header: bytes, extents: list[tuple[int, int]]) -> None:
+        """A frame in the actor's arena (its frame buffer: one extent per field), landed whole
+        in one call of the session; the session checks the sizes against the header."""
+        assert self._land is not None
+        self._land(memoryview(header), self._checked_arena(extents).views(extents))
 
     def _copy_directly(self, extents: list[tuple[int, int]], views: list[memoryview]) -> None:
         if self.actor is None:
@@ -436,6 +447,9 @@ class ShmReceiver(SocketReceiver):
             self._note_written(body)
             if self._consumed != self._released:
                 self._release()  # between frames a doorbell means: the actor waits for room
+            return
+        if kind == ARENA_FRAME and self._land is not None:
+            self._land_from_arena(body, extents)
             return
         self.frame_started = time.monotonic()
         payload = [v for v in self.sink.begin(body) if len(v)]

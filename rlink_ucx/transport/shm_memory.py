@@ -148,6 +148,12 @@ class ShmRing:
             out.append(EXTENT.pack(at, len(view)))
         return b"".join(out)
 
+    def views(self, extents: list[tuple[int, int]]) -> list[memoryview]:
+        """The region's ``extents`` (validated) as views, for a copy made at once: a view kept
+        would keep the mapping from closing."""
+        whole = memoryview(self.mm)
+        return [whole[DATA_OFFSET + at : DATA_OFFSET + at + n] for at, n in extents]
+
     def copy_extents(self, extents: list[tuple[int, int]], dst: list[memoryview]) -> None:
         """Copy the region's ``extents`` (validated) into ``dst``, in order."""
         i, used = 0, 0  # position in dst

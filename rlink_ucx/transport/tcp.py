@@ -115,6 +115,9 @@ class SocketReceiver:
         tune_socket(sock, congestion)
         self.sock = sock
         self.sink = sink
+        # A sink that can take a whole frame at once (the session's ``land``) gets the frames
+        # whose payload is in memory already that way: one call instead of begin, copy and end.
+        self._land: Callable[[memoryview, memoryview | list[memoryview]], None] | None = getattr(sink, "land", None)
         self.frame_started: float | None = None
         self._closed = False
         self._name = name
@@ -195,9 +198,6 @@ class TcpReceiver(SocketReceiver):
         super().__init__(sock, sink, name, congestion)
         self._low_water = 1  # the socket's SO_RCVLOWAT now (1 is the kernel's default)
         self._low_water_option = getattr(socket, "SO_RCVLOWAT", None)
-        # A sink that can take a whole frame at once (the session's ``land``) gets the small
-        # frames a read brought in whole that way: one call instead of begin, copy and end.
-        self._land: Callable[[memoryview, memoryview], None] | None = getattr(sink, "land", None)
         # Where a pumped read stopped: the next header's bytes so far, or the rest of a frame's
         # payload (the sink's views still to fill) and how many bytes that is.
         self._header = bytearray(FRAME_HEADER_BYTES)

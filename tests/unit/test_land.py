@@ -106,6 +106,23 @@ def test_a_frame_that_crosses_a_ring_chunk_lands_in_both():
         np.testing.assert_array_equal(got[name], want[name])
 
 
+def test_a_payload_in_one_part_per_field_or_in_other_pieces_lands_the_same():
+    session, ring = _session()
+    header, payload = _frame(0, 2)
+    per_field = [memoryview(payload)[0:32], memoryview(payload)[32:48], memoryview(payload)[48:50]]
+    session.land(memoryview(header), per_field)
+    header, payload = _frame(2, 2)
+    session.land(memoryview(header), [memoryview(payload)[:7], memoryview(payload)[7:]])  # not by field: joined
+    got = _taken(ring, 4)
+    want = _steps(0, 4)
+    for name in want:
+        np.testing.assert_array_equal(got[name], want[name])
+    header, payload = _frame(4, 2)
+    with pytest.raises(ProtocolError, match="2 steps with 49 bytes"):
+        session.land(memoryview(header), [memoryview(payload)[:-1]])  # a byte short
+    assert (session.next_seq, ring.used) == (4, 0)
+
+
 @pytest.mark.parametrize(
     "overrides, match",
     [

@@ -325,7 +325,7 @@ class LearnerSession:
         self._commit()
         self._after_commit()
 
-    def land(self, header: bytes | memoryview, payload: memoryview) -> None:
+    def land(self, header: bytes | memoryview, payload: memoryview | list[memoryview]) -> None:
         """A whole frame whose payload is already in hand (any thread; ``begin``, the copy and
         ``end_threadsafe`` in one step, under one hold of the session's lock and one of the
         ring's): what a pump does with the small frames a read brought in."""

@@ -1,6 +1,6 @@
 """The ``ucx`` plane's actor side: one endpoint to the learner's worker (its address comes over
-the authenticated control channel) on the UCX worker its I/O loop shares with the other actors
-of that loop; per frame, one message of the header and the small fields
+the authenticated control channel) on the UCX worker its I/O loop shares with the loop's other
+actors of the same learner worker; per frame, one message of the header and the small fields
 (``ucx_setup.inline_fields``), then one per other field, sent with the session's two tags, one
 frame at a time (docs/transports.md, "Why one frame in flight"). The learner's side is ``ucx.py``.
 
@@ -46,8 +46,11 @@ __all__ = ["UcxActorPlane"]
 
 
 class _LoopWorker:
-    """The UCX context and worker that the ucx planes of one I/O loop (and UCX options) send
-    through, made on that loop's thread, the only one that touches it (single-thread mode)."""
+    """The UCX context and worker through which the ucx planes of one I/O loop send to one
+    learner worker (with the same UCX options), made on that loop's thread, the only one that
+    touches it (single-thread mode). Per learner worker, not per loop: a UCX worker keeps the
+    shared memory of every peer it talked to, so one outliving the learner's recycled workers
+    would gather their mappings; this one goes with the last actor that used it."""
 
     def __init__(self, key: tuple[Any, ...], u: Any, context: Any, worker: Any):
         self.key = key
@@ -59,11 +62,11 @@ _workers: dict[tuple[Any, ...], _LoopWorker] = {}
 _workers_lock = threading.Lock()  # the dict is per process; each entry belongs to one loop's thread
 
 
-def _take_worker(loop: asyncio.AbstractEventLoop, config: Config, loopback: bool,
+def _take_worker(loop: asyncio.AbstractEventLoop, peer: bytes, config: Config, loopback: bool,
                  devices: list[str] | None) -> _LoopWorker:  # fmt: skip
-    """The worker of ``loop`` for these UCX options, made now if it has none; pair with
-    :func:`_give_back`. Called on ``loop``'s thread."""
-    key = (loop, os.getpid(), tuple(sorted(ucx_options(config, loopback, devices).items())))
+    """The worker of ``loop`` for the learner worker at address ``peer`` and these UCX options,
+    made now if there is none; pair with :func:`_give_back`. Called on ``loop``'s thread."""
+    key = (loop, os.getpid(), peer, tuple(sorted(ucx_options(config, loopback, devices).items())))
     with _workers_lock:
         shared = _workers.get(key)
     if shared is None:
@@ -122,7 +125,7 @@ class UcxActorPlane:
             devices = await loop.run_in_executor(None, ucx_probe.net_devices, control.getsockname()[0])
         if "ucxx._lib.arr" not in sys.modules:  # the first ucx actor here: import ucxx (~0.5 s) off the loop
             await loop.run_in_executor(None, load_ucxx)
-        shared = _take_worker(loop, config, loopback, devices)
+        shared = _take_worker(loop, bytes(welcome.ucx_address), config, loopback, devices)
         u = shared.u
         try:
             address = u.UCXAddress.create_from_buffer(welcome.ucx_address)

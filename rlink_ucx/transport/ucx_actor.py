@@ -90,7 +90,8 @@ def _give_back(shared: _LoopWorker) -> None:
 
 
 class UcxActorPlane:
-    """The actor's side: one worker, one endpoint to the learner; sends in frame order."""
+    """The actor's side: one endpoint to the learner, on the worker its loop shares (``_LoopWorker``);
+    sends in frame order."""
 
     name = "ucx"
     # UCX workers run in single-thread mode: only the thread that made the worker (the actor's

@@ -1,8 +1,15 @@
-"""The ``ucx`` plane's actor side: one UCX worker, one endpoint to the learner's worker (its
-address comes over the authenticated control channel); per frame, one message of the header
-and the small fields (``ucx_setup.inline_fields``), then one per other field, sent with the
-session's two tags, one frame at a time (docs/transports.md, "Why one frame in
-flight"). The learner's side is ``ucx.py``.
+"""The ``ucx`` plane's actor side: one endpoint to the learner's worker (its address comes over
+the authenticated control channel) on the UCX worker its I/O loop shares with the loop's other
+actors of the same learner worker; per frame, one message of the header and the small fields
+(``ucx_setup.inline_fields``), then one per other field, sent with the session's two tags, one
+frame at a time (docs/transports.md, "Why one frame in flight"). The learner's side is ``ucx.py``.
+
+The worker is shared because making one is the dearest part of connecting: a UCX context and
+worker cost ~6 ms of CPU (~50 ms of wall time in a storm of 256 actors on 2 cores), an endpoint
+on an existing worker ~0.2 ms, and the actors of a process share one I/O loop, which the making
+blocks. With a worker per actor, 64 actors released together in one process spent 3 s of that
+loop's time making workers, while those already connected waited behind it to negotiate their
+schema and send their first step (docs/benchmarks.md, "The ucx plane's start-up storm").
 """
 
 from __future__ import annotations
@@ -12,6 +19,8 @@ import contextlib
 import os
 import select
 import socket
+import sys
+import threading
 import time
 from typing import TYPE_CHECKING, Any
 
@@ -25,6 +34,7 @@ from .ucx_setup import (
     load_ucxx,
     make_worker,
     session_tags,
+    ucx_options,
 )
 from .ucx_unexpected import DISCARD, Sweeper
 
@@ -35,18 +45,64 @@ if TYPE_CHECKING:
 __all__ = ["UcxActorPlane"]
 
 
+class _LoopWorker:
+    """The UCX context and worker through which the ucx planes of one I/O loop send to one
+    learner worker (with the same UCX options), made on that loop's thread, the only one that
+    touches it (single-thread mode). Per learner worker, not per loop: a UCX worker keeps the
+    shared memory of every peer it talked to, so one outliving the learner's recycled workers
+    would gather their mappings; this one goes with the last actor that used it."""
+
+    def __init__(self, key: tuple[Any, ...], u: Any, context: Any, worker: Any):
+        self.key = key
+        self.u, self.context, self.worker = u, context, worker
+        self.users = 0  # planes holding it; the last one to close releases it
+
+
+_workers: dict[tuple[Any, ...], _LoopWorker] = {}
+_workers_lock = threading.Lock()  # the dict is per process; each entry belongs to one loop's thread
+
+
+def _take_worker(loop: asyncio.AbstractEventLoop, peer: bytes, config: Config, loopback: bool,
+                 devices: list[str] | None) -> _LoopWorker:  # fmt: skip
+    """The worker of ``loop`` for the learner worker at address ``peer`` and these UCX options,
+    made now if there is none; pair with :func:`_give_back`. Called on ``loop``'s thread."""
+    key = (loop, os.getpid(), peer, tuple(sorted(ucx_options(config, loopback, devices).items())))
+    with _workers_lock:
+        shared = _workers.get(key)
+    if shared is None:
+        shared = _LoopWorker(key, *make_worker(config, loopback, devices))
+        with _workers_lock:
+            _workers[key] = shared
+    shared.users += 1
+    return shared
+
+
+def _give_back(shared: _LoopWorker) -> None:
+    """One plane is done with ``shared``: the last one releases the worker now (its TCP listener
+    and shared memory go with it), not whenever the objects happen to be collected."""
+    shared.users -= 1
+    if shared.users > 0:
+        return
+    with _workers_lock:
+        if _workers.get(shared.key) is shared:
+            del _workers[shared.key]
+    shared.u = shared.context = shared.worker = None
+
+
 class UcxActorPlane:
-    """The actor's side: one worker, one endpoint to the learner; sends in frame order."""
+    """The actor's side: one endpoint to the learner, on the worker its loop shares (``_LoopWorker``);
+    sends in frame order."""
 
     name = "ucx"
     # UCX workers run in single-thread mode: only the thread that made the worker (the actor's
     # I/O loop) may touch it, so callers must not send from their own threads.
     any_thread = False
 
-    def __init__(self, u: Any, context: Any, worker: Any, endpoint: Any, tags: tuple[int, int],
-                 loop: asyncio.AbstractEventLoop, config: Config, control: socket.socket | None = None):  # fmt: skip
+    def __init__(self, shared: _LoopWorker, endpoint: Any, tags: tuple[int, int], loop: asyncio.AbstractEventLoop,
+                 config: Config, control: socket.socket | None = None):  # fmt: skip
         _, self.Array = load_ucxx()
-        self.u, self._context, self.worker, self.endpoint = u, context, worker, endpoint
+        u = shared.u
+        self.u, self._shared, self.worker, self.endpoint = u, shared, shared.worker, endpoint
         self.tags = tuple(u.UCXXTag(t) for t in tags)  # indexed by kind
         # We never receive: whatever arrives at our worker is a stranger's, thrown away.
         self._sweeper = Sweeper(u, self.Array)
@@ -68,13 +124,20 @@ class UcxActorPlane:
         devices = None
         if not loopback and control is not None:  # the interface our control channel left by
             devices = await loop.run_in_executor(None, ucx_probe.net_devices, control.getsockname()[0])
-        u, context, worker = make_worker(config, loopback, devices)
-        address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
+        if "ucxx._lib.arr" not in sys.modules:  # the first ucx actor here: import ucxx (~0.5 s) off the loop
+            await loop.run_in_executor(None, load_ucxx)
+        shared = _take_worker(loop, bytes(welcome.ucx_address), config, loopback, devices)
+        u = shared.u
         try:
-            endpoint = u.UCXEndpoint.create_from_worker_address(worker, address, False)
+            address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
+            endpoint = u.UCXEndpoint.create_from_worker_address(shared.worker, address, False)
+            return cls(shared, endpoint, session_tags(session_key), loop, config, control)
         except u.UCXError as exc:  # the worker it names is gone (recycled, or its learner restarted)
+            _give_back(shared)
             raise PeerLost(f"the learner's ucx worker is unreachable ({type(exc).__name__}: {exc})") from exc
-        return cls(u, context, worker, endpoint, session_tags(session_key), loop, config, control)
+        except BaseException:
+            _give_back(shared)
+            raise
 
     def on_ready(self, *, arena: bool, direct: bool) -> None:
         """Nothing to learn from the learner's Ready on this plane."""
@@ -115,6 +178,5 @@ class UcxActorPlane:
             return
         with contextlib.suppress(Exception):  # best effort at shutdown
             self.endpoint.close_blocking(10**9, 1)  # bounded (ns): never hang on a dead peer
-        # Release the worker now (its TCP listener and shared memory), not when the Actor
-        # object happens to be collected.
-        self.endpoint = self.worker = self._context = None
+        self.endpoint = self.worker = None
+        _give_back(self._shared)

@@ -33,3 +33,4 @@ def test_an_unreachable_learner_worker_is_peer_lost(monkeypatch):
                                                                     loopback=True))  # fmt: skip
     finally:
         loop.close()
+    assert not ucx_actor._workers  # the failed connect gave back the worker it took

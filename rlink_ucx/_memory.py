@@ -85,13 +85,14 @@ class Reserve:
     array carved from it.
 
     ``ahead``: how far past what was carved the pages are kept populated (None: all of it from
-    the start). An actor's frame memory is sized for its worst case (every frame kept for
+    the start). ``lazy``: nothing at all until :meth:`keep_ahead` (an shm actor's first frame
+    buffer, whose few pages fault in as they are written). An actor's frame memory is sized for its worst case (every frame kept for
     resending) and most actors use a frame or two of it: populated whole, 64 actors of one
     process would commit 2.5 GiB.
     """
 
     def __init__(self, nbytes: int, name: str = "reserve", *, mapping: mmap.mmap | None = None, offset: int = 0,
-                 align: int = _ALIGN, ahead: int | None = None):  # fmt: skip
+                 align: int = _ALIGN, ahead: int | None = None, lazy: bool = False):  # fmt: skip
         self.size = max(0, int(nbytes))
         self._align = align
         self._name = name
@@ -104,7 +105,9 @@ class Reserve:
         self._ahead = self.size if ahead is None else max(0, int(ahead))
         self._populated = 0  # bytes handed to a populator so far
         self._populators: list[_Populator] = []
-        self._populate_to(self._ahead)
+        self._lazy = lazy  # nothing populated (not even what is carved) until keep_ahead
+        if not lazy:
+            self._populate_to(self._ahead)
 
     @property
     def free(self) -> int:
@@ -121,8 +124,15 @@ class Reserve:
         if self._all is None or start + nbytes > self.size:
             return None
         self._next = start + -(-nbytes // self._align) * self._align
-        self._populate_to(self._next + self._ahead)
+        if not self._lazy:
+            self._populate_to(self._next + self._ahead)
         return self._all[start : start + nbytes]
+
+    def keep_ahead(self, nbytes: int) -> None:
+        """From now on keep ``nbytes`` past what was carved populated (starting now; a lazy
+        reserve populates from here on, what was carved before it included)."""
+        self._ahead, self._lazy = max(0, int(nbytes)), False
+        self._populate_to(self._next + self._ahead)
 
     def _populate_to(self, end: int) -> None:
         end = min(self.size, end)

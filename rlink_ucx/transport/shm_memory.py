@@ -172,10 +172,11 @@ class Arena:
     here reach the learner with one copy, straight out of the frame buffer. Blocks are handed
     out once and live as long as the actor (frame buffers are reused, never freed)."""
 
-    def __init__(self, size: int, ahead: int | None = None):
+    def __init__(self, size: int, ahead: int | None = None, lazy: bool = False):
         self.region, self.nonce = ShmRing.create(size, ARENA_NAME)
         # Populated ``ahead`` of the frames written into it (rlink_ucx/_memory.py).
-        self._memory = Reserve(size, "arena", mapping=self.region.mm, offset=DATA_OFFSET, align=4096, ahead=ahead)
+        self._memory = Reserve(size, "arena", mapping=self.region.mm, offset=DATA_OFFSET, align=4096, ahead=ahead,
+                               lazy=lazy)  # fmt: skip
 
     def describe(self) -> list[Any]:
         assert self.region.fd is not None
@@ -184,6 +185,10 @@ class Arena:
     def block(self, nbytes: int) -> np.ndarray | None:
         """``nbytes`` of arena memory (page-aligned), or None once the arena is full."""
         return self._memory.take(nbytes)
+
+    def keep_ahead(self, nbytes: int) -> None:
+        """Populate ``nbytes`` past the blocks handed out, from now on (``Reserve.keep_ahead``)."""
+        self._memory.keep_ahead(nbytes)
 
     def close(self) -> None:
         """The actor is closing; the mapping goes once no frame buffer uses it any more."""

@@ -204,6 +204,9 @@ def test_frame_memory_lends_the_arena_only_while_frames_are_kept_for_resending()
     memory = FrameMemory(Config(resend_buffer_bytes=1 << 20, frame_bytes=64 * 1024))
     arena = memory.shared()
     assert arena is not None and memory.shared() is arena  # made once, kept across attaches
-    assert memory.take(4096) is not None
+    # Nothing of the arena is populated for its first frame buffer either; from the second on,
+    # two frames ahead of what was handed out.
+    assert memory.take(4096) is not None and arena._memory.populating == 0
+    assert memory.take(4096) is not None and arena._memory.populating == 2 * 4096 + 2 * 64 * 1024  # both blocks, and two frames
     assert memory.release() is arena and memory.arena is None
     arena.close()

@@ -41,7 +41,7 @@ import time
 from typing import Any
 
 from ..errors import ProtocolError
-from ..wire.frame import FRAME_HEADER_BYTES
+from ..wire.frame import FRAME_HEADER_BYTES, announced_payload
 from . import cma
 from .base import FrameSink
 from .shm_memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
@@ -289,6 +289,10 @@ class _Records:
             need += COUNTER.size
         return kind not in (WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME) or len(data) >= need
 
+    def written_next(self) -> bool:
+        """Whether the next record, whole and already read, is a byte count (``WRITTEN``)."""
+        return len(self._data) >= 1 + COUNTER.size and self._data[:1] == WRITTEN
+
     def buffered(self) -> bool:
         """Whether a whole byte-count record (``WRITTEN`` + counter) is already read, so reading
         it will not block."""
@@ -393,11 +397,37 @@ class ShmReceiver(SocketReceiver):
             raise ProtocolError("a frame's extents leave the actor's arena")
         return self.arena
 
+    def _land_from_ring(self, header: bytes) -> bool:
+        """A frame whose bytes are in the ring already (its byte count is the next record, sent
+        with its header), not wrapping: landed whole in one call of the session, straight from
+        the ring. False: it goes the usual way (begin, copy, end)."""
+        assert self._land is not None
+        size = announced_payload(header)  # the session checks it against the header's steps
+        if self._written - self._consumed < size and self._records.written_next():
+            self._note_written(self._records.next()[1])
+        at = self._consumed % self.ring.size
+        if self._written - self._consumed < size or at + size > self.ring.size:
+            return False
+        self._land_views(header, self.ring.views([(at, size)]))
+        self._consumed += size
+        if self._consumed - self._released >= self.ring.size // 2:  # as _read_into does
+            self._release()
+        return True
+
     def _land_from_arena(self, header: bytes, extents: list[tuple[int, int]]) -> None:
         """A frame in the actor's arena (its frame buffer: one extent per field), landed whole
         in one call of the session; the session checks the sizes against the header."""
+        self._land_views(header, self._checked_arena(extents).views(extents))
+
+    def _land_views(self, header: bytes, views: list[memoryview]) -> None:
         assert self._land is not None
-        self._land(memoryview(header), self._checked_arena(extents).views(extents))
+        try:
+            self._land(memoryview(header), views)
+        finally:
+            # A view still held (by the traceback of a frame the session refused) would keep
+            # the mapping from closing when the receiver ends.
+            for view in views:
+                view.release()
 
     def _copy_directly(self, extents: list[tuple[int, int]], views: list[memoryview]) -> None:
         if self.actor is None:
@@ -450,6 +480,8 @@ class ShmReceiver(SocketReceiver):
             return
         if kind == ARENA_FRAME and self._land is not None:
             self._land_from_arena(body, extents)
+            return
+        if kind == RING_FRAME and self._land is not None and self._land_from_ring(body):
             return
         self.frame_started = time.monotonic()
         payload = [v for v in self.sink.begin(body) if len(v)]

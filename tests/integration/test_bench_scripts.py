@@ -135,3 +135,14 @@ def test_the_soak_at_scale_kills_actor_processes_and_the_learner_and_every_step_
     for m in minutes:
         assert m["rss_mib"] > 0 and m["fds"] > 64 and m["threads"] > 0 and 0 < m["p50_ms"] <= m["p99_ms"], m
     assert "minute  rss_MiB  fds  threads" in done.stdout and "learner killed and restarted" in done.stdout
+
+
+def test_small_frames_measures_landing_against_begin_copy_end(tmp_path):
+    out = tmp_path / "sf.json"
+    _run("bench/small_frames.py", "--frames", "3000", "--per-read", "1,8", "--rounds", "1", "--json", str(out))
+    report = json.loads(out.read_text())
+    rows = {(r["per_read"], r["variant"]): r for r in report["rows"]}
+    assert set(rows) == {(1, "begin"), (1, "land"), (8, "begin"), (8, "land")}
+    for (per_read, variant), row in rows.items():
+        assert row["us_per_frame"] > 0 and row["min"] <= row["us_per_frame"] <= row["max"]
+        assert row["ratio"] == 1.0 if variant == "begin" else row["ratio"] > 0

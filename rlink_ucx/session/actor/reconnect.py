@@ -78,6 +78,9 @@ class Reconnect:
         for fut in (s.ready, s.proposal):
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
+                # Marked as seen: the next call raises s.error, and a future nobody awaits any
+                # more would print "Future exception was never retrieved" when collected.
+                fut.exception()
         with s.changed:
             s.changed.notify_all()
         with s.credit_cv:

@@ -398,10 +398,8 @@ class ShmReceiver(SocketReceiver):
         return self.arena
 
     def _land_from_ring(self, header: bytes) -> bool:
-        """A frame whose bytes are in the ring already (its byte count is the next record, sent
-        with its header), not wrapping: landed whole in one call of the session, straight from
-        the ring. False: it goes the usual way (begin, copy, end)."""
-        assert self._land is not None
+        """Land a frame already in the ring (its byte count is the next record) that does not
+        wrap, straight from the ring; False: it goes the usual way (begin, copy, end)."""
         size = announced_payload(header)  # the session checks it against the header's steps
         if self._written - self._consumed < size and self._records.written_next():
             self._note_written(self._records.next()[1])
@@ -415,17 +413,14 @@ class ShmReceiver(SocketReceiver):
         return True
 
     def _land_from_arena(self, header: bytes, extents: list[tuple[int, int]]) -> None:
-        """A frame in the actor's arena (its frame buffer: one extent per field), landed whole
-        in one call of the session; the session checks the sizes against the header."""
+        """Land a frame in the actor's arena (its frame buffer: one extent per field)."""
         self._land_views(header, self._checked_arena(extents).views(extents))
 
     def _land_views(self, header: bytes, views: list[memoryview]) -> None:
         assert self._land is not None
         try:
             self._land(memoryview(header), views)
-        finally:
-            # A view still held (by the traceback of a frame the session refused) would keep
-            # the mapping from closing when the receiver ends.
+        finally:  # a view kept (by a refusal's traceback) would keep the mapping from closing
             for view in views:
                 view.release()
 

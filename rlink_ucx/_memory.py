@@ -85,8 +85,8 @@ class Reserve:
     array carved from it.
 
     ``ahead``: how far past what was carved the pages are kept populated (None: all of it from
-    the start). ``lazy``: nothing at all until :meth:`keep_ahead` (an shm actor's first frame
-    buffer, whose few pages fault in as they are written). An actor's frame memory is sized for its worst case (every frame kept for
+    the start). ``lazy``: nothing at all until the second :meth:`take` (an shm actor's first
+    frame buffer, whose few pages fault in as they are written). An actor's frame memory is sized for its worst case (every frame kept for
     resending) and most actors use a frame or two of it: populated whole, 64 actors of one
     process would commit 2.5 GiB.
     """
@@ -105,7 +105,7 @@ class Reserve:
         self._ahead = self.size if ahead is None else max(0, int(ahead))
         self._populated = 0  # bytes handed to a populator so far
         self._populators: list[_Populator] = []
-        self._lazy = lazy  # nothing populated (not even what is carved) until keep_ahead
+        self._lazy = lazy  # nothing populated (not even what is carved) until the second take
         if not lazy:
             self._populate_to(self._ahead)
 
@@ -124,15 +124,9 @@ class Reserve:
         if self._all is None or start + nbytes > self.size:
             return None
         self._next = start + -(-nbytes // self._align) * self._align
-        if not self._lazy:
+        if not (self._lazy and start == 0):  # lazy: from the second take on, the first block included
             self._populate_to(self._next + self._ahead)
         return self._all[start : start + nbytes]
-
-    def keep_ahead(self, nbytes: int) -> None:
-        """From now on keep ``nbytes`` past what was carved populated (starting now; a lazy
-        reserve populates from here on, what was carved before it included)."""
-        self._ahead, self._lazy = max(0, int(nbytes)), False
-        self._populate_to(self._next + self._ahead)
 
     def _populate_to(self, end: int) -> None:
         end = min(self.size, end)

@@ -45,8 +45,8 @@ class FrameMemory:
         reading. None where it cannot be made (frames then go through the ring)."""
         if self.arena is None and self.config.resend_buffer_bytes > 0:
             try:
-                # Nothing populated yet: ``take`` starts that at the second frame buffer.
-                self.arena = Arena(self.nbytes, lazy=True)
+                # Nothing populated until the second frame buffer is taken (see ``take``).
+                self.arena = Arena(self.nbytes, ahead=2 * self.config.frame_bytes, lazy=True)
             except OSError as exc:
                 log.info("no shared frame buffers (%s): frames go through the ring", exc)
         return self.arena
@@ -65,13 +65,10 @@ class FrameMemory:
         second: a slow actor never needs a second buffer and touches a few pages of its first
         (each step leaves at once), and a reserve populated for it, two frames ahead, cost every
         actor 3 MiB of page faults and two threads in a storm of first puts (docs/benchmarks.md,
-        "Lockstep bursts"). The arena likewise populates nothing for the first frame buffer
+        "Lockstep bursts"). The arena (lazy) likewise populates nothing for the first frame buffer
         (its few pages are faulted in as steps are written) and keeps two frames ahead from the
         second on: 256 shm actors made 512 threads and 768 MiB of page faults in the first second."""
         if self.arena is not None:
-            if self._first_taken:
-                self.arena.keep_ahead(2 * self.config.frame_bytes)
-            self._first_taken = True
             return self.arena.block(nbytes)
         if not self._first_taken:
             self._first_taken = True

@@ -289,14 +289,10 @@ class _Records:
             need += COUNTER.size
         return kind not in (WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME) or len(data) >= need
 
-    def written_next(self) -> bool:
-        """Whether the next record, whole and already read, is a byte count (``WRITTEN``)."""
-        return len(self._data) >= 1 + COUNTER.size and self._data[:1] == WRITTEN
-
     def buffered(self) -> bool:
         """Whether a whole byte-count record (``WRITTEN`` + counter) is already read, so reading
         it will not block."""
-        return len(self._data) >= 1 + COUNTER.size
+        return len(self._data) >= 1 + COUNTER.size and self._data[:1] == WRITTEN
 
     def next(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
         """``(kind, header or counter, extents)``."""
@@ -401,7 +397,7 @@ class ShmReceiver(SocketReceiver):
         """Land a frame already in the ring (its byte count is the next record) that does not
         wrap, straight from the ring; False: it goes the usual way (begin, copy, end)."""
         size = announced_payload(header)  # the session checks it against the header's steps
-        if self._written - self._consumed < size and self._records.written_next():
+        if self._written - self._consumed < size and self._records.buffered():
             self._note_written(self._records.next()[1])
         at = self._consumed % self.ring.size
         if self._written - self._consumed < size or at + size > self.ring.size:

@@ -186,9 +186,6 @@ class Arena:
         """``nbytes`` of arena memory (page-aligned), or None once the arena is full."""
         return self._memory.take(nbytes)
 
-    def keep_ahead(self, nbytes: int) -> None:
-        """Populate ``nbytes`` past the blocks handed out, from now on (``Reserve.keep_ahead``)."""
-        self._memory.keep_ahead(nbytes)
 
     def close(self) -> None:
         """The actor is closing; the mapping goes once no frame buffer uses it any more."""

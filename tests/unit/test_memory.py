@@ -143,10 +143,9 @@ def test_a_reserve_with_ahead_commits_only_what_is_carved_plus_ahead():
     assert reserve.take(40 * mib) is None and reserve.populating == 4 * mib  # no room: nothing grows
     rest = reserve.take(36 * mib)
     assert rest is not None and reserve.populating == 40 * mib  # never past the end
-    lazy = Reserve(8 * mib, "lazy", lazy=True)
+    lazy = Reserve(8 * mib, "lazy", ahead=2 * mib, lazy=True)
     assert lazy.populating == 0 and lazy.take(mib) is not None and lazy.populating == 0  # not even what was carved
-    lazy.keep_ahead(2 * mib)
-    assert lazy.populating == 3 * mib  # from the start: what was carved, and two ahead
+    assert lazy.take(mib) is not None and lazy.populating == 4 * mib  # from the start: both blocks, and two ahead
     lazy.close()
     whole = Reserve(8 * mib, "whole")
     assert whole.populating == 8 * mib  # the default: all of it from the start

@@ -33,6 +33,7 @@ from ...wire import messages as _wire
 from ...wire.codec import Schema
 from .. import tokens
 from .admission import Admission, listen_backlog, raise_file_limit
+from .liveness import HeartbeatRounds
 from .attach import attach_data_connection
 from .credit import CreditGranter
 from .rank_link import RankLinkClient
@@ -396,13 +397,16 @@ class LearnerServer:
 
     # --- liveness and bookkeeping -------------------------------------------------------------------
     async def _heartbeat_loop(self) -> None:
-        async for late in ticks(self.config.heartbeat_interval):
+        rounds = HeartbeatRounds()  # a slice of the sessions per tick (liveness.py says why)
+        async for late in ticks(self.config.heartbeat_interval / rounds.slices):
             now = time.monotonic()
-            for session in list(self.sessions.values()):
-                session.heartbeat(now, late)
-            if self.ranks is not None:
-                self.ranks.heartbeat()
-            self.credit.reclaim_idle(now)
+            turn, owed = rounds.tick(late)
+            for session in rounds.members(turn, list(self.sessions.items())):
+                session.heartbeat(now, owed)
+            if turn == 0:
+                if self.ranks is not None:
+                    self.ranks.heartbeat()
+                self.credit.reclaim_idle(now)
 
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
         if self.sessions.pop(session.id, None) is None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import TypeVar
 
-__all__ = ["HeartbeatRounds", "SLICES"]
+__all__ = ["SLICES", "HeartbeatRounds"]
 
 SLICES = 8  # ticks per heartbeat interval; each looks at the sessions of one slice
 

@@ -33,9 +33,9 @@ from ...wire import messages as _wire
 from ...wire.codec import Schema
 from .. import tokens
 from .admission import Admission, listen_backlog, raise_file_limit
-from .liveness import HeartbeatRounds
 from .attach import attach_data_connection
 from .credit import CreditGranter
+from .liveness import HeartbeatRounds
 from .rank_link import RankLinkClient
 from .ranks import RankTable
 from .session import LearnerSession

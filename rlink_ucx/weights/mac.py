@@ -27,6 +27,7 @@ import hmac
 import os
 import secrets
 import struct
+import sys
 from typing import Any
 
 import numpy as np
@@ -94,8 +95,10 @@ def check_tags(expected: list[bytes], got: list[bytes], version: int) -> None:
 def row_hashes(flat: Any, start: int, stop: int, key: VersionKey, *, exact_float: bool = False) -> bytes:
     """Every row's ``COLUMNS`` dot products with the key matrix, as little-endian int32.
     ``exact_float``: compute in float64 (what a device does) instead of int8 products. Without
-    torch (a numpy-only actor or learner) numpy computes the same sums (:func:`_rows_numpy`)."""
-    if isinstance(flat, np.ndarray) and not have_torch():
+    torch (a numpy-only actor or learner) numpy computes the same sums (:func:`_rows_numpy`).
+    A host array is hashed by torch only where the process has imported torch already: an
+    actor that never touches torch must not pay its import (seconds, hundreds of MiB) here."""
+    if isinstance(flat, np.ndarray) and "torch" not in sys.modules:
         return _rows_numpy(flat[start:stop].view(np.int8), key)
     import torch
 
@@ -104,15 +107,6 @@ def row_hashes(flat: Any, start: int, stop: int, key: VersionKey, *, exact_float
     if data.device.type == "cpu" and not exact_float and hasattr(torch, "_int_mm"):
         return _tag_worker().submit(_rows_int8, data, key).result()
     return _rows_float64(data, key)
-
-
-@functools.cache
-def have_torch() -> bool:
-    try:
-        import torch  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 _SEGMENTS = 4  # float32 sums of ROW / 4 int8 products stay below 2**24: exact

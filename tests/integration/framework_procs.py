@@ -115,10 +115,11 @@ def actor_main(address: str, replay_address: str, fmt: str, out: Any, go: Any) -
                 tree, version = actor.get_remote_model(timeout=60, format=fmt)
                 got.append([version, describe(tree)])
                 out.put(version)  # the learner publishes the next version only now
+            torch_loaded = "torch" in sys.modules  # before the default format (torch, if installed)
             default_tree, _ = actor.get_remote_model(timeout=60)
             default = framework_of(default_tree["step"])
             stats = actor.stats()["weights"]
-        out.put({"blocked": blocked, "got": got, "default": default, "stats": stats})
+        out.put({"blocked": blocked, "got": got, "default": default, "stats": stats, "torch_loaded": torch_loaded})
     except BaseException as exc:  # the learner reports it
         out.put({"error": repr(exc)})
         raise

@@ -102,6 +102,9 @@ def test_each_framework_on_both_ends(fmt: str) -> None:
     report = run_learner(fmt)
     check(report, fmt, x64=fmt != "jax")
     assert report["actor"]["default"] == "torch"  # torch installed: get_remote_model's default stays torch
+    # An actor that asks for another format never imports torch, installed or not (the
+    # weights' tags are checked with numpy then).
+    assert report["actor"]["torch_loaded"] == (fmt == "torch")
 
 
 @pytest.mark.timeout(300)

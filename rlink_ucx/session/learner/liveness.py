@@ -2,7 +2,7 @@
 slice of them at a time.
 
 Looking at all of them on one tick sent a heartbeat to every actor at once: with 1,024 actors
-that is about 25 ms of the I/O loop holding the GIL once a second, which the receiving threads
+that held the GIL for about 35 ms once a second (docs/benchmarks.md), which the receiving threads
 and the consumer wait out (a latency spike on whatever burst of steps it meets). In slices,
 the same heartbeats go out an eighth of them at a time.
 """

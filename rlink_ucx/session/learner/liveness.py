@@ -2,9 +2,9 @@
 slice of them at a time.
 
 Looking at all of them on one tick sent a heartbeat to every actor at once: with 1,024 actors
-that held the GIL for about 35 ms once a second (docs/benchmarks.md), which the receiving threads
-and the consumer wait out (a latency spike on whatever burst of steps it meets). In slices,
-the same heartbeats go out an eighth of them at a time.
+that tick took the I/O loop about 35 ms once a second (docs/benchmarks.md), a send and a GIL
+hand-off per actor, which the receiving threads and the consumer waited out (a latency spike
+on whatever burst of steps it met). In slices, the same heartbeats go out an eighth at a time.
 """
 
 from __future__ import annotations

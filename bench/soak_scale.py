@@ -182,7 +182,12 @@ class Soak:
         self.ended = 0.0
 
     def start_learner(self) -> None:
+        # Queues of its own for each learner: a process SIGKILLed just after its queue's feeder
+        # thread wrote a message, but before that thread released the queue's write lock,
+        # leaves the lock taken for good (the harness reads "paused" and kills at once), and
+        # the next learner's "ready" then never leaves its process.
         self.learner_cmd = self.ctx.Queue()
+        self.reports = self.ctx.Queue()
         self.learner = self.ctx.Process(target=learner_main, daemon=True, args=(
             self.port, self.token, self.args.transport, self.shared, self.learner_gen, self.reports, self.learner_cmd,
             self.args.sample, auto_batch(self.args.actors, self.args.rate)))  # fmt: skip

@@ -26,7 +26,6 @@ Usage: python bench/soak.py --actors 512 [--procs 8] [--minutes 60] [--rate 5] [
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import multiprocessing as mp
 import os
@@ -41,12 +40,15 @@ import time
 
 import numpy as np
 
+from bench.soak_report import per_minute, plot, print_report, resource_slopes
+from bench.soak_watch import GcPauses, MachineCpu, StallWatch
 from rlink_ucx.bench.scale_row import auto_batch  # about 5 ms of the aggregate stream per batch
 
 GENS = 256  # generations (restarts of an actor process) counted per slot
 FIELDS = 6  # per (slot, generation): delivered, repeats, gaps, restart gap, next seq, learner that saw it last
 DELIVERED, REPEATS, GAPS, RESTART_GAP, NEXT, SEEN_BY = range(FIELDS)
 STEP_BYTES = 24  # x: 2 int64, t_ns: int64
+RESTART_SETTLES = 30.0  # seconds after a learner restart whose slow samples are the outage's
 
 
 def counters(shared) -> np.ndarray:
@@ -66,6 +68,7 @@ def learner_main(port: int, token: str, transport: str, shared, generation: int,
         reports.put(("ready", generation, None))
         lat: list[np.ndarray] = []
         last, draining = time.monotonic(), False
+        pauses, cpu_at = GcPauses(), sum(os.times()[:2])
         while True:
             try:
                 msg = cmd.get_nowait()
@@ -108,11 +111,13 @@ def learner_main(port: int, token: str, transport: str, shared, generation: int,
                 stats = learner.stats()
                 latencies = np.concatenate(lat) if lat else np.zeros(0, np.int64)
                 lat = []
+                cpu, cpu_at = sum(os.times()[:2]) - cpu_at, sum(os.times()[:2])
                 reports.put(("sample", generation, {
                     "time": time.time(), "rss_mib": rss / 2**20, "fds": len(os.listdir("/proc/self/fd")),
                     "load": os.getloadavg()[0],  # the machine's: other work on it shows in the p99
                     "threads": len(os.listdir("/proc/self/task")), "lat_ms": (latencies / 1e6).astype(np.float32),
                     "connected": stats.get("connected_actors"), "duplicate_steps": stats["total"]["duplicate_steps"],
+                    "learner_cpu": round(cpu / sample, 3), **pauses.take(),  # cores; GC since the last sample
                 }))  # fmt: skip
 
 
@@ -180,6 +185,11 @@ class Soak:
         self.learner_duplicates = 0  # duplicate_steps of the learners that were killed
         self.started = time.time()
         self.ended = 0.0
+        self.machine = MachineCpu()
+        self.watch = StallWatch(lambda: self.learner.pid if self.learner is not None else None, args.sample)
+        self.first_minute: list[np.ndarray] = []  # latencies of the first minute, for what is slow
+        self.slow_ms: float | None = None  # 2x the first minute's p99, once it is known
+        self.restarted_at = -1e9
 
     def start_learner(self) -> None:
         # Queues of its own for each learner: a process SIGKILLed just after its queue's feeder
@@ -202,10 +212,27 @@ class Soak:
             except queue.Empty:
                 continue
             if msg[0] == "sample":
-                self.samples.append({**msg[2], "learner": msg[1]})
+                self.take_sample(msg)
             elif msg[0] == kind:
                 return msg[2]
         raise TimeoutError(f"the learner did not report {kind!r} within {timeout}s")
+
+    def take_sample(self, msg: tuple) -> None:
+        """A learner's sample, with the machine's CPU by whom since the last one; a slow one
+        (or none for a while: ``StallWatch``) gets the learner's stacks dumped."""
+        sample = {**msg[2], "learner": msg[1]}
+        pids = {os.getpid(), *(p.pid for p in [self.learner, *self.procs] if p is not None)}
+        sample.update(self.machine.read(pids))
+        self.samples.append(sample)
+        lat = sample["lat_ms"]
+        if self.slow_ms is None:
+            if sample["time"] - self.started < 60:
+                self.first_minute.append(lat)
+            elif self.first_minute and len(first := np.concatenate(self.first_minute)):
+                self.slow_ms = 2 * float(np.percentile(first, 99))
+        # Steps put while a learner restarted wait for the next one: slow, and known why.
+        after_restart = time.monotonic() - self.restarted_at < RESTART_SETTLES
+        self.watch.sample(float(np.percentile(lat, 99)) if len(lat) else None, None if after_restart else self.slow_ms)
 
     def start_actors(self, p: int) -> None:
         for slot in self.groups[p]:
@@ -231,6 +258,7 @@ class Soak:
 
     def restart_learner(self) -> None:
         assert self.learner is not None and self.learner_cmd is not None
+        self.watch.paused = True  # no samples until the next learner is up
         self.learner_cmd.put("pause")
         paused = self.wait_for("paused")
         assert paused is not None
@@ -240,6 +268,8 @@ class Soak:
         self.learner.join(10)
         self.learner_gen += 1
         self.start_learner()
+        self.watch.last_sample, self.watch.paused = time.monotonic(), False
+        self.restarted_at = time.monotonic()
 
     def event(self, what: str) -> None:
         t = time.time() - self.started
@@ -251,7 +281,9 @@ class Soak:
         self.start_learner()
         for p in range(a.procs):
             self.start_actors(p)
-        self.started = time.time()
+        self.started = self.watch.started = time.time()
+        self.watch.last_sample = time.monotonic()
+        self.watch.start()
         end = self.started + a.minutes * 60
         restarts = [self.started + (i + 1) * a.minutes * 60 / (a.learner_restarts + 1)
                     for i in range(a.learner_restarts)]  # fmt: skip
@@ -279,13 +311,15 @@ class Soak:
             except queue.Empty:
                 return
             if msg[0] == "sample":
-                self.samples.append({**msg[2], "learner": msg[1]})
+                self.take_sample(msg)
             if time.monotonic() >= end:
                 return
 
     def finish(self) -> dict:
         a = self.args
         self.ended = time.time()
+        self.watch.paused = True  # the drain below is the harness's, not the stream's
+        self.watch.close()
         self.stop.value = 1
         finals: dict[tuple[int, int], dict] = {}
         while not all((self.groups[p][0], self.gen[p]) in finals for p in range(a.procs)):
@@ -340,107 +374,13 @@ class Soak:
         out = {"args": vars(self.args), "events": self.events, "totals": totals, "minutes": minutes,
                "unbalanced": [r for r in rows if not r["balanced"]][:50], "streams": len(rows),
                "actor_errors": errors, "lost_in_learner_ring_bytes": self.lost_in_learner_ring_bytes,
-               "slopes": flat}  # fmt: skip
+               "slopes": flat, "captures": self.watch.captures}  # fmt: skip
         # What restarts lost beyond what actors reported was in the killed learners' rings.
         out["restart_loss_within_rings"] = (
             totals["lost_at_learner_restart"] * STEP_BYTES <= self.lost_in_learner_ring_bytes
         )
         out["ok"] = not out["unbalanced"] and not errors and out["restart_loss_within_rings"]
         return out
-
-
-def per_minute(samples: list[dict], started: float, events: list[tuple[float, str]]) -> list[dict]:
-    """One row per minute of the run: the learner's last RSS, fds and threads in it, the p50 and
-    p99 of the steps fetched in it, and the events."""
-    rows: dict[int, dict] = {}
-    for s in samples:
-        m = max(0, int((s["time"] - started) // 60))
-        row = rows.setdefault(m, {"minute": m + 1, "lat": []})
-        row.update(rss_mib=round(s["rss_mib"], 1), fds=s["fds"], threads=s["threads"], learner=s["learner"])
-        row["load"] = max(row.get("load", 0.0), round(s.get("load", 0.0), 1))  # the minute's highest
-        row["lat"].append(s["lat_ms"])
-    out = []
-    for m in sorted(rows):
-        row = rows[m]
-        lat = np.concatenate(row.pop("lat"))
-        row["steps"] = len(lat)
-        row["p50_ms"] = round(float(np.percentile(lat, 50)), 2) if len(lat) else None
-        row["p99_ms"] = round(float(np.percentile(lat, 99)), 2) if len(lat) else None
-        row["events"] = sum(1 for t, _ in events if m * 60 <= t < (m + 1) * 60)
-        out.append(row)
-    return out
-
-
-def resource_slopes(minutes: list[dict]) -> dict:
-    """RSS and fds growth per 10 minutes after the first 5, in % of the value at minute 5 (None
-    for runs shorter than 7 minutes), and the largest minute p99 over the first minute's."""
-    later = [r for r in minutes if r["minute"] > 5]
-    out: dict = {"rss_pct_per_10min": None, "fds_pct_per_10min": None}
-    if len(later) >= 2:
-        x = np.array([r["minute"] for r in later], float)
-        for key in ("rss_mib", "fds"):
-            y = np.array([r[key] for r in later], float)
-            slope = np.polyfit(x, y, 1)[0] * 10
-            out[f"{key.split('_')[0]}_pct_per_10min"] = round(100 * slope / y[0], 2)
-    p99 = [r["p99_ms"] for r in minutes if r["p99_ms"] is not None]
-    out["p99_max_over_first"] = round(max(p99) / p99[0], 2) if len(p99) >= 2 and p99[0] else None
-    # Steps put while the learner was down wait for its successor: the minute it restarted in
-    # and the next one measure the outage, not the stream. The rest show drift, if any.
-    outage = {r["minute"] + k for a, r in itertools.pairwise(minutes) if r["learner"] != a["learner"] for k in (0, 1)}
-    steady = [r["p99_ms"] for r in minutes if r["p99_ms"] is not None and r["minute"] not in outage]
-    out["p99_max_over_first_outside_restarts"] = (
-        round(max(steady) / steady[0], 2) if len(steady) >= 2 and steady[0] else None
-    )
-    return out
-
-
-def print_report(out: dict) -> None:
-    print("\n minute  rss_MiB  fds  threads  steps  p50_ms  p99_ms  events  learner  load")
-    for r in out["minutes"]:
-        print(f"{r['minute']:>7}  {r['rss_mib']:>7}  {r['fds']:>3}  {r['threads']:>7}  {r['steps']:>5}  "
-              f"{r['p50_ms']!s:>6}  {r['p99_ms']!s:>6}  {r['events']:>6}  {r['learner']:>7}  {r['load']:>4}")  # fmt: skip
-    t = out["totals"]
-    print(f"\n[soak] {out['streams']} streams: put {t['put']:,} = delivered {t['delivered']:,} + reported lost "
-          f"{t['reported_lost']:,} + lost in kills {t['lost_in_kill']:,} + lost at the learner restart "
-          f"{t['lost_at_learner_restart']:,}; deduplicated: {t['repeats']:,} resent to a restarted learner, "
-          f"{t['learner_duplicates']:,} dropped by the learner; unbalanced streams: {len(out['unbalanced'])}; "
-          f"actor errors: {out['actor_errors'] or 'none'}")  # fmt: skip
-    print(f"[soak] slopes after minute 5: {out['slopes']}; {'OK' if out['ok'] else 'FAILED'}", flush=True)
-
-
-def plot(out: dict, path: str) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("[soak] matplotlib is not installed: no plot (pip install matplotlib)", flush=True)
-        return
-    rows = out["minutes"]
-    x = [r["minute"] for r in rows]
-    fig, axes = plt.subplots(1, 3, figsize=(14, 4))
-    axes[0].plot(x, [r["rss_mib"] for r in rows], marker="o")
-    axes[0].set_ylabel("learner RSS (MiB)")
-    axes[1].plot(x, [r["fds"] for r in rows], marker="o", label="open files")
-    axes[1].plot(x, [r["threads"] for r in rows], marker="s", label="threads")
-    axes[1].legend()
-    axes[2].plot(x, [r["p99_ms"] for r in rows], marker="o", label="p99")
-    axes[2].plot(x, [r["p50_ms"] for r in rows], marker="s", label="p50")
-    axes[2].set_yscale("log")
-    load = axes[2].twinx()  # the machine's load: other work on it shows in the p99
-    load.plot(x, [r.get("load", 0.0) for r in rows], color="grey", linestyle=":", label="load average")
-    load.set_ylabel("load average (1 min), dotted")
-    axes[2].set_ylabel("put -> fetch (ms)")
-    axes[2].legend()
-    for ax in axes:
-        ax.set_xlabel("minute")
-        ax.grid(True, alpha=0.3)
-    fig.suptitle(f"soak: {out['args']['actors']} actors, {out['args']['transport']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    print(f"[soak] plot written to {path}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -463,6 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = soak.run()
     finally:
+        soak.watch.close()
         soak.stop.value = 1
         for p in [*soak.procs, soak.learner]:
             if p is not None and p.is_alive():

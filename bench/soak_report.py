@@ -19,7 +19,9 @@ def per_minute(samples: list[dict], started: float, events: list[tuple[float, st
         row.update(rss_mib=round(s["rss_mib"], 1), fds=s["fds"], threads=s["threads"], learner=s["learner"])
         row["load"] = max(row.get("load", 0.0), round(s.get("load", 0.0), 1))  # the minute's highest
         # The busiest sample of the minute for other work and the learner's longest GC pause.
-        row["others"] = max(row.get("others", 0.0), s.get("others", 0.0))
+        if s.get("others", 0.0) >= row.get("others", 0.0):
+            row["others"] = s.get("others", 0.0)
+            row["top_others"] = s.get("top_others", [])  # named when they used over 0.3 of a core
         row["gc_max_ms"] = max(row.get("gc_max_ms", 0.0), s.get("gc_max_ms", 0.0))
         row.setdefault("learner_cpu", []).append(s.get("learner_cpu", 0.0))
         row["lat"].append(s["lat_ms"])
@@ -65,6 +67,9 @@ def print_report(out: dict) -> None:
         print(f"{r['minute']:>7}  {r['rss_mib']:>7}  {r['fds']:>3}  {r['threads']:>7}  {r['steps']:>5}  "
               f"{r['p50_ms']!s:>6}  {r['p99_ms']!s:>6}  {r['events']:>6}  {r['learner']:>7}  {r['load']:>4}  "
               f"{r['others']:>6}  {r['learner_cpu']:>5}  {r['gc_max_ms']:>6}")  # fmt: skip
+    for r in out["minutes"]:
+        if r.get("top_others"):
+            print(f"[soak] minute {r['minute']}: other work {r['others']} cores, busiest {r['top_others']}")
     for c in out.get("captures", []):
         print(f"[soak] {c['t']:7.1f}s {c['reason']}", flush=True)
     t = out["totals"]

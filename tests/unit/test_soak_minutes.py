@@ -23,11 +23,13 @@ def test_samples_fall_into_their_minute_with_its_percentiles_and_events():
     samples = [{"time": 10.0 + t, "rss_mib": 100.0 + t, "fds": 600, "threads": 9, "learner": 0, "load": t / 10,
                 "lat_ms": np.full(100, 1.0 + t), "others": t / 100, "gc_max_ms": t / 10, "learner_cpu": t / 100}
                for t in (0.0, 30.0, 65.0)]  # fmt: skip
+    samples[1]["top_others"] = [("cc1", 0.3)]
     rows = soak_scale.per_minute(samples, 10.0, [(20.0, "kill"), (61.0, "kill"), (70.0, "restart")])
     assert [r["minute"] for r in rows] == [1, 2]
     assert rows[0]["steps"] == 200 and rows[0]["p50_ms"] == 16.0 and rows[0]["rss_mib"] == 130.0
     assert rows[0]["load"] == 3.0 and rows[1]["load"] == 6.5  # the highest load average of the minute
     assert rows[0]["others"] == 0.3 and rows[0]["gc_max_ms"] == 3.0  # the minute's highest
+    assert rows[0]["top_others"] == [("cc1", 0.3)] and rows[1]["top_others"] == []  # of the busiest sample
     assert rows[0]["learner_cpu"] == 0.15 and rows[1]["learner_cpu"] == 0.65  # the minute's mean
     assert rows[1]["steps"] == 100 and rows[1]["p99_ms"] == 66.0 and rows[1]["events"] == 2
 

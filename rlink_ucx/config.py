@@ -24,7 +24,7 @@ MiB = 1024 * KiB
 
 
 _MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after",
-                "shm_direct_read", "weights_shared_memory", "rank_port_base"}  # 0 switches the feature off
+                "shm_direct_read", "weights_shared_memory", "rank_port_base", "gc_freeze"}  # 0 switches the feature off
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,6 +87,11 @@ class Config:
     max_fields: int = 256
     max_weights_bytes: int = 16 * 1024 * MiB  # largest published model an actor accepts
     max_weights_tensors: int = 100_000
+    # At the learner's first batch, move every object alive then out of the garbage
+    # collector's way (gc.freeze): a full collection holds the GIL, and with torch imported it
+    # stalled the learner's receiving for 100-270 ms several times an hour (6-14 ms after;
+    # docs/reliability.md). What is frozen is never collected, even if it becomes garbage.
+    gc_freeze: bool = True
 
     # --- weights ---------------------------------------------------------------------------
     weights_bucket_bytes: int = 32 * MiB  # one collective per bucket

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 import weakref
@@ -369,6 +370,7 @@ class StepFeed:
         self._closed = closed
         self._closers = closers
         self.released = False
+        self._freeze_gc = server.config.gc_freeze  # at the first batch (Config.gc_freeze)
 
     def release(self) -> None:
         """The dataset is done reading (closed): the learner may be read by another one."""
@@ -409,6 +411,9 @@ class StepFeed:
     def record_fetch(self, pieces: Sequence[Piece], started: float) -> None:
         """A batch of ring ``pieces`` was handed out by a fetch begun at ``started``
         (``time.monotonic()``); timed for the metrics endpoint when it is on."""
+        if self._freeze_gc:
+            self._freeze_gc = False
+            freeze_gc_once()
         if self._timings is not None:
             self._timings.record_fetch(pieces, started, time.monotonic(), time.time())
 
@@ -422,6 +427,19 @@ class StepFeed:
         possible before the first actor's schema creates the ring; the first hint wins)."""
         if self._server.batch_steps is None:
             self._server.batch_steps = batch_size
+
+
+_gc_frozen = False
+
+
+def freeze_gc_once() -> None:
+    """``gc.freeze()``, once per process: by a learner's first batch the process has imported its
+    frameworks and built its model, objects that live as long as it does; the collector then
+    walks only what came after (``Config.gc_freeze``)."""
+    global _gc_frozen
+    if not _gc_frozen:
+        _gc_frozen = True
+        gc.freeze()
 
 
 def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: MetricsServer | None,

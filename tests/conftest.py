@@ -15,6 +15,10 @@ except ImportError:  # hypothesis comes with the test extra
 for name in list(os.environ):
     if name.startswith("RLINK_"):
         del os.environ[name]
+# One pytest process runs hundreds of learners: what one test's first batch froze out of the
+# garbage collector (Config.gc_freeze) would outlive that test. The freeze itself is tested in
+# fresh interpreters (tests/integration/test_gc_freeze.py).
+os.environ["RLINK_GC_FREEZE"] = "0"
 
 
 def ucx_importable() -> bool:

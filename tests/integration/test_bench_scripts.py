@@ -146,3 +146,15 @@ def test_small_frames_measures_landing_against_begin_copy_end(tmp_path):
     for (per_read, variant), row in rows.items():
         assert row["us_per_frame"] > 0 and row["min"] <= row["us_per_frame"] <= row["max"]
         assert row["ratio"] == 1.0 if variant == "begin" else row["ratio"] > 0
+
+
+def test_burst_receive_measures_the_learners_receive_path_per_frame(tmp_path):
+    out = tmp_path / "burst.json"
+    _run("bench/burst_receive.py", "--connections", "64", "--bursts", "5", "--period", "0.2", "--per-pump", "16",
+         "--json", str(out))  # fmt: skip
+    report = json.loads(out.read_text())
+    assert report["frames"] == 64 * 3  # the bursts after the 2 warm-up ones, every frame taken
+    assert report["pumps"] == 8  # the first 8 connections get a pump each, the rest share them
+    assert report["cpu_us_per_frame"] > 0
+    p50, p90, p99 = report["latency_ms_p50_p90_p99"]
+    assert 0 < p50 <= p90 <= p99

@@ -1,0 +1,136 @@
+"""The learner's receive path alone under lockstep bursts: real sockets, real pumps, no actors.
+
+A writer process sends one one-step frame (the scale benchmark's 36-byte step) on each of N
+tcp connections per burst, every ``--period`` seconds. This process reads them with the real
+pumps, ``TcpReceiver``, ``LearnerSession`` and one ``StepRing``; a consumer thread takes batches
+and copies each field out, as a dataset does. It reports the process's CPU per frame
+(``time.process_time``; user and system from ``os.times``, in 10 ms ticks) and the put -> taken
+latency. What a 1,024-actor burst costs the learner
+can so be measured without 1,024 actor threads on the same two cores.
+
+    python bench/burst_receive.py [--connections 1024] [--bursts 10] [--period 0.5] [--per-pump 16]
+                                  [--batch 10] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import small_frames as sf  # the scale benchmark's step and a session around one receiver
+
+from rlink_ucx.store.ring import StepRing
+from rlink_ucx.transport import pump
+from rlink_ucx.wire.frame import FrameHeader
+
+WARM_BURSTS = 2  # bursts before the measured window (connections' first reads, page faults)
+
+
+def writer(port: int, connections: int, bursts: int, period: float, start: Any, ready: Any) -> None:
+    """Connect, then send one frame on every connection per burst, bursts ``period`` apart."""
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(connections)]
+    for s in socks:
+        s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    payload = bytes(sf.SCHEMA.step_bytes)
+    ready.set()
+    while start.value == 0:
+        time.sleep(0.01)
+    for b in range(bursts):
+        while (left := start.value + b * period - time.time()) > 0:
+            time.sleep(left)
+        put_us = int(time.time() * 1e6)
+        for s in socks:
+            s.sendall(FrameHeader(1, 1, sf.ACTOR, sf.INCARNATION, b, 0, len(payload), put_time_us=put_us).pack()
+                      + payload)  # fmt: skip
+    time.sleep(1.0)
+    for s in socks:
+        s.close()
+
+
+def run(connections: int, bursts: int, period: float, per_pump: int, batch: int) -> dict[str, Any]:
+    pump.PER_PUMP = per_pump
+    ctx = mp.get_context("spawn")
+    listener = socket.create_server(("127.0.0.1", 0), backlog=connections)
+    start, ready = ctx.Value("d", 0.0), ctx.Event()
+    proc = ctx.Process(target=writer, args=(listener.getsockname()[1], connections, bursts, period, start, ready))
+    proc.start()
+    ring = StepRing(sf.SCHEMA, 64 << 20, 64, chunk_steps=32)
+    receivers = []
+    for _ in range(connections):
+        sock, _ = listener.accept()
+        receiver, own_ring = sf._receiver(sock)
+        own_ring.close()
+        receiver.sink.ring = ring  # every session lands in one ring, as in a learner
+        receivers.append(receiver)
+    if not ready.wait(60):
+        raise TimeoutError("the writer did not connect")
+    for receiver in receivers:
+        receiver.start()
+    total, got, latencies = connections * bursts, 0, []
+
+    def consume() -> None:
+        nonlocal got
+        while got < total:
+            pieces, take_id = ring.take(min(batch, total - got), 30.0)
+            now = time.time()
+            for piece in pieces:
+                for f in range(len(sf.SCHEMA.fields)):
+                    ring.piece_bytes(f, piece).copy()
+                latencies.append(now - piece.put_at)
+            got += sum(p.count for p in pieces)
+            ring.release(take_id)
+
+    consumer = threading.Thread(target=consume, name="consumer")
+    consumer.start()
+    start.value = time.time() + 0.5
+    time.sleep(0.5 + WARM_BURSTS * period)
+    before, cpu_before = os.times(), time.process_time()
+    consumer.join(bursts * period + 60)
+    after, cpu = os.times(), time.process_time() - cpu_before
+    pumps = len(pump._pumps)
+    proc.join(30)
+    for receiver in receivers:
+        receiver.close()
+    ring.close()
+    listener.close()
+    if got != total:
+        raise RuntimeError(f"{got} of {total} frames taken")
+    frames = total - WARM_BURSTS * connections
+    lat_ms = np.array(latencies[WARM_BURSTS * connections :]) * 1e3
+    return {"connections": connections, "per_pump": per_pump, "pumps": pumps, "batch": batch,
+            "frames": frames, "cpu_us_per_frame": round(cpu / frames * 1e6, 1), "user_us_per_frame": round((after[0] - before[0]) / frames * 1e6, 1),
+            "sys_us_per_frame": round((after[1] - before[1]) / frames * 1e6, 1),
+            "latency_ms_p50_p90_p99": [round(float(np.percentile(lat_ms, q)), 2) for q in (50, 90, 99)]}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--connections", type=int, default=1024)
+    parser.add_argument("--bursts", type=int, default=10)
+    parser.add_argument("--period", type=float, default=0.5)
+    parser.add_argument("--per-pump", type=int, default=pump.PER_PUMP, help="connections one pump reads at most")
+    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args(argv)
+    if args.bursts <= WARM_BURSTS:
+        parser.error(f"--bursts must be more than the {WARM_BURSTS} warm-up bursts")
+    report = run(args.connections, args.bursts, args.period, args.per_pump, args.batch)
+    print(json.dumps(report), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+    return report
+
+
+if __name__ == "__main__":
+    main()

@@ -68,7 +68,7 @@ def learner_main(port: int, token: str, transport: str, shared, generation: int,
         reports.put(("ready", generation, None))
         lat: list[np.ndarray] = []
         last, draining = time.monotonic(), False
-        pauses, cpu_at = GcPauses(), sum(os.times()[:2])
+        pauses, cpu_at, cpu_then = GcPauses(), sum(os.times()[:2]), time.monotonic()
         while True:
             try:
                 msg = cmd.get_nowait()
@@ -111,13 +111,15 @@ def learner_main(port: int, token: str, transport: str, shared, generation: int,
                 stats = learner.stats()
                 latencies = np.concatenate(lat) if lat else np.zeros(0, np.int64)
                 lat = []
-                cpu, cpu_at = sum(os.times()[:2]) - cpu_at, sum(os.times()[:2])
+                cpu_now, now_s = sum(os.times()[:2]), time.monotonic()
+                cores = (cpu_now - cpu_at) / max(now_s - cpu_then, 1e-3)  # over the time it really took
+                cpu_at, cpu_then = cpu_now, now_s
                 reports.put(("sample", generation, {
                     "time": time.time(), "rss_mib": rss / 2**20, "fds": len(os.listdir("/proc/self/fd")),
                     "load": os.getloadavg()[0],  # the machine's: other work on it shows in the p99
                     "threads": len(os.listdir("/proc/self/task")), "lat_ms": (latencies / 1e6).astype(np.float32),
                     "connected": stats.get("connected_actors"), "duplicate_steps": stats["total"]["duplicate_steps"],
-                    "learner_cpu": round(cpu / sample, 3), **pauses.take(),  # cores; GC since the last sample
+                    "learner_cpu": round(cores, 3), **pauses.take(),  # GC since the last sample
                 }))  # fmt: skip
 
 

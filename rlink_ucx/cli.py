@@ -1,4 +1,4 @@
-"""The ``rlink`` command: ``info``, ``doctor``, ``smoke``, ``learner``, ``token``, ``bench``."""
+"""The ``rlink`` command: ``info``, ``doctor``, ``stats``, ``smoke``, ``learner``, ``token``, ``bench``, ``demo``."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import functools
 import json
 import logging
 import multiprocessing as mp
+import os
 import signal
 import sys
 import threading
@@ -74,12 +75,54 @@ def _doctor(args: argparse.Namespace) -> int:
     from .doctor import checks as doctor
     from .doctor import remote as doctor_learner
 
-    checks = doctor.system_checks(Config.from_env(), actors=args.actors)
-    if args.learner:
-        checks.append(doctor_learner.check_learner(args.learner, connect=Actor, attempts=args.attempts,
-                                                   timeout=args.timeout))  # fmt: skip
+    with _token_file_env(args.token_file):
+        checks = doctor.system_checks(Config.from_env(), actors=args.actors)
+        if args.learner:
+            checks.append(doctor_learner.check_learner(args.learner, connect=Actor, attempts=args.attempts,
+                                                       timeout=args.timeout))  # fmt: skip
     doctor_learner.render(checks, as_json=args.json)
     return 1 if doctor.worst(checks) == "fail" else 0
+
+
+@contextlib.contextmanager
+def _token_file_env(path: str | None) -> Iterator[None]:
+    """Meanwhile the token comes from ``path`` as if ``RLINK_TOKEN_FILE=path`` were set alone
+    (everything that reads a token, the doctor's token row included, then sees that file)."""
+    if path is None:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in ("RLINK_TOKEN", "RLINK_TOKEN_FILE")}
+    os.environ.pop("RLINK_TOKEN", None)
+    os.environ["RLINK_TOKEN_FILE"] = path
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def _stats(args: argparse.Namespace) -> int:
+    """Print a running learner job's stats: every rank, its actors, rates, staleness, weights lag."""
+    from .doctor import stats as remote_stats
+    from .errors import RLinkError
+    from .session.tokens import read_token_file, resolve_token
+
+    token = read_token_file(args.token_file) if args.token_file else resolve_token(None)
+    token = token if token is not None else remote_stats.local_token(args.address)
+    ask = functools.partial(remote_stats.fetch, token=token, timeout=args.timeout)
+    interval = args.watch if args.watch else args.interval
+    try:
+        remote_stats.watch(args.address, ask, interval=interval, out=sys.stdout, as_json=args.json,
+                           rounds=None if args.watch else 1)  # fmt: skip
+    except RLinkError as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        print(f"rlink stats: {exc}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _smoke_actor(address: str, transport: str, actor: int, steps: int, token: str | None) -> None:
@@ -212,6 +255,9 @@ def _token(args: argparse.Namespace) -> int:
     return 0
 
 
+_TOKEN_FILE_HELP = ("read the learner's token from this file (mode 0600), as RLINK_TOKEN_FILE (it wins over "
+                    "RLINK_TOKEN); without either, a loopback learner's generated token is found by its port")  # fmt: skip
+
 _NO_ARGV_TOKEN = ("--token is not accepted: a token on the command line is visible to every user in ps. "
                   "Set RLINK_TOKEN, or use --token-file PATH (make one with `rlink token --file PATH`)")  # fmt: skip
 
@@ -237,6 +283,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--actors", type=int, default=16, help="actors you expect (sizes the /dev/shm and file checks)")
     p.add_argument("--attempts", type=int, default=3, help="connections to the learner to time")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds each connection to the learner may take")
+    p.add_argument("--token-file", default=None, metavar="PATH", help=_TOKEN_FILE_HELP)
+    p = add("stats", help="a running learner's stats(): every rank of its job, actors, rates, staleness, weights lag")
+    p.add_argument("address", metavar="HOST[:PORT]", help="the learner (rank 0 of a job of many); the port defaults to 8443")
+    p.add_argument("--token-file", default=None, metavar="PATH", help=_TOKEN_FILE_HELP)
+    p.add_argument("--json", action="store_true", help="print JSON (the table's rows and every rank's full stats())")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between the two readings that give the rates")
+    p.add_argument("--watch", type=float, default=None, metavar="SECONDS",
+                   help="print again every SECONDS (rates over each period) until Ctrl-C")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds each connection to a learner may take")
     p = add("smoke", help="stream steps from actor processes to a learner and verify them")
     p.add_argument("--actors", type=int, default=2, help="actor processes")
     p.add_argument("--steps", type=int, default=50_000, help="steps per actor")
@@ -274,8 +329,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     if getattr(args, "token", None) is not None:
         parser.error(_NO_ARGV_TOKEN)  # never echoes the value
-    handlers: dict[str, Any] = {"info": _info, "doctor": _doctor, "smoke": _smoke, "learner": _learner,
-                                "token": _token}  # fmt: skip
+    handlers: dict[str, Any] = {"info": _info, "doctor": _doctor, "stats": _stats, "smoke": _smoke,
+                                "learner": _learner, "token": _token}  # fmt: skip
     try:
         if args.command == "bench":
             return _bench(args, [r for r in rest if r != "--"])

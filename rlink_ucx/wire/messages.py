@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -308,11 +308,23 @@ class AttachProof(_Msg, frozen=True):
     mac: bytes
 
 
+# --- status (read-only, after Login) ---------------------------------------------------------
+class StatsRequest(_Msg, frozen=True):
+    """A client (``rlink stats``) -> learner, after Login: send your ``stats()``. The reply
+    ends the connection."""
+
+
+class StatsReply(_Msg, frozen=True):
+    """Learner -> client: ``Learner.stats()`` as it is now (plain data)."""
+
+    stats: dict[str, Any]
+
+
 Message: TypeAlias = (
     Challenge | Login | Proof | Attach | Hello | Welcome | Propose | Accept | Reject | Ready | Credit | Sync | Ack |
     Heartbeat | Bye | Error | Subscribe | Version | Group | Publish | Sealed | Got | Pull | Revoke | Returned |
     KeyedSubscribe | KeyedPull | WeightsKey | Seal | StoreRequest | StoreReply | AttachProof | Mapped | Redirect |
-    RankHello | RankWelcome | RankActors
+    RankHello | RankWelcome | RankActors | StatsRequest | StatsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import functools
 import itertools
 import logging
@@ -221,6 +222,9 @@ class LearnerServer:
                 assert self.ranks is not None
                 await self.ranks.serve(conn, result)
                 return
+            if isinstance(result, _wire.StatsRequest):  # `rlink stats`
+                await self._answer_stats(conn)
+                return
             session = result
             await session.serve()
         except AuthError as exc:
@@ -247,8 +251,16 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
+    async def _answer_stats(self, conn: ControlConnection) -> None:
+        """Send ``stats()`` to an authenticated client, then wait (bounded) for it to close: a
+        reply larger than the socket's buffer is still being written when ``send`` returns."""
+        conn.send(_wire.StatsReply(self.snapshot()))
+        with contextlib.suppress(TimeoutError, PeerLost, ProtocolError, OSError):
+            async with asyncio.timeout(self.config.handshake_timeout):
+                await conn.recv(self.config.max_preauth_bytes)
+
     async def _handshake(self, conn: ControlConnection
-                         ) -> LearnerSession | tuple[Member, int] | _wire.RankHello | None:  # fmt: skip
+                         ) -> LearnerSession | tuple[Member, int] | _wire.RankHello | _wire.StatsRequest | None:  # fmt: skip
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
@@ -279,6 +291,8 @@ class LearnerServer:
             if self.ranks is None:
                 raise Refused(f"a learner rank linked to rank {self.rank} of {self.world}: only rank 0 of a job of "
                               "many learners takes ranks (are two jobs given the same address?)")  # fmt: skip
+            return hello
+        if isinstance(hello, _wire.StatsRequest):
             return hello
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")

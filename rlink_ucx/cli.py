@@ -80,6 +80,8 @@ def _doctor(args: argparse.Namespace) -> int:
         if args.learner:
             checks.append(doctor_learner.check_learner(args.learner, connect=Actor, attempts=args.attempts,
                                                        timeout=args.timeout))  # fmt: skip
+            if checks[-1].status != "fail":
+                checks.append(doctor_learner.check_job(args.learner, _stats_asker(args.learner, None, args.timeout)))
     doctor_learner.render(checks, as_json=args.json)
     return 1 if doctor.worst(checks) == "fail" else 0
 
@@ -104,15 +106,23 @@ def _token_file_env(path: str | None) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def _stats_asker(address: str, token_file: str | None, timeout: float) -> Any:
+    """``fetch`` with the token: from ``token_file``, else RLINK_TOKEN / RLINK_TOKEN_FILE, else
+    the one a loopback learner generated for its port (rank 0's, for every rank of a job)."""
+    from .doctor import stats as remote_stats
+    from .session.tokens import read_token_file, resolve_token
+
+    token = read_token_file(token_file) if token_file else resolve_token(None)
+    token = token if token is not None else remote_stats.local_token(address)
+    return functools.partial(remote_stats.fetch, token=token, timeout=timeout)
+
+
 def _stats(args: argparse.Namespace) -> int:
     """Print a running learner job's stats: every rank, its actors, rates, staleness, weights lag."""
     from .doctor import stats as remote_stats
     from .errors import RLinkError
-    from .session.tokens import read_token_file, resolve_token
 
-    token = read_token_file(args.token_file) if args.token_file else resolve_token(None)
-    token = token if token is not None else remote_stats.local_token(args.address)
-    ask = functools.partial(remote_stats.fetch, token=token, timeout=args.timeout)
+    ask = _stats_asker(args.address, args.token_file, args.timeout)
     interval = args.watch if args.watch else args.interval
     try:
         remote_stats.watch(args.address, ask, interval=interval, out=sys.stdout, as_json=args.json,

@@ -13,6 +13,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import AbstractContextManager
 from typing import Any, Protocol, TextIO
 
@@ -22,6 +23,7 @@ from ..errors import AuthError, ConfigError, ConnectError, RLinkError
 from ..session.actor.connect import Rejected
 from ..transport.address import format_address, parse_endpoint
 from .checks import Check, worst
+from .stats import job
 
 
 class Connected(Protocol):
@@ -83,6 +85,31 @@ def check_learner(address: str, *, connect: Connect, attempts: int = 3, timeout:
                f"connect {rtt:.1f} ms (median of {len(times)}: TCP, mutual auth, session, plane attach)")
     advice = "" if rtt < 250 else "a slow connect: a distant or overloaded learner (see its stats and logs)"
     return Check("learner", "ok" if rtt < 250 else "warn", summary, advice, data)
+
+
+def check_job(address: str, ask: Callable[[str], dict[str, Any]]) -> Check:
+    """The learner's job as its ``stats()`` tell: how many ranks, where each listens, how many
+    actors each serves now (``rlink stats`` adds rates, staleness and weights lag)."""
+    try:
+        rows = job(address, ask)
+    except RLinkError as exc:
+        return Check("learner_job", "warn", f"could not read the learner's stats: {exc}",
+                     "the stats request needs the same token as an actor (--token-file PATH)", {"error": str(exc)})  # fmt: skip
+    first = rows[0]
+    world = int(first.get("world_size", 1))
+    placed = [{"rank": int(r.get("rank", 0)), "address": r.get("address"), "actors": r.get("connected_actors"),
+               "error": r.get("error")} for r in rows]  # fmt: skip
+    data = {"world_size": world, "ranks": placed}
+    if world == 1:
+        return Check("learner_job", "ok", f"a lone learner (rank 0 of 1) serving {first['connected_actors']} actors", "", data)
+    where = "; ".join(f"rank {p['rank']} at {p['address']}: " + (f"{p['actors']} actors" if not p["error"] else
+                      f"unreachable ({p['error']})") for p in placed)  # fmt: skip
+    summary = f"a job of {world} learner ranks; rank 0 places each actor on one: {where}"
+    missing = world - len(placed)
+    if missing or any(p["error"] for p in placed):
+        return Check("learner_job", "warn", summary + (f"; {missing} rank(s) not linked to rank 0" if missing else ""),
+                     "a rank that has not linked to rank 0 gets no actors: see that rank's log", data)  # fmt: skip
+    return Check("learner_job", "ok", summary, "", data)
 
 
 def report(checks: list[Check]) -> dict[str, Any]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TextIO
 
 from ..config import Config
-from ..errors import AuthError, ConnectError, ProtocolError
+from ..errors import AuthError, ConnectError, ProtocolError, RLinkError
 from ..session import tokens
 from ..transport.address import format_address, is_loopback, parse_endpoint
 from ..wire import auth as _auth
@@ -45,6 +45,8 @@ def fetch(address: str, *, token: bytes | None, timeout: float = 10.0, config: C
         with socket.create_connection((host, port), timeout=timeout) as sock:
             sock.settimeout(timeout)
             return _ask(sock, host, port, token, config)
+    except RLinkError:  # some derive from OSError too: they say more than "no answer"
+        raise
     except (TimeoutError, OSError) as exc:
         raise ConnectError(f"no answer from a learner at {where} within {timeout:g}s: {exc}") from exc
 
@@ -81,8 +83,11 @@ def local_token(address: str, config: Config | None = None) -> bytes | None:
 
 def _reply(sock: socket.socket, where: str, kind: type[Any]) -> Any:
     msg = _wire.read_message(sock, MAX_REPLY_BYTES)
+    if isinstance(msg, _wire.Error) and msg.kind == "auth":
+        raise AuthError(f"the learner at {where} refused the token ({msg.text}): give the learner's token with "
+                        "--token-file PATH or RLINK_TOKEN / RLINK_TOKEN_FILE")  # fmt: skip
     if isinstance(msg, _wire.Error):
-        raise (AuthError if msg.kind == "auth" else ProtocolError)(f"the learner at {where} refused: {msg.text}")
+        raise ProtocolError(f"the learner at {where} refused: {msg.text}")
     if not isinstance(msg, kind):
         raise ProtocolError(f"expected {kind.__name__} from {where}, got {type(msg).__name__}")
     return msg

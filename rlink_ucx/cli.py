@@ -278,7 +278,9 @@ def _bench(args: argparse.Namespace, rest: list[str]) -> int:
     return bench_main(rest)
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlink`` command's parser (``bench`` and ``demo`` parse their own options; docs/cli.md
+    is generated from all of them by ci/cli_reference.py)."""
     parser = argparse.ArgumentParser(prog="rlink", description="rlink_ucx: actors -> learner over UCX or TCP")
     parser.add_argument("--version", action="version", version=__version__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log at INFO level (connections, data planes)")
@@ -288,14 +290,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p = add("doctor", help="check UCX, RDMA, CUDA, /dev/shm, limits and tokens (and a learner); advise")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.add_argument("--learner", default=None, metavar="HOST:PORT",
-                   help="also connect to this learner as an actor would: reachability, auth, data plane, connect time")
+    p.add_argument("--learner", default=None, metavar="HOST[:PORT]",
+                   help="also connect to this learner as an actor would: reachability, auth, data plane, connect "
+                        "time, and its job's ranks and placement (no port: 8443)")  # fmt: skip
     p.add_argument("--actors", type=int, default=16, help="actors you expect (sizes the /dev/shm and file checks)")
     p.add_argument("--attempts", type=int, default=3, help="connections to the learner to time")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds each connection to the learner may take")
     p.add_argument("--token-file", default=None, metavar="PATH", help=_TOKEN_FILE_HELP)
     p = add("stats", help="a running learner's stats(): every rank of its job, actors, rates, staleness, weights lag")
-    p.add_argument("address", metavar="HOST[:PORT]", help="the learner (rank 0 of a job of many); the port defaults to 8443")
+    p.add_argument("address", metavar="HOST[:PORT]", help="the learner (rank 0 of a job of many; no port: 8443)")
     p.add_argument("--token-file", default=None, metavar="PATH", help=_TOKEN_FILE_HELP)
     p.add_argument("--json", action="store_true", help="print JSON (the table's rows and every rank's full stats())")
     p.add_argument("--interval", type=float, default=1.0, help="seconds between the two readings that give the rates")
@@ -308,7 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--transport", default="auto", choices=list(TRANSPORTS), help=TRANSPORT_HELP)
     p = add("learner", help="run a standalone learner that drains and logs")
     p.add_argument("--address", default="127.0.0.1:8443",
-                   help="host:port to listen on (port 0: any free port; a non-loopback host needs a token)")
+                   help="host[:port] to listen on (no port: 8443; port 0: any free port; a non-loopback host needs "
+                        "a token)")  # fmt: skip
     p.add_argument("--token", default=None, metavar="-",
                    help="not accepted (argv shows in ps): set RLINK_TOKEN or use --token-file")
     p.add_argument("--token-file", default=None, metavar="PATH",
@@ -328,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--file", default=None, metavar="PATH", help="write it to this new file (mode 0600) instead")
     sub.add_parser("bench", help="rlink vs the physical limits and its peers (see `rlink bench --help`)", add_help=False)
     sub.add_parser("demo", help="train PPO on CartPole with actor processes (see `rlink demo --help`)", add_help=False)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose or args.command == "learner" else logging.WARNING,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip

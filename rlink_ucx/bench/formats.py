@@ -26,19 +26,25 @@ from .workloads import ATARI, CARTPOLE
 ROWS = ((ATARI, 32), (CARTPOLE, 256))
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlink bench --suite formats`` options (docs/cli.md is generated from them)."""
     parser = argparse.ArgumentParser(prog="rlink bench --suite formats", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--formats", default=",".join(FORMATS), help="comma list; torch is the baseline")
-    parser.add_argument("--actors", type=int, default=1)
-    parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--window", type=float, default=0.6)
-    parser.add_argument("--warmup", type=float, default=0.5)
+    parser.add_argument("--actors", type=int, default=1, help="actor processes streaming to the learner")
+    parser.add_argument("--reps", type=int, default=3, help="repetitions (windows) per format")
+    parser.add_argument("--window", type=float, default=0.6, help="seconds per repetition")
+    parser.add_argument("--warmup", type=float, default=0.5, help="seconds dropped at the start of each run")
     parser.add_argument("--rounds", type=int, default=3,
                         help="rounds over the formats, interleaved (a busy machine's drift hits each alike); "
                              "each format's median over them is compared")  # fmt: skip
     parser.add_argument("--handover-only", action="store_true", help="only the in-process handover cost (seconds)")
     parser.add_argument("--json", help="write the records (a JSON list) here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
     timing = Timing(warmup=args.warmup, window=args.window, reps=args.reps, timeout=60.0)

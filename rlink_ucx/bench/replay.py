@@ -40,7 +40,8 @@ MEASURES = ("uniform", "prioritized", "insert", "checkpoint")
 REVERB_SIDE = Path(SOURCE_ROOT, "bench", "reverb_side.py")  # runs in Reverb's interpreter, not this one
 
 
-def parse(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlink bench --suite replay`` options (docs/cli.md is generated from them)."""
     parser = argparse.ArgumentParser(prog="rlink bench --suite replay", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--suite", choices=["replay"], default="replay", help=argparse.SUPPRESS)
@@ -50,7 +51,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--atari-capacity", type=int, default=20_000, help="uniform: steps held [20000]")
     parser.add_argument("--capacity", type=int, default=1_000_000, help="prioritized: capacity [1000000]")
     parser.add_argument("--ckpt-gb", type=float, default=4.0, help="checkpoint: table size, GB [4]")
-    parser.add_argument("--ckpt-dir", default=tempfile.gettempdir(), help="checkpoint: where the files go")
+    parser.add_argument("--ckpt-dir", default=None, help="checkpoint: where the files go [the temporary directory]")
     parser.add_argument("--seconds", type=float, default=3.0, help="uniform / insert: seconds per run [3]")
     parser.add_argument("--reps", type=int, default=2, help="insert / checkpoint: alternating runs [2]")
     parser.add_argument("--prioritized-reps", type=int, default=2000, help="prioritized: timed calls [2000]")
@@ -65,6 +66,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(
         "--json", nargs="?", const="-", default=None, help="write the report as JSON (to PATH or stdout)"
     )
+    return parser
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = build_parser()
     if "--quick" in (argv or []):  # smaller defaults; sizes given on the command line still win
         parser.set_defaults(
             atari_capacity=2000, capacity=100_000, ckpt_gb=0.2, seconds=1.0, reps=1, prioritized_reps=300
@@ -72,6 +78,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.reverb and not REVERB_SIDE.is_file():
         parser.error(f"--reverb: {REVERB_SIDE.relative_to(SOURCE_ROOT)} is not in the installed wheel: {CHECKOUT}")
+    args.ckpt_dir = args.ckpt_dir or tempfile.gettempdir()
     args.only = [m.strip() for m in args.only.split(",") if m.strip()]
     bad = [m for m in args.only if m not in MEASURES]
     if bad or not args.only:

@@ -72,7 +72,8 @@ def _transports(value: str) -> list[str]:
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlink bench --suite scale`` options (docs/cli.md is generated from them)."""
     parser = argparse.ArgumentParser(prog="rlink bench --suite scale", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     parser.add_argument("--actors", default="1,16,64,256", help="comma list of actor counts N (default 1,16,64,256)")
@@ -93,6 +94,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=120.0, help="limit of one row, seconds (default 120)")
     parser.add_argument("--json", help="write the machine, the arguments and the rows here")
     parser.add_argument("--plot", help="write a PNG of latency p50/p99 and learner CPU against N here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     try:
         counts = [int(a) for a in args.actors.split(",") if a.strip()]

@@ -56,6 +56,41 @@ def _names(value: str, known: list[str], what: str) -> list[str]:
     return out
 
 
+def row_label(workload: str, system: str, actors: int) -> str:
+    """A progress line's columns: workload, system, actor processes (``x4``), apart."""
+    return f"{workload:<9}{system:<16}x{actors}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlink bench`` options (docs/cli.md is generated from them; each other suite has its own)."""
+    parser = argparse.ArgumentParser(prog="rlink bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
+    parser.add_argument("--suite", choices=SUITES, default="default",
+                        help="default: this suite; scale: many actors into one learner (rlink bench --suite scale --help); "
+                        "replay: the replay table (rlink bench --suite replay --help); formats: batches as torch, "
+                        "numpy, JAX, TensorFlow (rlink bench --suite formats --help)")  # fmt: skip
+    parser.add_argument("--quick", action="store_true", help="a few rows per system, 1 short rep (< 60 s)")
+    parser.add_argument("--systems", default=",".join([*SYSTEMS, FANOUT]), help="comma list (default: all)")
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list (default: all)")
+    parser.add_argument("--actors", default="1,4", help="actor processes for rlink rows")
+    parser.add_argument("--chunk", type=int, default=1, help="steps per send call, for every system")
+    parser.add_argument("--reps", type=int, help="repetitions (windows) per row [3; --quick 1]")
+    parser.add_argument("--warmup", type=float, help="seconds dropped at the start of each row [0.5; --quick 0.15]")
+    parser.add_argument("--window", type=float, help="seconds per repetition [0.6; --quick 0.3]")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="run the whole plan this many times (interleaved) and pool the windows")
+    parser.add_argument("--timeout", type=float, help="limit of any single wait, seconds [60; --quick 20]")
+    parser.add_argument("--fanout-mb", type=int, help="fan-out state size [100; --quick 16]")
+    parser.add_argument("--fanout-subscribers", type=int, default=3, help="actors receiving the fan-out")
+    parser.add_argument("--fanout-reps", type=int, help="fan-out repetitions [5; --quick 1]")
+    parser.add_argument("--rlink-api", choices=["auto", "put", "put_many"], default="auto",
+                        help="rlink actor call: auto = put for --chunk 1, else put_many")
+    parser.add_argument("--ray-in-flight", type=int, default=8, help="pending .remote() calls per Ray sender")
+    parser.add_argument("--json", help="write the records (a JSON list) here")
+    parser.add_argument("--plot", help="write a PNG of throughput vs size here")
+    return parser
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     pre = argparse.ArgumentParser(add_help=False)
@@ -73,30 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         from .formats import main as formats_main
 
         return formats_main(rest)
-    parser = argparse.ArgumentParser(prog="rlink bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
-    parser.add_argument("--suite", choices=SUITES, default="default",
-                        help="default: this suite; scale: many actors into one learner (rlink bench --suite scale --help); "
-                        "replay: the replay table (rlink bench --suite replay --help)")  # fmt: skip
-    parser.add_argument("--quick", action="store_true", help="a few rows per system, 1 short rep (< 60 s)")
-    parser.add_argument("--systems", default=",".join([*SYSTEMS, FANOUT]), help="comma list (default: all)")
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list (default: all)")
-    parser.add_argument("--actors", default="1,4", help="actor processes for rlink rows")
-    parser.add_argument("--chunk", type=int, default=1, help="steps per send call, for every system")
-    parser.add_argument("--reps", type=int, help="repetitions (windows) per row [3; --quick 1]")
-    parser.add_argument("--warmup", type=float, help="seconds dropped at the start of each row [0.5; --quick 0.15]")
-    parser.add_argument("--window", type=float, help="seconds per repetition [0.6; --quick 0.3]")
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="run the whole plan this many times (interleaved) and pool the windows")
-    parser.add_argument("--timeout", type=float, help="limit of any single wait, seconds [60; --quick 20]")
-    parser.add_argument("--fanout-mb", type=int, help="fan-out state size [100; --quick 16]")
-    parser.add_argument("--fanout-subscribers", type=int, default=3)
-    parser.add_argument("--fanout-reps", type=int, help="[5; --quick 1]")
-    parser.add_argument("--rlink-api", choices=["auto", "put", "put_many"], default="auto",
-                        help="rlink actor call: auto = put for --chunk 1, else put_many")
-    parser.add_argument("--ray-in-flight", type=int, default=8, help="pending .remote() calls per Ray sender")
-    parser.add_argument("--json", help="write the records (a JSON list) here")
-    parser.add_argument("--plot", help="write a PNG of throughput vs size here")
+    parser = build_parser()
     args = parser.parse_args(argv)
     args.systems = _names(args.systems, [*SYSTEMS, FANOUT], "system")
     args.workloads = _names(args.workloads, list(WORKLOADS), "workload")
@@ -130,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             t0 = time.monotonic()
             rec = run_one(key, workload, timing, actors)
             rows.setdefault((key, wname, actors), []).append(rec)
-            print(f"[{i + 1}/{len(runs)}] {wname:<9}{key:<15}x{actors}  " + _summary(rec)
+            print(f"[{i + 1}/{len(runs)}] {row_label(wname, key, actors)}  " + _summary(rec)
                   + f"  ({time.monotonic() - t0:.1f}s)", flush=True)  # fmt: skip
         if not fanout_done:
             records += _fanout(args, quick)

@@ -112,8 +112,17 @@ def missing(system: System) -> str | None:
             return "no memfd shared memory here (Linux only)"
     for module in system.requires:
         if not installed(module):
-            return f"{module} not installed (pip install 'rlink-ucx[bench]')"
+            return f"{module} not installed ({_install(module)})"
     return None
+
+
+def _install(module: str) -> str:
+    """The install command that brings ``module``: ucxx comes with the ucx extras, the peers with bench."""
+    if module == "ucxx":
+        from ..transport import UCX_INSTALL
+
+        return UCX_INSTALL
+    return "pip install 'rlink-ucx[bench]'"
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, str, int]]:

@@ -26,7 +26,8 @@ from ..transport import TRANSPORT_HELP, TRANSPORTS
 from .parts import Setup, kill_one_actor, progress_values, random_return, report, start_actors, stop_actors, summarize
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``rlink demo`` options (docs/cli.md is generated from them)."""
     p = argparse.ArgumentParser(prog="rlink demo", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)  # fmt: skip
     p.add_argument("--actors", type=int, default=None, help="actor processes (default 4; 2 with --quick)")
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--plain", action="store_true", help="plain progress lines even on a terminal")
     p.add_argument("--kill-one-actor-after", type=float, default=None, metavar="SECONDS",
                    help="SIGKILL one actor process after this long (once all are streaming), to watch the run carry on")  # fmt: skip
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.actors is None:
         args.actors = 2 if args.quick else 4

@@ -7,7 +7,8 @@ bits) and hands it over without a copy where the framework allows one:
 
 - ``numpy``: the view itself.
 - ``torch``: ``torch.from_numpy`` (a view).
-- ``tensorflow``: DLPack (a view) on CPU. bfloat16 is bit-cast by TensorFlow (a copy).
+- ``tensorflow``: DLPack (a view) on CPU. bfloat16 is bit-cast by TensorFlow (a copy); data
+  not 64-byte aligned is copied (TensorFlow's kernels abort on it).
 - ``jax``: DLPack on CPU, which XLA takes without a copy only from 64-byte aligned memory (rlink's
   staging buffers are aligned; a buffer that is not is copied by JAX). Copies: 64-bit types
   while ``jax_enable_x64`` is off (JAX makes them 32-bit), bfloat16 and bool (no DLPack path).
@@ -167,6 +168,9 @@ def _jax_dlpack_import() -> Any:
     return lambda capsule, device: _jax.dlpack_managed_tensor_to_buffer(capsule, device, None, None)
 
 
+TF_ALIGN_BYTES = 64  # Eigen's largest alignment (AVX-512)
+
+
 class TensorFlowAdapter(Adapter):
     format = "tensorflow"
 
@@ -190,11 +194,16 @@ class TensorFlowAdapter(Adapter):
         if dtype in self._copied:
             with tf.device(self.device):
                 return tf.identity(tf.convert_to_tensor(view if dtype != "bfloat16" else view.view(np.int16)))
-        try:
-            out = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
-        except (BufferError, TypeError, RuntimeError, ValueError, tf.errors.InvalidArgumentError):
-            self._copied.add(dtype)
-            return self.array(view, dtype)
+        if view.size and view.ctypes.data % TF_ALIGN_BYTES:
+            # TensorFlow's kernels take tensor data as aligned (Eigen) and abort the process on
+            # a DLPack view that is not, e.g. a weights leaf at an odd offset: copy that one.
+            out = tf.constant(view)
+        else:
+            try:
+                out = tf.experimental.dlpack.from_dlpack(view.__dlpack__())
+            except (BufferError, TypeError, RuntimeError, ValueError, tf.errors.InvalidArgumentError):
+                self._copied.add(dtype)
+                return self.array(view, dtype)
         if dtype == "bfloat16":  # uint16 bits -> bfloat16 (a copy: TensorFlow's bitcast)
             out = tf.bitcast(out, tf.bfloat16)
         if self.host:

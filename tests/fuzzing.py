@@ -75,7 +75,7 @@ def valid_examples() -> list[Any]:
         _wire.StoreReply(1, True, [b"addr"], 0, ""), _wire.AttachProof(mac),
         _wire.Mapped(manifest, [os.getpid(), 3, bytes(16), 16]),
         _wire.Redirect(1, "127.0.0.1", 9, 7), _wire.RankHello(1, 2, "127.0.0.1", 9), _wire.RankWelcome(2),
-        _wire.RankActors([1, 2, 3]),
+        _wire.RankActors([1, 2, 3]), _wire.StatsRequest(), _wire.StatsReply({"rank": 0, "actors": [], "ranks": {1: {}}}),
     ]  # fmt: skip
 
 
@@ -294,6 +294,8 @@ class Lab:
             if isinstance(result, LearnerSession):
                 result.close("fuzzing", lost=False)
                 return "session"
+            if isinstance(result, _wire.StatsRequest):  # answered by the caller, as `rlink stats` asks
+                return "stats"
             return "pull" if isinstance(result, tuple) else "attached"
         finally:
             task.cancel()

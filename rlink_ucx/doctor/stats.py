@@ -9,6 +9,7 @@ from two such rounds ``interval`` seconds apart: the learner keeps only counters
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import time
@@ -127,7 +128,7 @@ class RankView:
     error: str = ""
 
     def as_dict(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return dataclasses.asdict(self)
 
 
 def view(before: list[dict[str, Any]], after: list[dict[str, Any]], seconds: float) -> list[RankView]:

@@ -90,6 +90,16 @@ def test_stats_of_a_lone_learner_with_its_token_file_as_json_text_and_watch(tmp_
         none = rlink("stats", address)  # no token anywhere: said so, not a hang
         assert none.returncode == 1 and "requires a token" in none.stderr, none
 
+        doctor = rlink("doctor", "--json", "--learner", address, "--attempts", "1", "--token-file", str(token_file),
+                       timeout=120)  # fmt: skip
+        checks = json.loads(doctor.stdout)["checks"]
+        assert checks["learner"]["status"] in ("ok", "warn") and checks["learner"]["auth"] == "ok", checks["learner"]
+        assert checks["token"]["source"] == "RLINK_TOKEN_FILE", checks["token"]  # the row sees the same file
+        assert checks["learner_job"]["world_size"] == 1 and "a lone learner" in checks["learner_job"]["summary"]
+        refused = json.loads(rlink("doctor", "--json", "--learner", address, "--attempts", "1", "--token-file",
+                                   str(wrong), timeout=120).stdout)["checks"]  # fmt: skip
+        assert refused["learner"]["auth"] == "failed" and "learner_job" not in refused, refused["learner"]
+
         watching = subprocess.Popen([sys.executable, "-m", "rlink_ucx", "stats", address, "--json", "--watch", "0.5",
                                      "--token-file", str(token_file)], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True)  # fmt: skip

@@ -10,7 +10,9 @@ A marker on the line before a block (blank lines allowed) says what the block is
     <!-- example: fragment WHY -->                    not meant to run on its own (WHY is required)
     <!-- example: elsewhere tests/PATH -->            run as written by that test
 
-An unmarked block fails the test. Each program runs in a fresh folder that is also its HOME,
+``<!-- examples: ROLE ... -->`` (anywhere in a page) gives every block of the page without a
+marker of its own that role: ``examples: elsewhere tests/PATH`` for a page whose blocks one test
+runs together. An unmarked block fails the test. Each program runs in a fresh folder that is also its HOME,
 with a 0600 ``~/.rlink-token`` (what the docs make with ``rlink token --file ~/.rlink-token``)
 and no RLINK_* variables; the only edits are the ones a reader makes on a single host: a
 learner's ``:8443`` becomes ``:0`` (any free port) and an actor's ``learner-host:8443`` the
@@ -31,6 +33,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 ROLES = ("run", "learner", "actor", "fragment", "elsewhere")
 _MARKER = re.compile(r"^<!--\s*example:\s*(\S+)\s*(.*?)\s*-->\s*$")
+_PAGE_MARKER = re.compile(r"^<!--\s*examples:\s*(\S+)\s*(.*?)\s*-->\s*$")
 
 
 @dataclass
@@ -55,6 +58,7 @@ def doc_files() -> list[Path]:
 def blocks(path: Path) -> list[Block]:
     """Every ```python block of ``path`` with its marker (if any)."""
     lines = path.read_text().splitlines()
+    page = next((m for m in (_PAGE_MARKER.match(line.strip()) for line in lines) if m), None)
     out: list[Block] = []
     i = 0
     while i < len(lines):
@@ -66,8 +70,8 @@ def blocks(path: Path) -> list[Block]:
         block = Block(str(path.relative_to(ROOT)), start + 1, "\n".join(lines[start + 1:end]) + "\n")
         before = next((lines[j] for j in range(start - 1, -1, -1) if lines[j].strip()), "")
         marker = _MARKER.match(before.strip())
-        if marker:
-            _read_marker(block, marker.group(1), marker.group(2))
+        if marker or page:
+            _read_marker(block, *(marker or page).groups())
         out.append(block)
         i = end + 1
     return out

@@ -38,19 +38,26 @@ def test_every_python_block_is_marked_and_fragments_are_the_exception():
     fragments = [b.where for b in BLOCKS if b.role == "fragment"]
     assert len(fragments) <= len(BLOCKS) // 4, fragments
     for path in doc_examples.doc_files():  # a marker must sit on a block: none is left dangling
-        markers = sum(1 for line in path.read_text().splitlines() if line.strip().startswith("<!-- example:"))
-        assert markers == sum(1 for b in BLOCKS if b.path == str(path.relative_to(ROOT)) and b.role), path
+        lines = path.read_text().splitlines()
+        markers = sum(1 for line in lines if line.strip().startswith("<!-- example:"))
+        if not any(line.strip().startswith("<!-- examples:") for line in lines):
+            assert markers == sum(1 for b in BLOCKS if b.path == str(path.relative_to(ROOT)) and b.role), path
 
 
 def test_the_markers_are_read_as_written(tmp_path, monkeypatch):
     doc = tmp_path / "x.md"
     doc.write_text("text\n```python\nprint(1)\n```\n<!-- example: learner pair needs=jax,numpy -->\n\n```python\n"
                    "L = 1\n```\n<!-- example: fragment needs a GPU -->\n```python\nF\n```\n")  # fmt: skip
+    page = tmp_path / "page.md"
+    page.write_text("```python\nA\n```\n<!-- example: run -->\n```python\nB\n```\n"
+                    "<!-- examples: elsewhere tests/x.py -->\n")  # fmt: skip
     monkeypatch.setattr(doc_examples, "ROOT", tmp_path)
     unmarked, learner, fragment = doc_examples.blocks(doc)
     assert (unmarked.role, unmarked.code, unmarked.line) == (None, "print(1)\n", 2)
     assert (learner.role, learner.name, learner.needs, learner.code) == ("learner", "pair", ["jax", "numpy"], "L = 1\n")
     assert (fragment.role, fragment.note) == ("fragment", "needs a GPU")
+    first, second = doc_examples.blocks(page)
+    assert (first.role, first.note, second.role) == ("elsewhere", "tests/x.py", "run")
     assert doc_examples.for_learner('Learner("0.0.0.0:8443", token=tok)') == 'Learner("0.0.0.0:0", token=tok)'
     assert doc_examples.for_actor('Actor("learner-host:8443")', "127.0.0.1:5") == 'Actor("127.0.0.1:5")'
 

@@ -287,12 +287,12 @@ class LearnerServer:
             self.admission.finished(asyncio.current_task())  # authenticated: no longer a pre-auth slot
             conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
         hello = await conn.recv(self.config.max_control_bytes)
+        if isinstance(hello, _wire.StatsRequest):  # `rlink stats`, authenticated as an actor is
+            return hello
         if isinstance(hello, _wire.RankHello):
             if self.ranks is None:
                 raise Refused(f"a learner rank linked to rank {self.rank} of {self.world}: only rank 0 of a job of "
                               "many learners takes ranks (are two jobs given the same address?)")  # fmt: skip
-            return hello
-        if isinstance(hello, _wire.StatsRequest):
             return hello
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ProtocolError, RLinkError
+from ..errors import ConfigError, ProtocolError, RLinkError
 from ..wire.codec import DTYPES, MAX_NAME_LEN, host_array, is_torch
 from ..wire.frameworks import Adapter
 from ..wire.manifest import ALIGN, KEYED, Entry, Manifest, flatten
@@ -59,6 +59,8 @@ def state_dict_of(obj: Any) -> Mapping[str, Any]:
         raise TypeError(f"publish() takes a torch.nn.Module or a (nested) mapping of arrays, not {type(obj).__name__}")
     try:
         flat = flatten(obj)
+    except ConfigError:
+        raise
     except ValueError as exc:
         raise TypeError(f"publish(): {exc}") from None
     out: dict[str, Any] = {}

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
+from ..store.private_files import create_private, make_private_dir
 
 MIN_TOKEN_BYTES = 16  # the token as given (a 16-byte secret as hex or base64 is longer)
 MAKE_TOKEN = "make one with `rlink token` (or python -c 'import secrets; print(secrets.token_urlsafe(32))')"
@@ -151,7 +152,7 @@ def _why_not_private(path: Path, st: os.stat_result, is_dir: bool) -> str | None
 def _ensure_dir(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(path, 0o700)
+        make_private_dir(path)
     except FileExistsError:
         pass
     except OSError as exc:
@@ -180,9 +181,8 @@ def publish(config: Config, port: int, token: bytes) -> Path:
     path = directory / f"{port}.token"
     tmp = directory / f".{port}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = create_private(tmp)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask
             os.write(fd, token + b"\n")
         finally:
             os.close(fd)
@@ -254,13 +254,12 @@ def write_new(path: str, token: str) -> None:
     try:
         if parent and not os.path.isdir(parent):
             os.makedirs(parent, 0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = create_private(path)
     except FileExistsError:
         raise ConfigError(f"{path} exists: remove it first (a token file is never overwritten)") from None
     except OSError as exc:
         raise ConfigError(f"cannot create {path}: {exc.strerror or exc}") from exc
     try:
-        os.fchmod(fd, 0o600)  # whatever the umask
         os.write(fd, token.encode() + b"\n")
     finally:
         os.close(fd)

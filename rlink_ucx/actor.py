@@ -167,10 +167,11 @@ class Actor:
         the learner. It travels as a reserved float32 field ``"_priority"`` of the schema, so an
         actor passes a priority on every put (and put_many) or on none.
 
-        Values are cast to the negotiated dtype when numpy's ``same_kind`` casting allows it
-        (a Python float or list, float64 -> float32, int64 -> int32 while every value fits,
-        int -> float); a change of kind (float -> int, to or from bool) or of shape raises
-        ``SchemaMismatch``. The same rule holds for ``put_many``.
+        Values are cast to the negotiated dtype, the learner's schema (which another actor's
+        first step may have set), wherever the kind is kept: a Python float or list, float64 ->
+        float32, Python ints or int64 -> int32 or uint8 while every value fits, int -> float.
+        A change of kind (float -> int, to or from bool) or of shape raises ``SchemaMismatch``
+        naming the field and both specs. The same rule holds for ``put_many``.
 
         Raises:
             SchemaMismatch: a field is missing or extra, or its value cannot take the negotiated

@@ -125,6 +125,9 @@ class Propose(_Msg, frozen=True):
 class Accept(_Msg, frozen=True):
     schema_id: int
     max_steps: int  # the most steps one frame may carry (the learner's ring reserve)
+    # The learner's schema where it differs from the proposal by dtypes the actor casts
+    # (wire.codec.castable); the actor then puts as it. None: the proposal as it was.
+    fields: list[Any] | None = None
 
 
 class Reject(_Msg, frozen=True):

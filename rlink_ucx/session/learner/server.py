@@ -358,9 +358,15 @@ class LearnerServer:
 
     # --- schema and credit ----------------------------------------------------------------------
     def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]:
-        if self.schema is None or self.ring is None:
-            if self.schema is not None and self.schema != schema:
+        """The schema id and ring for an actor's proposal. The first proposal (or a declared
+        schema) is the learner's schema; a later one is accepted as it when its values can be
+        cast to it without a change of kind (``Schema.casts_to``): the session answers with
+        the ring's schema, which the actor then puts as."""
+        if self.schema is not None and schema != self.schema:
+            if not schema.casts_to(self.schema):
                 raise SchemaMismatch(self._mismatch(schema))
+            schema = self.schema
+        if self.ring is None:
             if schema.step_bytes > self.config.max_frame_bytes:
                 raise SchemaMismatch(
                     f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}: "
@@ -380,8 +386,6 @@ class LearnerServer:
             self.ring.on_space_freed = self.credit.space_freed
             self.ring_ready.set()
             log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())
-        elif schema != self.schema:
-            raise SchemaMismatch(self._mismatch(schema))
         return 1, self.ring
 
     def _mismatch(self, schema: Schema) -> str:

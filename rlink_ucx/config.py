@@ -28,10 +28,11 @@ MiB = 1024 * KiB
 _MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after",
                 "shm_direct_read", "weights_shared_memory", "rank_port_base", "gc_freeze"}  # 0 switches the feature off
 
-# The ranges every field is checked against, by its type: seconds are finite and at most a year
-# (a longer wait is a mistake, and threading refuses waits near 2**63 ns); sizes (``*_bytes``)
-# and counts are whole numbers up to what a 64-bit host could hold, or index. A field named in
-# _RANGES has its own.
+# The ranges every field is checked against, by its type (Config.__post_init__, and each RLINK_*
+# variable as it is read): seconds are finite and at most a year (a longer wait is a mistake, and
+# threading refuses waits past ~292 years); sizes (``*_bytes``) are whole numbers up to 256 TiB,
+# past any host's memory; counts up to 2**31 - 1; 0 only for the fields in _MAY_BE_ZERO. A field
+# named in _RANGES has its own. NaN and infinities fail every rule.
 _MAX_SECONDS = 365 * 24 * 3600.0
 _MAX_BYTES = 1 << 48
 _MAX_COUNT = (1 << 31) - 1

@@ -11,7 +11,6 @@ import pytest
 
 from rlink_ucx import Config, ReplayDataset
 from rlink_ucx.session import tokens
-from rlink_ucx.store.private_files import create_private, make_private_dir
 from tests.unit.replay_helpers import FakeLearner, new_ring, put, wait_for
 
 
@@ -29,6 +28,8 @@ def mode(path) -> int:
 
 
 def test_helpers_set_the_modes_whatever_the_umask(tmp_path, umask) -> None:
+    from rlink_ucx.store.private_files import create_private, make_private_dir
+
     make_private_dir(tmp_path / "d")
     fd = create_private(tmp_path / "d" / "f")
     os.write(fd, b"x")

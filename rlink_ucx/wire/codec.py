@@ -20,8 +20,8 @@ import numpy as np
 
 from ..errors import ProtocolError, SchemaMismatch
 
-__all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "castable", "field_array", "host_array", "infer_schema", "is_device_array",
-           "is_torch"]
+__all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "castable", "field_array", "host_array", "infer_schema",
+           "is_device_array", "is_torch"]
 
 # Allowlisted wire dtypes -> (numpy dtype used to hold the bytes, element size).
 # bfloat16 has no numpy dtype: its bytes travel as uint16 and torch reinterprets them.

@@ -239,7 +239,7 @@ class Connector:
         if reply.fields is not None:
             # This actor's frames are laid out in its schema already: a learner restarted with
             # another one (castable, set by another actor) cannot take them.
-            theirs = Schema.from_wire(reply.fields, max_fields=len(s.schema.fields) + 1)
+            theirs = Schema.from_wire(reply.fields)
             raise SchemaMismatch(f"after reconnecting, the learner's schema is {theirs.describe()}, "
                                  f"this actor's {s.schema.describe()}")
         s.schema_id, s.max_frame_steps = reply.schema_id, reply.max_steps

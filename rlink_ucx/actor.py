@@ -21,6 +21,7 @@ from .transport import check_transport
 from .transport.address import parse_endpoint
 from .transport.loop import release_io, shared_io
 from .weights.subscriber import Subscriber
+from .weights.unwrap import inner_module
 from .wire.codec import Schema
 from .wire.frameworks import Adapter, adapter, default_format
 from .wire.manifest import unflatten
@@ -252,10 +253,12 @@ class Actor:
     def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True) -> int:
         """Copy the newest published parameters into ``module`` in place; returns the version.
         A module that already holds that version (loaded by this call before) is left as it is,
-        so calling this every step costs a lookup while nothing new was published."""
+        so calling this every step costs a lookup while nothing new was published. A
+        ``DistributedDataParallel`` or ``torch.compile``d ``module`` loads into the module it wraps."""
         import torch
 
         state, version = self.get_remote_model(timeout, latest=latest, format="torch")
+        module = inner_module(module)
         if self._loaded.get(module) == version:
             return version
         with torch.no_grad():

@@ -68,8 +68,8 @@ def module_state_dict(module: Any) -> Mapping[str, Any]:
     :func:`inner_module`); an FSDP module's shards are gathered into whole tensors on every rank.
 
     Raises:
-        ConfigError: an FSDP module whose full state dict cannot be gathered (its process
-            group is gone, or a rank does not take part), with torch's error chained.
+        ConfigError: an FSDP module whose full state dict cannot be gathered (parameters
+            still on the meta device, a process group that is gone), with torch's error chained.
     """
     inner = inner_module(module)
     if not _sharded(inner):
@@ -83,7 +83,8 @@ def module_state_dict(module: Any) -> Mapping[str, Any]:
     except Exception as exc:
         raise ConfigError(
             f"publish(): cannot gather the full state dict of the FSDP-sharded {type(inner).__name__} "
-            f"({type(exc).__name__}: {exc}); call publish() on every rank while the process group lives, "
-            "or publish a state dict you gathered yourself"
+            f"({type(exc).__name__}: {exc}); every rank must call publish() together, while its process "
+            "group lives and with its parameters materialized (not on the meta device), or publish a state "
+            "dict it gathered itself"
         ) from exc
     return full

@@ -13,6 +13,7 @@ import pytest
 torch = pytest.importorskip("torch")
 dist = pytest.importorskip("torch.distributed")
 
+from rlink_ucx import ConfigError
 from rlink_ucx.weights.snapshot import state_dict_of
 from rlink_ucx.weights.unwrap import inner_module
 
@@ -112,3 +113,15 @@ def test_fully_shard_dtensors_are_gathered_into_whole_tensors(group: None) -> No
     assert all(type(t) is torch.Tensor for t in published.values())
     assert published["0.weight"].shape == (8, 4)
 
+
+
+def test_fsdp_that_cannot_be_gathered_is_refused_with_a_config_error(group: None) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):  # deferred initialisation, never materialised: no data to gather
+        plain = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    fully_shard(plain)
+    with pytest.raises(ConfigError, match=r"^publish\(\): cannot gather the full state dict of the FSDP-sharded "
+                       r"FSDPSequential \(NotImplementedError: .*meta") as info:  # fmt: skip
+        state_dict_of(plain)
+    assert isinstance(info.value.__cause__, NotImplementedError)

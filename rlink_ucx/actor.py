@@ -296,7 +296,7 @@ class Actor:
     def _warn_unflushed(self, exc: Exception) -> None:
         """Steps the learner may never get are a warning users see without asking for logs
         (on stderr by default; an :class:`RLinkWarning` they can filter)."""
-        unacked = max(0, self._writer.steps_put - self._conn.state.acked)
+        unacked = max(0, self._writer.steps_put - self._conn.stats()["steps_acked"])
         warnings.warn(
             f"actor {getattr(self, 'actor_id', '?')} closed with {unacked} of {self._writer.steps_put} steps "
             f"not acknowledged by the learner (they may be lost): {type(exc).__name__}: {exc}",

@@ -14,8 +14,7 @@ from .errors import Closed, ConfigError
 from .observe.counters import FetchTimings
 from .observe.metrics import MetricsServer, require_prometheus, sample
 from .session import tokens
-from .session.learner.job import Home, Job, join, rank_bind, token_digest
-from .session.learner.job import rank_home as job_home
+from .session.learner import job as _job
 from .session.learner.server import LearnerServer
 from .session.tokens import resolve_token
 from .store.ring import Piece, StepRing
@@ -26,7 +25,6 @@ from .transport.plane import require
 from .wire.codec import Schema
 
 log = logging.getLogger(__name__)
-_RANK_0 = Home("", 0, b"", b"")  # rank 0 itself: it tells the others, hears nothing
 
 __all__ = ["Learner", "StepFeed"]
 
@@ -93,58 +91,62 @@ class Learner:
         check_transport(transport)
         host, port, transport = parse_endpoint(address, transport)  # the address first: a typo is a typo
         require(transport)  # a plane asked for by name that cannot work here: else it would refuse every actor
-        self._job: Job | None = None
+        if metrics_port is not None:  # before anything starts: nothing to undo
+            if not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:
+                raise ConfigError(f"metrics_port must be a port number (0-65535), got {metrics_port!r}")
+            require_prometheus()
+        self._job_file: Any = None  # rank 0 of many: where the ranks on its host find it
         self._token: bytes | None = None
         self._server: LearnerServer
+        self._metrics_asked = (metrics_host, metrics_port)
         if not distributed:
-            self._start(host, port, transport, token, schema, metrics_port, metrics_host, insecure, None)
-            return
-        self._job = job = join(self.config)  # every rank of the job calls this, in the same order
-        error: BaseException | None = None
+            self._start(host, port, transport, token, schema, insecure)
+        else:
+            job = _job.find_job(address)
+            (self._start_rank_0 if job.rank == 0 else self._start_rank)(job, host, port, transport, token, schema,
+                                                                         insecure)  # fmt: skip
+        self._finish_start(insecure, transport)
+
+    def _start_rank_0(self, job: _job.Job, host: str, port: int, transport: str, token: str | bytes | None,
+                      schema: dict[str, Any] | Schema | None, insecure: bool) -> None:  # fmt: skip
+        """Rank 0 of many: listen, tell the ranks on this host where (the job file), and wait
+        until every rank has linked over its authenticated rank link."""
+        _job.check_rank_0_port(job, port)
+        given = _job.given_rank_token(self.config, resolve_token(token))
+        rank_token = _job.rank_0_token(job, given)
+        self._start(host, port, transport, token, schema, insecure, job, rank_token)
         try:
-            home = job.hear() if job.rank else None
-            self._start(host, port, transport, token, schema, metrics_port, metrics_host, insecure, home)
-        except Exception as exc:  # noqa: BLE001 - every rank must hear that this one failed; raised below
-            error = exc
-        try:
-            job.agree(None if error is None else f"learner rank {job.rank} of {job.world} did not start: {error}")
-        except BaseException as exc:
-            if error is None:
-                self.close()
-            job.close()
-            if error is not None and exc.__cause__ is None:
-                exc.__cause__ = error
+            self._job_file = _job.publish_rank_0(self.config, job, self.port, None if given else rank_token)
+            assert self._server.ranks is not None
+            wait = self.config.connect_timeout
+            failure = self._io.call(self._server.ranks.started(wait), wait + self.config.close_timeout, "ranks linking")
+        except BaseException:
+            self._abort_start()
             raise
-        log.info("learner rank %d of %d listening on %s", job.rank, job.world, self.address)
+        if failure is not None:
+            self._abort_start()
+            raise ConfigError(failure)
+
+    def _start_rank(self, job: _job.Job, host: str, port: int, transport: str, token: str | bytes | None,
+                    schema: dict[str, Any] | Schema | None, insecure: bool) -> None:  # fmt: skip
+        """A rank other than 0: find rank 0 and the job's tokens, listen, link to rank 0 and
+        wait for its welcome (every rank linked)."""
+        plan = _job.plan_rank(job, self.config, (host, port), resolve_token(token), insecure)
+        self._start(*plan.bind, transport, plan.actor_token or token, schema, insecure, job, plan.rank_token,
+                    generated=plan.actor_token is not None)  # fmt: skip
+        wait = self.config.connect_timeout
+        try:
+            self._io.call(self._server.link_to_rank_0(plan.home, (plan.advertised, self.port), plan.rank_token, wait),
+                          wait + self.config.close_timeout, "linking to rank 0")  # fmt: skip
+        except BaseException:
+            self._abort_start()
+            raise
 
     def _start(self, host: str, port: int, transport: str, token: str | bytes | None,
-               schema: dict[str, Any] | Schema | None, metrics_port: int | None, metrics_host: str, insecure: bool,
-               home: Home | None) -> None:  # fmt: skip
-        """Listen (``home``: rank 0's word, for a rank other than 0 of a job of many)."""
-        job = self._job
-        if job is not None and job.rank == 0 and home is None:
-            try:
-                self._start(host, port, transport, token, schema, metrics_port, metrics_host, insecure, _RANK_0)
-            except BaseException as exc:
-                job.tell(Home(str(exc) or type(exc).__name__, 0, b"", b""))
-                raise
-            job.tell(Home("", self.port, self._token if self._server.publish_token and self._token else b"",
-                          token_digest(self._token)))  # fmt: skip
-            return
-        rank_home: tuple[str, int] | None = None
-        advertised = ""
-        if job is not None and home is not None and home is not _RANK_0:
-            if home.error:
-                raise ConfigError(f"rank 0 did not start: {home.error}")
-            rank_home = (job_home(host), home.port)
-            host, port, advertised = rank_bind(host, rank_home[0], job.rank, self.config)
+               schema: dict[str, Any] | Schema | None, insecure: bool, job: _job.Job | None = None,
+               rank_token: bytes | None = None, generated: bool = False) -> None:  # fmt: skip
+        """Check the token and listen (``generated``: ``token`` is rank 0's generated one)."""
         self._token = resolve_token(token)
-        if rank_home is not None and home is not None:
-            if self._token is None and home.token and not insecure:
-                self._token = home.token  # rank 0 generated it: the job's ranks share it
-            if token_digest(self._token) != home.digest:
-                raise ConfigError(f"learner rank {job.rank if job else 0} holds another token than rank 0 (or none, or one "
-                                  "runs with insecure=True): give every rank the same RLINK_TOKEN / RLINK_TOKEN_FILE")  # fmt: skip
         if self._token is None and not is_loopback(host):
             only_loopback = (f"insecure=True (--insecure) works on loopback addresses only, not {host!r}; "
                              if insecure else "")  # fmt: skip
@@ -157,14 +159,10 @@ class Learner:
         if insecure and self._token is not None:
             raise ConfigError("insecure=True turns authentication off, but a token was given (token=, RLINK_TOKEN "
                               "or RLINK_TOKEN_FILE): drop one of them")  # fmt: skip
-        generated = (self._token is None or (home is not None and self._token == home.token)) and not insecure
+        generated = (self._token is None or generated) and not insecure
         if self._token is None and not insecure:  # written for the same user's local actors once the port is bound
             self._token = tokens.new_token().encode()
         declared = Schema.from_spec(schema) if isinstance(schema, dict) else schema
-        if metrics_port is not None:  # before anything starts: nothing to undo
-            if not isinstance(metrics_port, int) or not 0 <= metrics_port <= 65535:
-                raise ConfigError(f"metrics_port must be a port number (0-65535), got {metrics_port!r}")
-            require_prometheus()
         self._closed = False
         self._metrics: MetricsServer | None = None
         self._timings: FetchTimings | None = None  # the dataset and publish() feed it while metrics are on
@@ -174,14 +172,7 @@ class Learner:
                                      loop=self._io.loop, schema=declared, publish_token=generated, rank=rank,
                                      world=world)  # fmt: skip
         try:  # the UCX plane's own start is bounded by connect_timeout: give it a margin
-            self._io.call(self._server.start(), self.config.connect_timeout + self.config.close_timeout, "learner start")
-            if rank_home is not None:
-                self._io.call(self._server.link_to_rank_0(rank_home, (advertised, self._server.port),
-                                                          self.config.connect_timeout),
-                              self.config.connect_timeout + self.config.close_timeout, "linking to rank 0")  # fmt: skip
-        except TimeoutError as exc:
-            self._abort_start()
-            raise ConfigError(f"learner rank {rank} could not link to rank 0 at {rank_home}: {exc}") from exc
+            self._io.call(self._server.start(rank_token), self.config.connect_timeout + self.config.close_timeout, "learner start")
         except OSError as exc:
             self._abort_start()
             raise ConfigError(f"cannot listen on {format_address(host, port)}: {exc}") from exc
@@ -189,21 +180,27 @@ class Learner:
             self._abort_start()
             raise
         self._address = format_address(host, self._server.port)
+        metrics_host, metrics_port = self._metrics_asked
         if metrics_port is not None:  # ranks of a job on one host: a port each
             self._start_metrics(metrics_host, metrics_port + rank if metrics_port else 0)
+
+    def _finish_start(self, insecure: bool, transport: str) -> None:
         # Closes at interpreter exit (so actors hear the learner finished) or when collected.
         # Datasets' close methods, called before the server stops; weak: a dropped dataset's own
         # finalizer stops its threads, and the learner must not keep its memory alive.
         self._closers: list[weakref.WeakMethod[Callable[[], None]]] = []
         self._readers: list[weakref.ref[StepFeed]] = []  # the feeds of the datasets reading this learner
         self._finalizer = weakref.finalize(self, _shutdown, self._server, self._io, self.config, self._metrics,
-                                           self._closers, self._job)  # fmt: skip
+                                           self._closers, self._job_file)  # fmt: skip
         if insecure:
             log.warning("learner on %s runs with insecure=True: any local process may connect and stream", self.address)
-        log.info("learner listening on %s (transport=%s, auth=%s)", self.address, transport, self._token is not None)
+        log.info("learner listening on %s (transport=%s, auth=%s, rank %d of %d)", self.address, transport,
+                 self._token is not None, self.rank, self.world_size)  # fmt: skip
 
     def _abort_start(self) -> None:
-        """Undo a start that failed half-way (the listener, the token file, a UCX plane)."""
+        """Undo a start that failed half-way (the listener, the token file, a UCX plane, metrics)."""
+        if self._metrics is not None:
+            self._metrics.close(self.config.close_timeout)
         try:
             self._io.call(self._server.stop(), self.config.close_timeout, "learner stop")
         except Exception:  # the error that aborted the start is the one to raise
@@ -443,7 +440,7 @@ def freeze_gc_once() -> None:
 
 
 def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: MetricsServer | None,
-              closers: list[weakref.WeakMethod[Callable[[], None]]], job: Job | None = None) -> None:  # fmt: skip
+              closers: list[weakref.WeakMethod[Callable[[], None]]], job_file: Any = None) -> None:  # fmt: skip
     """Close a learner's datasets, metrics endpoint, server and I/O thread (once: from close(),
     at exit, or when collected)."""
     for ref in closers:
@@ -466,5 +463,4 @@ def _shutdown(server: LearnerServer, io: IOThread, config: Config, metrics: Metr
         if server.ring is not None:
             server.ring.close()
         io.stop(config.close_timeout)
-        if job is not None:
-            job.close()
+        _job.withdraw_rank_0(job_file)

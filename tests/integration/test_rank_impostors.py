@@ -178,9 +178,10 @@ def squatter(port: int, stop: threading.Event, seen: list[str]) -> threading.Thr
 @pytest.mark.timeout(240)
 def test_a_squatter_on_a_dead_rank_s_port_does_not_end_its_actors(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     master = {"WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
-    rank1 = subprocess.Popen([sys.executable, str(JOB), "--out", str(tmp_path), "--versions", "0", "--seconds", "200"],
-                             cwd=ROOT, env=clean_env(RANK="1", **master), stdout=open(tmp_path / "rank1.log", "w"),
-                             stderr=subprocess.STDOUT)  # fmt: skip  # noqa: SIM115 - the process owns it
+    with open(tmp_path / "rank1.log", "w") as out:
+        rank1 = subprocess.Popen([sys.executable, str(JOB), "--out", str(tmp_path), "--versions", "0", "--seconds",
+                                  "200"], cwd=ROOT, env=clean_env(RANK="1", **master), stdout=out,
+                                 stderr=subprocess.STDOUT)  # fmt: skip
     for name in list(os.environ):
         if name.startswith(("RLINK_", "TORCHELASTIC", "SLURM_", "LOCAL_")):
             monkeypatch.delenv(name)

@@ -8,7 +8,8 @@ publishes ``--versions`` versions, and at the end writes ``<out>/rank<r>.json``.
 
 rlink makes no process group: with ``--gloo`` the script makes the job's own (the default
 group, gloo) before its learner, and the ranks publish in lockstep as DDP steps (a barrier
-before each); without it the job needs no torch at all (numpy batches and weights). Once its
+before each); without it the job needs no torch at all (numpy batches and weights; ``--no-torch`` runs the
+rank as if torch were not installed). Once its
 learner listens, each rank writes ``<out>/rank<r>.started.json``: its pid, the TCP sockets the
 process listened on before and after the learner started, and the learner's port."""
 
@@ -31,7 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replay", default=None, help="keep steps in a ReplayDataset, save it here and load it back")
     p.add_argument("--gloo", action="store_true", help="the job makes its own default process group (gloo)")
     p.add_argument("--nofile", type=int, default=0, help="RLIMIT_NOFILE of this rank (0: as inherited)")
+    p.add_argument("--no-torch", action="store_true", help="run as if torch were not installed")
     args = p.parse_args(argv)
+    if args.no_torch:
+        sys.modules["torch"] = None  # type: ignore[assignment]  # every `import torch` raises ImportError
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
     import resource
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         summary = {"rank": rank, "world_size": learner.world_size, "published": published, "fetched": fetched,
                    "actors": sorted(a["actor_id"] for a in stats["actors"] + stats["ended_actors"]),
                    "version": learner.version, "ranks": placement, "address": learner.address,
-                   "torch_loaded": "torch" in sys.modules}  # fmt: skip
+                   "torch_loaded": sys.modules.get("torch") is not None}  # fmt: skip
     with open(os.path.join(args.out, f"rank{rank}.json"), "w") as fh:
         json.dump(summary, fh)
     return 0

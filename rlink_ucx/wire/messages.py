@@ -109,7 +109,8 @@ class RankHello(_Msg, frozen=True):
 
 
 class RankWelcome(_Msg, frozen=True):
-    """Rank 0 -> a rank: registered; rank 0 sends actors to it from now on."""
+    """Rank 0 -> a rank: registered, once every rank of the job has linked; rank 0 sends actors
+    to it from now on."""
 
     world: int
 

@@ -57,9 +57,11 @@ def main(argv: list[str] | None = None) -> int:
     before = sorted(listening_sockets())
     with Learner(args.address, distributed=True, transport=args.transport, config=config) as learner:
         rank = learner.rank
-        with open(os.path.join(args.out, f"rank{rank}.started.json"), "w") as fh:
+        tmp = os.path.join(args.out, f"rank{rank}.started.tmp")
+        with open(tmp, "w") as fh:
             json.dump({"pid": os.getpid(), "before": before, "after": sorted(listening_sockets()),
                        "port": learner.port}, fh)  # fmt: skip
+        os.replace(tmp, os.path.join(args.out, f"rank{rank}.started.json"))  # whole, for a reader polling for it
         if rank == 0:
             tmp = os.path.join(args.out, "address.tmp")
             with open(tmp, "w") as fh:

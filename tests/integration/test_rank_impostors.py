@@ -121,6 +121,7 @@ def test_a_live_rank_keeps_its_slot_a_second_registration_backs_off_and_claims_a
         window = 4.0
         time.sleep(window)  # the attempts in this window are what is measured
         attempts = second.attempts
+        print(f"second registration: {attempts} attempts in {window:g}s")
         assert "linked already" in second.last_error, second.last_error
         # Backoff from 0.1 s doubling to 5 s (jittered): a handful of attempts, not a storm.
         assert 2 <= attempts <= 8, attempts

@@ -69,8 +69,9 @@ def test_a_stranger_churning_every_port_of_two_ranks_harms_neither(tmp_path: Pat
         assert job.poll() is None, logs(tmp_path)  # both ranks (and so the job) live
         assert report["connections"] + report["failed"] == PER_PORT * len(ports), report
         assert min(report["per_port"].values()) >= PER_PORT * 0.9, report  # most were accepted
-        for pid, before in zip(pids, files, strict=True):
-            assert hostile_load.open_files(pid) - before < 200, (pid, before, hostile_load.open_files(pid))
+        grown = [hostile_load.open_files(pid) - before for pid, before in zip(pids, files, strict=True)]
+        print(json.dumps({"gloo": gloo, "ports": ports, "churn": report, "open_files": files, "grown": grown}))
+        assert max(grown) < 200, (files, grown)
         acts = actors(tmp_path, 2, 200)  # new actors, placed one on each rank, deliver
         finish(acts, 120)
         finish([job], 90)

@@ -201,7 +201,9 @@ class Learner:
                  self._token is not None, self.rank, self.world_size)  # fmt: skip
 
     def _abort_start(self) -> None:
-        """Undo a start that failed half-way (the listener, the token file, a UCX plane, metrics)."""
+        """Undo a start that failed half-way (the listener, the token and job files, a UCX plane,
+        metrics)."""
+        _job.withdraw_rank_0(self._job_file)
         if self._metrics is not None:
             self._metrics.close(self.config.close_timeout)
         try:

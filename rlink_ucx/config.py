@@ -135,6 +135,10 @@ class Config:
     # this host's address on the way to rank 0. Port rank_port_base + rank (0: a free port).
     rank_host: str = ""
     rank_port_base: int = 0
+    # A file (mode 0600) holding the job's rank token, the secret by which learner ranks prove
+    # to each other that they are ranks (actors do not hold it). "": RLINK_RANK_TOKEN, else one
+    # that rank 0 generates for ranks on its own host (docs/multi-learner.md).
+    rank_token_file: str = ""
 
     # --- authentication -------------------------------------------------------------------
     # Where a learner given no token writes the one it generates, and where the same user's

@@ -97,17 +97,20 @@ class Redirect(_Msg, frozen=True):
 
 
 class RankHello(_Msg, frozen=True):
-    """Learner rank ``rank`` of ``world`` -> rank 0, after Login: actors may be sent to
-    ``host:port``; this connection stays up while the rank lives."""
+    """Learner rank ``rank`` of ``world`` -> rank 0, after a Login that proved the job's rank
+    token: actors may be sent to ``host:port``; this connection stays up while the rank lives.
+    ``token_proof``: that the rank holds rank 0's actors' token (``auth.rank_actor_token_proof``)."""
 
     rank: int
     world: int
     host: str
     port: int
+    token_proof: bytes = b""
 
 
 class RankWelcome(_Msg, frozen=True):
-    """Rank 0 -> a rank: registered; rank 0 sends actors to it from now on."""
+    """Rank 0 -> a rank: registered, once every rank of the job has linked; rank 0 sends actors
+    to it from now on."""
 
     world: int
 

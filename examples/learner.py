@@ -8,10 +8,13 @@
 import argparse
 import collections
 import socket
+import time
+
+print("learner starting (loading torch and the policy)", flush=True)  # torch takes seconds to import
 
 import numpy as np
 
-from rlink_ucx import Config, Learner, RLinkDataset, read_token_file
+from rlink_ucx import Config, Learner, RLinkDataset, TimeoutError, read_token_file
 from rlink_ucx.demo.policy import ActorCritic
 from rlink_ucx.demo.ppo import PPO, PPOConfig
 
@@ -38,15 +41,23 @@ with Learner(args.address, token=token, config=config) as learner:
           f"python examples/actor.py --address {host}:{learner.port}{token_flag}")
     dataset = RLinkDataset(learner, batch_size=args.batch, device=args.device)
     returns = collections.deque(maxlen=100)
-    for update, batch in enumerate(dataset):  # batches are already on args.device
-        returns.extend(batch["ep_return"][batch["done"]].tolist())
-        ppo.update(batch)  # PPO's clipped ratio corrects for batch.staleness (policy lag)
-        learner.publish(model)  # returns at once; actors receive it in the background
-        if update % 50 == 0:
+    update, last_line = 0, time.monotonic()
+    while True:
+        try:  # wait at most until the next progress line is due (one every 10 s, batches or not)
+            batch = dataset.fetch(timeout=max(0.1, last_line + 10 - time.monotonic()))
+        except TimeoutError:
+            batch = None
+        if batch is not None:  # already on args.device
+            returns.extend(batch["ep_return"][batch["done"]].tolist())
+            ppo.update(batch)  # PPO's clipped ratio corrects for batch.staleness (policy lag)
+            learner.publish(model)  # returns at once; actors receive it in the background
+            update += 1
+        if time.monotonic() - last_line >= 10:
+            last_line = time.monotonic()
             s = learner.stats()
             print(f"update {update}: {s['total']['steps'] * 32:,} env steps, mean return "
                   f"{np.mean(returns) if returns else 0:.1f}, lag {s['staleness']['mean']:.2f}, "
-                  f"{s['connected_actors']} actors")
+                  f"{s['connected_actors']} actors", flush=True)
         if len(returns) == 100 and np.mean(returns) >= args.target_return:
             print(f"solved: mean return {np.mean(returns):.1f} over the last 100 episodes")
             break

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 from typing import Any, Self
@@ -12,7 +13,7 @@ from typing import Any, Self
 import numpy as np
 
 from .config import Config, resolve
-from .errors import ConfigError
+from .errors import ConfigError, RLinkWarning
 from .session.actor.link import ActorConnection
 from .session.actor.writer import StepWriter
 from .session.tokens import resolve_token
@@ -21,6 +22,7 @@ from .transport import check_transport
 from .transport.address import parse_endpoint
 from .transport.loop import release_io, shared_io
 from .weights.subscriber import Subscriber
+from .weights.unwrap import inner_module
 from .wire.codec import Schema
 from .wire.frameworks import Adapter, adapter, default_format
 from .wire.manifest import unflatten
@@ -167,10 +169,11 @@ class Actor:
         the learner. It travels as a reserved float32 field ``"_priority"`` of the schema, so an
         actor passes a priority on every put (and put_many) or on none.
 
-        Values are cast to the negotiated dtype when numpy's ``same_kind`` casting allows it
-        (a Python float or list, float64 -> float32, int64 -> int32 while every value fits,
-        int -> float); a change of kind (float -> int, to or from bool) or of shape raises
-        ``SchemaMismatch``. The same rule holds for ``put_many``.
+        Values are cast to the negotiated dtype, the learner's schema (which another actor's
+        first step may have set), wherever the kind is kept: a Python float or list, float64 ->
+        float32, Python ints or int64 -> int32 or uint8 while every value fits, int -> float.
+        A change of kind (float -> int, to or from bool) or of shape raises ``SchemaMismatch``
+        naming the field and both specs. The same rule holds for ``put_many``.
 
         Raises:
             SchemaMismatch: a field is missing or extra, or its value cannot take the negotiated
@@ -252,10 +255,12 @@ class Actor:
     def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True) -> int:
         """Copy the newest published parameters into ``module`` in place; returns the version.
         A module that already holds that version (loaded by this call before) is left as it is,
-        so calling this every step costs a lookup while nothing new was published."""
+        so calling this every step costs a lookup while nothing new was published. A
+        ``DistributedDataParallel`` or ``torch.compile``d ``module`` loads into the module it wraps."""
         import torch
 
         state, version = self.get_remote_model(timeout, latest=latest, format="torch")
+        module = inner_module(module)
         if self._loaded.get(module) == version:
             return version
         with torch.no_grad():
@@ -284,10 +289,21 @@ class Actor:
         try:
             if self._conn.error is None and self._writer.has_schema:
                 self.flush(self.config.close_timeout if timeout is None else timeout)
-        except Exception as exc:  # noqa: BLE001 - closing must finish; the loss is logged
-            log.warning("actor %s closed with unflushed steps: %s", getattr(self, "actor_id", "?"), exc)
+        except Exception as exc:  # noqa: BLE001 - closing must finish; the loss is reported
+            self._warn_unflushed(exc)
         finally:
             self._shutdown()
+
+    def _warn_unflushed(self, exc: Exception) -> None:
+        """Steps the learner may never get are a warning users see without asking for logs
+        (on stderr by default; an :class:`RLinkWarning` they can filter)."""
+        unacked = max(0, self._writer.steps_put - self._conn.stats()["steps_acked"])
+        warnings.warn(
+            f"actor {getattr(self, 'actor_id', '?')} closed with {unacked} of {self._writer.steps_put} steps "
+            f"not acknowledged by the learner (they may be lost): {type(exc).__name__}: {exc}",
+            RLinkWarning,
+            stacklevel=3,
+        )
 
     def _shutdown(self) -> None:
         self._writer.shutdown(self._disconnect)

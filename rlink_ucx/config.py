@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import numbers
 import os
 import re
 from collections.abc import Mapping
@@ -25,6 +27,17 @@ MiB = 1024 * KiB
 
 _MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after",
                 "shm_direct_read", "weights_shared_memory", "rank_port_base", "gc_freeze"}  # 0 switches the feature off
+
+# The ranges every field is checked against, by its type (Config.__post_init__, and each RLINK_*
+# variable as it is read): seconds are finite and at most a year (a longer wait is a mistake, and
+# threading refuses waits past ~292 years); sizes (``*_bytes``) are whole numbers up to 256 TiB,
+# past any host's memory; counts up to 2**31 - 1; 0 only for the fields in _MAY_BE_ZERO. A field
+# named in _RANGES has its own. NaN and infinities fail every rule.
+_MAX_SECONDS = 365 * 24 * 3600.0
+_MAX_BYTES = 1 << 48
+_MAX_COUNT = (1 << 31) - 1
+_RANGES = {"rank_port_base": (0, 65535)}
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -122,6 +135,10 @@ class Config:
     # this host's address on the way to rank 0. Port rank_port_base + rank (0: a free port).
     rank_host: str = ""
     rank_port_base: int = 0
+    # A file (mode 0600) holding the job's rank token, the secret by which learner ranks prove
+    # to each other that they are ranks (actors do not hold it). "": RLINK_RANK_TOKEN, else one
+    # that rank 0 generates for ranks on its own host (docs/multi-learner.md).
+    rank_token_file: str = ""
 
     # --- authentication -------------------------------------------------------------------
     # Where a learner given no token writes the one it generates, and where the same user's
@@ -131,8 +148,12 @@ class Config:
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
             value = getattr(self, field.name)
-            if isinstance(value, (int, float)) and (value < 0 or (value == 0 and field.name not in _MAY_BE_ZERO)):
-                raise ConfigError(f"Config.{field.name} must be > 0, got {value!r}")
+            try:
+                checked = _checked(field, value)
+            except _Refused as exc:
+                raise ConfigError(f"Config.{field.name} {exc}, got {repr(value)[:40]}") from None
+            if checked is not value:
+                object.__setattr__(self, field.name, checked)  # 1e6 for an int field, np.float32, ...
         if not re.fullmatch(r"[a-z0-9_]{1,15}", self.tcp_congestion):
             raise ConfigError(f'Config.tcp_congestion must be "auto", "system" or a congestion control\'s name '
                               f"(lowercase letters, digits, _), got {self.tcp_congestion!r}")  # fmt: skip
@@ -151,21 +172,76 @@ class Config:
         return dataclasses.replace(self, **changes)
 
 
+class _Refused(Exception):
+    """A value a field does not take; the text says what it takes."""
+
+
+def _checked(field: dataclasses.Field[Any], value: Any) -> Any:
+    """``value`` as a value of ``field``: of its type (an integral float for an int field becomes
+    an int, a numpy number a Python one) and in its range. :class:`_Refused` says what the field
+    takes."""
+    kind: Any = type(field.default)
+    if kind is str:
+        if not isinstance(value, str):
+            raise _Refused("must be a string")
+        return value
+    if kind is bool:
+        if not isinstance(value, numbers.Integral) or value not in (0, 1):
+            raise _Refused("must be True or False")
+        return bool(value)
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise _Refused(f"must be a number ({kind.__name__})")
+    number: Any = value
+    zero = field.name in _MAY_BE_ZERO
+    if kind is float:
+        try:
+            number = float(number)
+        except OverflowError:  # an int past float's range
+            number = math.inf
+        if not (math.isfinite(number) and (number >= 0 if zero else number > 0) and number <= _MAX_SECONDS):
+            raise _Refused(f"must be {'>= 0' if zero else '> 0'} and finite, at most {_MAX_SECONDS:.0f} s (a year)")
+        return number
+    low, high = _RANGES.get(field.name, (0 if zero else 1, _MAX_BYTES if field.name.endswith("_bytes") else _MAX_COUNT))
+    whole = isinstance(number, numbers.Integral) or (math.isfinite(number) and float(number).is_integer())
+    if not whole or not low <= number <= high:
+        raise _Refused(f"must be a whole number from {low} to {high}")
+    return int(number)
+
+
+def _parsed(kind: type[Any], raw: str) -> Any:
+    """An ``RLINK_*`` variable's text as a value of a field of type ``kind`` (checked later)."""
+    if kind is bool:
+        word = raw.strip().lower()
+        if word not in _TRUE + _FALSE:
+            raise ValueError
+        return word in _TRUE
+    if kind is int:
+        try:
+            return int(raw)
+        except ValueError:
+            return float(raw)  # "1e6"; 1.5 or inf is refused by the range check
+    return kind(raw)
+
+
 def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
-    """The ``RLINK_<FIELD>`` variables in ``env``, as Config field values."""
+    """The ``RLINK_<FIELD>`` variables in ``env``, as Config field values, each checked as
+    :func:`_checked` checks the field (the error names the variable and the setting)."""
     values: dict[str, Any] = {}
     for field in dataclasses.fields(Config):
-        raw = env.get(f"RLINK_{field.name.upper()}")
+        var = f"RLINK_{field.name.upper()}"
+        raw = env.get(var)
         if raw is None:
             continue
         kind: type[Any] = type(field.default)
         try:
-            if kind is bool:
-                values[field.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                continue
-            values[field.name] = kind(float(raw)) if kind is int else kind(raw)
-        except ValueError as exc:
-            raise ConfigError(f"RLINK_{field.name.upper()}={raw!r} is not a {kind.__name__}") from exc
+            value = _parsed(kind, raw)
+        except ValueError:
+            what = "one of " + "/".join(_TRUE + _FALSE) if kind is bool else f"a {kind.__name__}"
+            raise ConfigError(f"{var}={raw!r} is not {what} (Config.{field.name})") from None
+        try:
+            values[field.name] = _checked(field, value)
+        except _Refused as exc:
+            raise ConfigError(f"{var}={raw!r}: Config.{field.name} {exc}") from None
     return values
 
 

@@ -127,7 +127,9 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             if assembler is None:
                 ring = self._feed.wait_ring(timeout)
                 if ring is None:
-                    raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s: no actor has sent a schema yet")
+                    raise RLinkTimeout(
+                        f"fetch timed out after {time.monotonic() - started:.3g}s: no actor has sent a schema yet"
+                    )
                 if self.batch_size > ring.capacity - ring.max_frame_steps:
                     raise ConfigError(
                         f"batch_size {self.batch_size} does not fit the learner buffer "
@@ -138,8 +140,12 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             min_version = 0 if self.max_staleness is None else version - self.max_staleness
             ring = assembler.ring
             finished = self._feed.actors_done if self.stop_when_actors_done else None
-            pieces, take_id = ring.take(self.batch_size, max(0.0, deadline - time.monotonic()), min_version,
-                                        finished=finished, partial=not self.drop_last)  # fmt: skip
+            try:
+                pieces, take_id = ring.take(self.batch_size, max(0.0, deadline - time.monotonic()), min_version,
+                                            finished=finished, partial=not self.drop_last)  # fmt: skip
+            except RLinkTimeout as exc:
+                # The whole call's wait, not the part left after the first schema arrived.
+                raise RLinkTimeout(f"fetch timed out after {time.monotonic() - started:.3g}s with {exc}") from exc
             batch = assembler.assemble(pieces, take_id, version)
             counts: dict[int, int] = {}
             for p in pieces:

@@ -17,6 +17,7 @@ __all__ = [
     "PeerLost",
     "ProtocolError",
     "RLinkError",
+    "RLinkWarning",
     "SchemaMismatch",
     "TimeoutError",
 ]
@@ -69,3 +70,10 @@ class TimeoutError(RLinkError, builtins.TimeoutError):  # shadows the builtin on
 class CheckpointError(ConfigError):
     """A replay checkpoint is missing, truncated, corrupted, of another format, or asks for
     more than this machine holds."""
+
+
+class RLinkWarning(UserWarning):
+    """Something went wrong that did not make a call fail (steps dropped at ``Actor.close()``).
+    Shown on stderr by Python's default warning filters; silence it with
+    ``warnings.simplefilter("ignore", rlink_ucx.RLinkWarning)``, or make it an error with
+    ``"error"`` in place of ``"ignore"``."""

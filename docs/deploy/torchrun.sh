@@ -9,9 +9,12 @@
 # RLINK_PORT (8443) of the host of rank 0 (torchrun's MASTER_ADDR); torchrun's own rendezvous uses
 # MASTER_PORT / RDZV_ENDPOINT, a different port. TORCHRUN overrides the launcher command.
 #
-# Many learners: RLINK_LEARNERS=2 makes ranks 0 and 1 learner ranks (Learner(distributed=True) in a
-# gloo group of their own, met at MASTER_ADDR:RLINK_GROUP_PORT, default RLINK_PORT + 1) and the
-# others actors, which still know only rank 0's address; examples/deploy/launch.py.
+# Many learners: RLINK_LEARNERS=2 makes ranks 0 and 1 learner ranks (Learner(distributed=True); the
+# script's own gloo group for its step count meets at MASTER_ADDR:RLINK_GROUP_PORT, default
+# RLINK_PORT + 1; rlink's ranks link to rank 0 over its authenticated rank links) and the others
+# actors, which still know only rank 0's address; examples/deploy/launch.py. On more than one node
+# also export RLINK_RANK_TOKEN_FILE (another secret, the same on every node): learner ranks prove
+# with it that they are ranks; launch.py keeps it from the actors.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 if [ -z "${RLINK_TOKEN:-}" ] && [ -z "${RLINK_TOKEN_FILE:-}" ]; then

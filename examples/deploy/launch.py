@@ -148,6 +148,8 @@ def main(argv: list[str] | None = None) -> int:
               f"at {address}", flush=True)  # fmt: skip
         listen += ["--distributed", "--batch-size", str(learner.batch_size_for(args.steps, 256))]  # divides each rank's share
         return learner.run(learner.parse(listen + (["--summary", args.summary] if args.summary else [])))
+    for name in ("RLINK_RANK_TOKEN", "RLINK_RANK_TOKEN_FILE"):  # the learner ranks' secret: not an actor's
+        os.environ.pop(name, None)
     return actor.run(actor.parse(["--address", address, "--actor-id", str(rank), "--steps", str(args.steps)]))
 
 

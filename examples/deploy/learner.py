@@ -15,8 +15,9 @@ With ``--expect-steps N`` it exits 0 once N steps arrived (each actor numbers it
 rank of a learner-only job (``torchrun --nproc-per-node N examples/deploy/learner.py
 --distributed``, or launch.py with ``RLINK_LEARNERS=N``): ``Learner(distributed=True)``; rank 0
 listens on ``--listen``, the address actors are given. Each rank drains its own actors' steps;
-``--expect-steps`` counts the steps of all ranks (summed over the default process group once
-a round), and ``--summary FILE`` becomes one file per rank, ``FILE`` with ``.rank<r>`` before
+``--expect-steps`` counts the steps of all ranks (summed over the job's own default process
+group once a round: this script makes it, gloo, where the launcher did not; rlink's ranks do not
+need it, they meet over rlink's authenticated rank links), and ``--summary FILE`` becomes one file per rank, ``FILE`` with ``.rank<r>`` before
 its extension.
 """
 
@@ -67,6 +68,11 @@ class Total:
 
     def __init__(self, distributed: bool):
         self.distributed = distributed
+        if distributed:
+            import torch.distributed as dist
+
+            if not dist.is_initialized():  # the job's own group, for this sum (rlink makes none)
+                dist.init_process_group("gloo")
 
     def __call__(self, received: int) -> int:
         if not self.distributed:

@@ -18,11 +18,21 @@ _ROWS = [
 ]
 
 
+def say(text: str) -> None:
+    """One line about what the demo is doing, at once (a start-up phase has no numbers yet)."""
+    print(f"[rlink demo] {text}", flush=True)
+
+
 class Progress:
+    """A progress line at least every ``every`` seconds (plain), or a live panel (terminal).
+
+    The first :meth:`update` prints at once; the caller bounds each wait by :meth:`due`, so a
+    run whose batches are slow to come still shows a line on time."""
+
     def __init__(self, plain: bool | None = None, every: float = 5.0):
         self._live: Any = None
         self._every = every
-        self._last = 0.0
+        self._last = float("-inf")  # the first update prints at once
         if not plain and sys.stdout.isatty():
             try:
                 from rich.live import Live
@@ -31,6 +41,10 @@ class Progress:
                 self._live.start()
             except ImportError:
                 self._live = None
+
+    def due(self, most: float) -> float:
+        """How long the caller may wait (at most ``most`` seconds) before the next line is due."""
+        return max(0.05, min(most, self._last + self._every - time.monotonic()))
 
     def update(self, values: dict[str, Any]) -> None:
         if self._live is not None:

@@ -82,6 +82,8 @@ class RankTrainer:
         self.collective_device = self.device if backend == "nccl" else "cpu"
         setup = Setup(args)
         self.batch = setup.batch
+        # The rendezvous that names this job (rank 0's port 0 is found by it on this host).
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         self.learner = Learner("127.0.0.1:0", distributed=True, transport=args.transport, config=setup.config)
         self.dataset = RLinkDataset(self.learner, batch_size=setup.batch, device=self.device)
         self.model = setup.model(self.device)

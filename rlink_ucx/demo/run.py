@@ -70,17 +70,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
-    import torch
-
-    from .ppo import PPO, PPOConfig
-    from .progress import Progress
+    from .progress import say
 
     args = parse_args(argv)
+    # Before torch is imported: on a busy machine that alone takes seconds.
+    say(f"starting: PPO on {args.env}, {args.actors} actor processes, {args.learners} learner(s), "
+        f"at most {args.max_seconds:g} s, target return {args.target_return:g}")  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     if args.learners > 1:
         from .ranks import main as ranks_main
 
         return ranks_main(args)
+    return _one_learner(args)
+
+
+def _one_learner(args: argparse.Namespace) -> int:
+    import torch
+
+    from .ppo import PPO, PPOConfig
+    from .progress import Progress, say
+
     torch.manual_seed(args.seed)
     torch.set_num_threads(1)  # the actors need the other core(s)
     setup = Setup(args)
@@ -91,14 +100,21 @@ def main(argv: list[str] | None = None) -> int:
     ppo = PPO(model, PPOConfig())
     learner.publish(model)
     stop, reports, procs = start_actors(args, learner.address)
+    say(f"learner on {learner.address}; {len(procs)} actors starting (progress every 5 s)")
 
     progress = Progress(plain=args.plain)
     returns: collections.deque[float] = collections.deque(maxlen=100)
     curve: list[tuple[int, float, float]] = []
     episodes = updates = 0
+    mean_return = 0.0
     killed: dict[str, Any] | None = None
     outcome = "time limit"
     started = time.monotonic()
+
+    def show(stats: dict[str, Any], elapsed: float) -> None:
+        env_steps = stats["total"]["steps"] * args.unroll
+        progress.update(progress_values(args, stats, elapsed, mean_return, episodes, learner.version, env_steps))
+
     try:
         while True:
             elapsed = time.monotonic() - started
@@ -108,8 +124,9 @@ def main(argv: list[str] | None = None) -> int:
                 outcome = "every actor exited"
                 break
             try:
-                batch = dataset.fetch(timeout=5)
-            except RLinkTimeout:
+                batch = dataset.fetch(timeout=progress.due(5.0))
+            except RLinkTimeout:  # no batch yet: a line all the same, so the run is never silent
+                show(learner.stats(), time.monotonic() - started)
                 continue
             done = batch["done"].bool()
             finished = batch["ep_return"][done].tolist()
@@ -127,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
                 curve.append((env_steps, round(elapsed, 3), mean_return))
             if killed is None and stats["connected_actors"] == len(procs):
                 killed = kill_one_actor(args, procs, elapsed)
-            progress.update(progress_values(args, stats, elapsed, mean_return, episodes, learner.version, env_steps))
+            show(stats, elapsed)
             if len(returns) == returns.maxlen and mean_return >= args.target_return:
                 outcome = "target reached"
                 break

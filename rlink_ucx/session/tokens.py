@@ -22,6 +22,7 @@ from pathlib import Path
 
 from ..config import Config
 from ..errors import ConfigError
+from ..store.private_files import create_private, make_private_dir
 
 MIN_TOKEN_BYTES = 16  # the token as given (a 16-byte secret as hex or base64 is longer)
 MAKE_TOKEN = "make one with `rlink token` (or python -c 'import secrets; print(secrets.token_urlsafe(32))')"
@@ -151,7 +152,7 @@ def _why_not_private(path: Path, st: os.stat_result, is_dir: bool) -> str | None
 def _ensure_dir(path: Path) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        os.mkdir(path, 0o700)
+        make_private_dir(path)
     except FileExistsError:
         pass
     except OSError as exc:
@@ -168,6 +169,16 @@ def publish(config: Config, port: int, token: bytes) -> Path:
     Raises:
         ConfigError: the directory cannot be made private to this user, or written.
     """
+    return publish_private(config, f"{port}.token", token + b"\n", "the learner's token")
+
+
+def publish_private(config: Config, name: str, body: bytes, what: str) -> Path:
+    """Write ``body`` to ``<dir>/<name>`` (mode 0600) in the first token directory that is or
+    can be made private to this user, atomically; returns the path.
+
+    Raises:
+        ConfigError: no directory can be made private to this user, or written.
+    """
     candidates = token_dirs(config)
     for i, directory in enumerate(candidates):
         try:
@@ -177,19 +188,18 @@ def publish(config: Config, port: int, token: bytes) -> Path:
             if i == len(candidates) - 1:
                 raise
             log.warning("%s; keeping the token in %s instead", exc, candidates[i + 1])
-    path = directory / f"{port}.token"
-    tmp = directory / f".{port}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+    path = directory / name
+    tmp = directory / f".{name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = create_private(tmp)
         try:
-            os.fchmod(fd, 0o600)  # whatever the umask
-            os.write(fd, token + b"\n")
+            os.write(fd, body)
         finally:
             os.close(fd)
-        os.replace(tmp, path)  # readers never see a half-written token
+        os.replace(tmp, path)  # readers never see a half-written file
     except OSError as exc:
         tmp.unlink(missing_ok=True)
-        raise ConfigError(f"cannot write the learner's token to {path}: {exc.strerror or exc}") from exc
+        raise ConfigError(f"cannot write {what} to {path}: {exc.strerror or exc}") from exc
     return path
 
 
@@ -197,20 +207,29 @@ def find(config: Config, port: int) -> tuple[bytes | None, str]:
     """The token a learner of this user published for ``port``, and where it came from; or
     None and why there is none (missing, or a file or directory that is not private). Looks in
     the places :func:`publish` writes to, in its order."""
+    raw, where = find_private(config, f"{port}.token")
+    if raw is not None and len(raw) < MIN_TOKEN_BYTES:
+        return None, f"{where} holds no usable token"
+    return raw, where
+
+
+def find_private(config: Config, name: str) -> tuple[bytes | None, str]:
+    """The contents (stripped, at most 4 KiB) of ``<dir>/<name>`` in the first token directory
+    that holds it, when directory and file are private to this user; else None and why not."""
     reasons = []
     for directory in token_dirs(config):
-        token, where = _find_in(directory, port)
-        if token is not None:
-            return token, where
+        raw, where = _find_in(directory, name)
+        if raw is not None:
+            return raw, where
         reasons.append(where)
     return None, "; ".join(reasons)
 
 
-def _find_in(directory: Path, port: int) -> tuple[bytes | None, str]:
+def _find_in(directory: Path, name: str) -> tuple[bytes | None, str]:
     why = _private(directory)
     if why is not None:
         return None, why
-    path = directory / f"{port}.token"
+    path = directory / name
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
     except FileNotFoundError:
@@ -224,8 +243,6 @@ def _find_in(directory: Path, port: int) -> tuple[bytes | None, str]:
         raw = os.read(fd, 4096).strip()
     finally:
         os.close(fd)
-    if len(raw) < MIN_TOKEN_BYTES:
-        return None, f"{path} holds no usable token"
     return raw, str(path)
 
 
@@ -254,13 +271,12 @@ def write_new(path: str, token: str) -> None:
     try:
         if parent and not os.path.isdir(parent):
             os.makedirs(parent, 0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = create_private(path)
     except FileExistsError:
         raise ConfigError(f"{path} exists: remove it first (a token file is never overwritten)") from None
     except OSError as exc:
         raise ConfigError(f"cannot create {path}: {exc.strerror or exc}") from exc
     try:
-        os.fchmod(fd, 0o600)  # whatever the umask
         os.write(fd, token.encode() + b"\n")
     finally:
         os.close(fd)

@@ -375,7 +375,7 @@ class StepRing:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s with {ready} of {count} steps ready")
+                    raise RLinkTimeout(f"{ready} of {count} steps ready")  # the caller says how long it waited
                 self._waiting_for = count
                 try:
                     # With a finished test, look again now and then: an actor that crashed is

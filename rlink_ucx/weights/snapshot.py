@@ -17,13 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from ..errors import ProtocolError, RLinkError
+from ..errors import ConfigError, ProtocolError, RLinkError
 from ..wire.codec import DTYPES, MAX_NAME_LEN, host_array, is_torch
 from ..wire.frameworks import Adapter
 from ..wire.manifest import ALIGN, KEYED, Entry, Manifest, flatten
 from .mac import ROW, VersionKey, row_hashes
 from .shared import SharedBuffer
 from .shared import available as shared_available
+from .unwrap import module_state_dict
 
 if TYPE_CHECKING:
     import torch
@@ -52,13 +53,19 @@ def state_dict_of(obj: Any) -> Mapping[str, Any]:
     tensor, or a nested mapping (a pytree of dicts, as flax keeps params) whose leaves are arrays
     of any framework (torch, numpy, JAX, TensorFlow: anything with ``__dlpack__`` or the array
     interface). Nested names are paths (``wire.manifest.flatten``). Torch tensors stay as they are
-    (a CUDA state dict is copied on its GPU); other arrays become host numpy arrays here."""
-    if hasattr(obj, "state_dict") and callable(obj.state_dict):
+    (a CUDA state dict is copied on its GPU); other arrays become host numpy arrays here. A
+    DDP / FSDP / ``torch.compile`` wrapped module gives the inner module's names (``unwrap.py``)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and isinstance(obj, torch.nn.Module):
+        obj = module_state_dict(obj)
+    elif hasattr(obj, "state_dict") and callable(obj.state_dict):
         obj = obj.state_dict()
     if not isinstance(obj, Mapping):
         raise TypeError(f"publish() takes a torch.nn.Module or a (nested) mapping of arrays, not {type(obj).__name__}")
     try:
         flat = flatten(obj)
+    except ConfigError:
+        raise
     except ValueError as exc:
         raise TypeError(f"publish(): {exc}") from None
     out: dict[str, Any] = {}

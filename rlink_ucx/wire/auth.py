@@ -17,6 +17,9 @@ NONCE_BYTES = 32
 _ACTOR_LABEL = b"rlink-v1 actor"
 _LEARNER_LABEL = b"rlink-v1 learner"
 _DATA_LABEL = b"rlink-v1 data"
+_RANK_LABEL = b"rlink-v1 rank"
+_RANK_0_LABEL = b"rlink-v1 rank 0"
+_RANK_ACTOR_TOKEN_LABEL = b"rlink-v1 rank's actor token"
 
 
 def new_nonce() -> bytes:
@@ -33,6 +36,21 @@ def actor_proof(token: bytes, learner_nonce: bytes, actor_nonce: bytes) -> bytes
 
 def learner_proof(token: bytes, learner_nonce: bytes, actor_nonce: bytes) -> bytes:
     return _mac(token, _LEARNER_LABEL, actor_nonce, learner_nonce)
+
+
+def rank_proof(rank_token: bytes, learner_nonce: bytes, rank_nonce: bytes) -> bytes:
+    """A learner rank's proof of the job's rank token (a Login's mac on a rank link)."""
+    return _mac(rank_token, _RANK_LABEL, learner_nonce, rank_nonce)
+
+
+def rank_0_proof(rank_token: bytes, learner_nonce: bytes, rank_nonce: bytes) -> bytes:
+    """Rank 0's proof of the rank token to a rank linking to it."""
+    return _mac(rank_token, _RANK_0_LABEL, rank_nonce, learner_nonce)
+
+
+def rank_actor_token_proof(token: bytes | None, learner_nonce: bytes, rank_nonce: bytes) -> bytes:
+    """A rank's proof that it holds the same actors' token as rank 0 (``b""``: none, insecure)."""
+    return b"" if token is None else _mac(token, _RANK_ACTOR_TOKEN_LABEL, learner_nonce, rank_nonce)
 
 
 def data_proof(session_key: bytes, learner_nonce: bytes, session: int) -> bytes:

@@ -20,7 +20,8 @@ import numpy as np
 
 from ..errors import ProtocolError, SchemaMismatch
 
-__all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "host_array", "infer_schema", "is_device_array", "is_torch"]
+__all__ = ["DTYPES", "FieldSpec", "Schema", "as_host_array", "castable", "field_array", "host_array", "infer_schema",
+           "is_device_array", "is_torch"]
 
 # Allowlisted wire dtypes -> (numpy dtype used to hold the bytes, element size).
 # bfloat16 has no numpy dtype: its bytes travel as uint16 and torch reinterprets them.
@@ -125,8 +126,18 @@ class Schema:
         """Build from a user declaration ``{"obs": ("float32", (4,)), ...}``."""
         return cls(tuple(FieldSpec(name, _dtype_name(dt), tuple(shape)) for name, (dt, shape) in spec.items()))
 
+    def casts_to(self, target: Schema) -> bool:
+        """Whether steps of this schema can be put as ``target``'s: the same field names (in any
+        order) and shapes, every dtype :func:`castable` to the target's."""
+        theirs = {f.name: f for f in target.fields}
+        return len(theirs) == len(self.fields) and all(
+            (t := theirs.get(f.name)) is not None and t.shape == f.shape and castable(f.dtype, t.dtype)
+            for f in self.fields
+        )
+
     def compare(self, other: Schema) -> str:
-        """A human sentence naming the first difference (for errors naming both sides)."""
+        """A human sentence naming the first difference that :meth:`casts_to` does not bridge
+        (else the first difference), for errors naming both sides."""
         mine = {f.name: f for f in self.fields}
         theirs = {f.name: f for f in other.fields}
         for name in list(mine) + [n for n in theirs if n not in mine]:
@@ -135,13 +146,29 @@ class Schema:
                 return f"field {name!r} is new ({b.describe()}) and not in the learner's schema"  # type: ignore[union-attr]
             if b is None:
                 return f"field {name!r} ({a.describe()}) is missing"
-            if a != b:
+            if a.shape != b.shape or not castable(b.dtype, a.dtype):
                 return f"field {name!r}: learner has {a.describe()}, actor sent {b.describe()}"
+        for name, a in mine.items():
+            if a != theirs[name]:
+                return f"field {name!r}: learner has {a.describe()}, actor sent {theirs[name].describe()}"
         return "field order differs"
 
 
 _NAMES: dict[Any, str] = {}  # dtype object -> wire name, for the dtypes seen (a few)
 _MAX_NAMES = 256
+
+
+def castable(src: str, dst: str) -> bool:
+    """Whether values of wire dtype ``src`` are cast to ``dst`` on their way into a frame: the
+    kind is kept (float -> float of any width, int -> int of any width or sign while the values
+    fit, checked per put; int -> float as numpy's ``same_kind`` allows). A change of kind (float
+    -> int, anything to or from bool, bfloat16 against another dtype) is not."""
+    if src == dst:
+        return True
+    if "bfloat16" in (src, dst) or (src == "bool") != (dst == "bool"):
+        return False
+    a, b = DTYPES[src], DTYPES[dst]
+    return (a.kind in "iu" and b.kind in "iu") or bool(np.can_cast(a, b, "same_kind"))
 
 
 def _dtype_name(dtype: Any) -> str:
@@ -224,6 +251,17 @@ def as_host_array(x: Any) -> tuple[np.ndarray, str]:
     return arr, _dtype_name(arr.dtype)
 
 
+def field_array(name: Any, value: Any) -> tuple[np.ndarray, str]:
+    """:func:`as_host_array` of a step's field ``name``; what cannot be an array of an allowed
+    dtype (``"hello"``, a ragged list, an object) is a :class:`SchemaMismatch` naming the field."""
+    try:
+        return as_host_array(value)
+    except SchemaMismatch as exc:
+        raise SchemaMismatch(f"field {name!r}: {exc}") from None
+    except (ValueError, TypeError) as exc:
+        raise SchemaMismatch(f"field {name!r}: a {type(value).__name__} that is no array: {exc}") from exc
+
+
 def host_array(x: Any) -> np.ndarray:
     """Any framework's array (numpy, JAX, TensorFlow, cupy, anything with ``__dlpack__`` or the
     array interface) as a host numpy array: a view where the framework lends its memory, a copy
@@ -246,7 +284,7 @@ def infer_schema(step: Mapping[str, Any], *, leading_dims: int = 0) -> Schema:
         raise SchemaMismatch("a step must be a non-empty mapping of field name -> array")
     specs = []
     for name, value in step.items():
-        arr, dtype = as_host_array(value)
+        arr, dtype = field_array(name, value)
         if arr.ndim < leading_dims:
             raise SchemaMismatch(f"field {name!r} has {arr.ndim} dims; expected a leading time axis")
         specs.append(FieldSpec(str(name), dtype, tuple(int(d) for d in arr.shape[leading_dims:])))

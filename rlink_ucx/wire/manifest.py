@@ -11,12 +11,13 @@ torch state dict keeps its names (``"fc.weight"``), and any mapping comes back a
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
 import msgspec
 
-from ..errors import ProtocolError
+from ..errors import ConfigError, ProtocolError
 from .codec import DTYPES, MAX_DIMS, MAX_NAME_LEN
 
 __all__ = ["ALIGN", "KEYED", "Entry", "Manifest", "flatten", "unflatten"]
@@ -68,6 +69,8 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
         for e in self.entries:
             if e.dtype not in DTYPES or not 0 < len(e.name) <= 4 * MAX_NAME_LEN or e.name in names:
                 raise ProtocolError(f"weights entry {e.name[:60]!r}: bad or duplicate name, or dtype {e.dtype!r}")
+            for part in e.name.split("/"):
+                _unescape(part, e.name)  # names are canonical: no two mean one key
             if len(e.shape) > MAX_DIMS or any(d < 0 or d > 2**40 for d in e.shape):
                 raise ProtocolError(f"weights entry {e.name[:60]!r}: bad shape {e.shape[:MAX_DIMS + 1]}")
             if e.offset < 0 or e.offset % ALIGN or e.offset + e.nbytes() > self.total_bytes:
@@ -78,13 +81,25 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
         return f"version {self.version}: {len(self.entries)} tensors, {self.total_bytes} bytes"
 
 
+_ESCAPED = re.compile(r"(?:[^~/]|~[01])*")  # what _escape makes, and nothing else: one name, one key
+_ESCAPE = re.compile(r"~([01])")
+
+
 def _escape(key: Any) -> str:
     return str(key).replace("~", "~0").replace("/", "~1")
 
 
+def _unescape(part: str, name: str) -> str:
+    if _ESCAPED.fullmatch(part) is None:
+        raise ProtocolError(f"weights entry {name[:60]!r}: bad escape (only ~0 and ~1, for ~ and /)")
+    return _ESCAPE.sub(lambda m: "~" if m.group(1) == "0" else "/", part)
+
+
 def flatten(tree: Mapping[Any, Any]) -> dict[str, Any]:
     """The leaves of a nested mapping keyed by their escaped paths (``{"a": {"b": x}}`` ->
-    ``{"a/b": x}``). ValueError for a mapping with no leaves or a tree deeper than ``MAX_DIMS * 4``."""
+    ``{"a/b": x}``). ValueError for a mapping with no leaves or a tree deeper than ``MAX_DIMS * 4``;
+    ConfigError for two keys of one mapping with one name (``{1: a, "1": b}``: names are
+    ``str(key)``, and the receiver could keep only one of them)."""
     out: dict[str, Any] = {}
 
     def walk(node: Mapping[Any, Any], prefix: str, depth: int) -> None:
@@ -92,8 +107,14 @@ def flatten(tree: Mapping[Any, Any]) -> dict[str, Any]:
             raise ValueError(f"params nested deeper than {4 * MAX_DIMS} levels")
         if not node:
             raise ValueError(f"params {prefix or 'mapping'!r} is an empty mapping: nothing to publish there")
+        seen: dict[str, Any] = {}
         for key, value in node.items():
-            path = prefix + _escape(key)
+            escaped = _escape(key)
+            if escaped in seen:
+                raise ConfigError(f"params keys {seen[escaped]!r} and {key!r} of {prefix or 'the top level'!r} "
+                                  f"have one name, {str(key)!r}: rename one (names are str(key))")  # fmt: skip
+            seen[escaped] = key
+            path = prefix + escaped
             if isinstance(value, Mapping):
                 walk(value, path + "/", depth + 1)
             else:
@@ -108,10 +129,7 @@ def unflatten(flat: Mapping[str, Any]) -> dict[str, Any]:
     come from one (a leaf that is also a subtree, a bad escape)."""
     out: dict[str, Any] = {}
     for name, value in flat.items():
-        keys = name.split("/")
-        if any("~" in k and k.replace("~0", "").replace("~1", "").count("~") for k in keys):
-            raise ProtocolError(f"weights entry {name[:60]!r}: bad escape")
-        keys = [k.replace("~1", "/").replace("~0", "~") for k in keys]
+        keys = [_unescape(k, name) for k in name.split("/")]
         node = out
         for key in keys[:-1]:
             child = node.setdefault(key, {})

@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 9
+PROTOCOL_VERSION = 10
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -97,17 +97,20 @@ class Redirect(_Msg, frozen=True):
 
 
 class RankHello(_Msg, frozen=True):
-    """Learner rank ``rank`` of ``world`` -> rank 0, after Login: actors may be sent to
-    ``host:port``; this connection stays up while the rank lives."""
+    """Learner rank ``rank`` of ``world`` -> rank 0, after a Login that proved the job's rank
+    token: actors may be sent to ``host:port``; this connection stays up while the rank lives.
+    ``token_proof``: that the rank holds rank 0's actors' token (``auth.rank_actor_token_proof``)."""
 
     rank: int
     world: int
     host: str
     port: int
+    token_proof: bytes = b""
 
 
 class RankWelcome(_Msg, frozen=True):
-    """Rank 0 -> a rank: registered; rank 0 sends actors to it from now on."""
+    """Rank 0 -> a rank: registered, once every rank of the job has linked; rank 0 sends actors
+    to it from now on."""
 
     world: int
 
@@ -125,6 +128,9 @@ class Propose(_Msg, frozen=True):
 class Accept(_Msg, frozen=True):
     schema_id: int
     max_steps: int  # the most steps one frame may carry (the learner's ring reserve)
+    # The learner's schema where it differs from the proposal by dtypes the actor casts
+    # (wire.codec.castable); the actor then puts as it. None: the proposal as it was.
+    fields: list[Any] | None = None
 
 
 class Reject(_Msg, frozen=True):

@@ -255,8 +255,9 @@ def test_two_ranks_on_two_hosts_share_actors_that_know_only_rank_0(two_hosts, tm
     ns_a, ns_b, va = two_hosts
     vb = "vb" + va[2:]
     n_actors, steps, versions = 6, 400, 2
-    common = {"RLINK_TOKEN": "ranks-" + uuid.uuid4().hex, "WORLD_SIZE": "2", "MASTER_ADDR": "10.77.0.1",
-              "MASTER_PORT": "29517"}  # fmt: skip
+    # Across hosts the ranks are given the rank token (actors are not) and a fixed port.
+    common = {"RLINK_TOKEN": "ranks-" + uuid.uuid4().hex, "RLINK_RANK_TOKEN": "rank-token-" + uuid.uuid4().hex,
+              "WORLD_SIZE": "2", "MASTER_ADDR": "10.77.0.1", "MASTER_PORT": "29517"}  # fmt: skip
     ranks = [subprocess.Popen(["ip", "netns", "exec", ns, sys.executable, str(JOB), "--out", str(tmp_path), "--address",
                                "0.0.0.0:7447", "--versions", str(versions)], cwd=ROOT,
                               env=clean_env(RANK=str(r), GLOO_SOCKET_IFNAME=dev, **common),

@@ -17,6 +17,7 @@ from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.transport.loop import IOThread
 
 TOKEN = b"placement-test-token-0123456789"
+RANK_TOKEN = b"placement-test-rank-token-0123456789"
 
 
 @pytest.mark.timeout(120)
@@ -24,7 +25,7 @@ def test_no_actor_is_placed_before_every_rank_links_then_they_are_split():
     config = Config(connect_timeout=60)
     io = IOThread(name="rank0-io")
     rank0 = LearnerServer("127.0.0.1", 0, token=TOKEN, transport="tcp", config=config, loop=io.loop, rank=0, world=2)
-    io.call(rank0.start(), 30)
+    io.call(rank0.start(RANK_TOKEN), 30)
     rank1 = Learner("127.0.0.1:0", token=TOKEN, transport="tcp")
     made: list[Actor] = []
     errors: list[BaseException] = []
@@ -47,7 +48,8 @@ def test_no_actor_is_placed_before_every_rank_links_then_they_are_split():
         assert not made and not errors
 
         async def link() -> RankLinkClient:
-            client = RankLinkClient(1, 2, ("127.0.0.1", rank0.port), ("127.0.0.1", rank1.port), TOKEN, config, set)
+            client = RankLinkClient(1, 2, ("127.0.0.1", rank0.port), ("127.0.0.1", rank1.port), (TOKEN, RANK_TOKEN), config,
+                                    set)  # fmt: skip
             rank0._spawn(client.run())
             await asyncio.wait_for(client.linked.wait(), 10)
             return client

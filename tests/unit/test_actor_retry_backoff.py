@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from rlink_ucx import Config
-from rlink_ucx.errors import ConnectError, PeerLost
+from rlink_ucx.errors import AuthError, ConnectError, PeerLost
 from rlink_ucx.session.actor.reconnect import REFUSED_BACKOFF, Reconnect
 
 
@@ -96,3 +96,23 @@ def test_an_actor_whose_rank_does_not_answer_asks_rank_0_at_once(monkeypatch):
     assert attempts.targets == [("127.0.0.1", 7002), ("127.0.0.1", 9), ("127.0.0.1", 9)]
     assert len(slept) == 1 and attempts.rank == 0  # no wait before asking rank 0; rank 0's refusal backs off
     assert isinstance(last, ConnectError)
+
+
+def squatter() -> AuthError:
+    return AuthError("learner: token proof did not match (wrong token?)")
+
+
+def test_an_auth_error_at_a_rank_s_address_sends_the_actor_back_to_rank_0(monkeypatch):
+    # The rank at port 7002 died and another process answers there with an auth error: the
+    # actor asks rank 0 (whose own refusal is the only final one) instead of failing.
+    attempts = Attempts(squatter, 3)
+    attempts.host, attempts.port, attempts.rank = "127.0.0.1", 7002, 2
+    slept, last = run(attempts, monkeypatch)
+    assert attempts.targets == [("127.0.0.1", 7002), ("127.0.0.1", 9)] and attempts.rank == 0
+    assert len(slept) == 1  # a refusing rank backs off before rank 0 is asked (it may place it there again)
+    assert isinstance(last, AuthError)  # rank 0's own auth failure ended it
+
+
+def test_rank_0_s_own_auth_failure_is_final(monkeypatch):
+    slept, last = run(Attempts(squatter, 5), monkeypatch)
+    assert slept == [] and isinstance(last, AuthError)

@@ -236,6 +236,12 @@ class Connector:
         reply = await self._propose_once(s.schema)
         if isinstance(reply, _wire.Reject):
             raise SchemaMismatch(f"after reconnecting, the learner rejected the schema: {reply.reason}")
+        if reply.fields is not None:
+            # This actor's frames are laid out in its schema already: a learner restarted with
+            # another one (castable, set by another actor) cannot take them.
+            theirs = Schema.from_wire(reply.fields)
+            raise SchemaMismatch(f"after reconnecting, the learner's schema is {theirs.describe()}, "
+                                 f"this actor's {s.schema.describe()}")
         s.schema_id, s.max_frame_steps = reply.schema_id, reply.max_steps
 
     async def _propose_once(self, schema: Schema) -> _wire.Accept | _wire.Reject:

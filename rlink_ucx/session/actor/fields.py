@@ -8,10 +8,11 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import SchemaMismatch
-from ...wire.codec import DTYPES, as_host_array
+from ...errors import ProtocolError, SchemaMismatch
+from ...wire import messages as _wire
+from ...wire.codec import DTYPES, Schema, castable, field_array
 
-__all__ = ["Field", "check_chunk", "check_value", "raise_extra"]
+__all__ = ["Field", "accepted_schema", "check_chunk", "check_value", "raise_extra"]
 
 _SCALAR_KINDS = {bool: "b", int: "iu", float: "f"}
 
@@ -37,6 +38,19 @@ class Field:
         return SchemaMismatch(f"field {self.name!r}: the negotiated schema says {self.spec.describe()}, got {got}")
 
 
+def accepted_schema(proposed: Schema, reply: _wire.Accept, max_fields: int) -> Schema:
+    """The schema the learner accepted for ``proposed``: itself, or the learner's schema, which
+    steps are then cast to (another actor set it: float32 where this one's first step held a
+    list or float64). ProtocolError for an answer ``proposed`` cannot be cast to."""
+    if reply.fields is None:
+        return proposed
+    accepted = Schema.from_wire(reply.fields, max_fields=max_fields)
+    if not proposed.casts_to(accepted):
+        raise ProtocolError(f"the learner accepted the schema {proposed.describe()} as {accepted.describe()}, "
+                            "which it cannot be cast to")  # fmt: skip
+    return accepted
+
+
 def check_value(f: Field, step: Mapping[str, Any]) -> Any:
     """The value of field ``f`` in ``step``, as it goes into a frame (see :func:`conform`)."""
     try:
@@ -51,7 +65,7 @@ def check_value(f: Field, step: Mapping[str, Any]) -> Any:
         if kind is int and not _int_fits(v, f.dtype):
             raise f.mismatch(v, f"the Python int {v}, outside {f.spec.dtype}'s range")
         return v
-    arr, dtype = as_host_array(v)
+    arr, dtype = field_array(f.name, v)
     if arr.shape != f.shape:
         raise f.mismatch(v, _given(v, dtype, arr))
     return arr if dtype == f.spec.dtype else conform(f, arr, dtype, _given(v, dtype, arr))
@@ -59,14 +73,13 @@ def check_value(f: Field, step: Mapping[str, Any]) -> Any:
 
 def conform(f: Field, arr: np.ndarray, dtype: str, given: str) -> np.ndarray:
     """``arr`` in the field's negotiated dtype, by the one conversion rule of ``put`` and
-    ``put_many``: a value is cast when numpy's ``same_kind`` casting allows it (float64 ->
-    float32, int64 -> int32 while every value fits, int -> float); a change of kind (float ->
-    int, anything to or from bool) raises :class:`SchemaMismatch` naming the field, the expected
-    and the given dtype."""
+    ``put_many`` (``wire.codec.castable``): the kind is kept (float64 -> float32, int64 -> int32
+    or uint8 while every value fits, int -> float); a change of kind (float -> int, anything to
+    or from bool) raises :class:`SchemaMismatch` naming the field, the expected and the given
+    dtype."""
     if dtype == f.spec.dtype:
         return arr
-    if ("bfloat16" in (dtype, f.spec.dtype) or (arr.dtype.kind == "b") != (f.dtype.kind == "b")
-            or not np.can_cast(arr.dtype, f.dtype, "same_kind")):  # fmt: skip
+    if not castable(dtype, f.spec.dtype):
         raise f.mismatch(arr, given)
     if f.dtype.kind in "iu" and arr.dtype.kind in "iu" and arr.size and not np.can_cast(arr.dtype, f.dtype):
         info = np.iinfo(f.dtype)
@@ -105,7 +118,7 @@ def check_chunk(fields: list[Field], steps: Mapping[str, Any]) -> tuple[list[np.
     for f in fields:
         if f.name not in steps:
             raise SchemaMismatch(f"field {f.name!r} ({f.spec.describe()}) is missing from the chunk")
-        arr, dtype = as_host_array(steps[f.name])
+        arr, dtype = field_array(f.name, steps[f.name])
         if arr.shape[1:] != f.shape or arr.ndim != len(f.shape) + 1:
             raise f.mismatch(arr, _given_chunk(dtype, arr) if arr.ndim else f"{dtype}[] (a chunk needs a leading time axis)")
         if dtype != f.spec.dtype:  # the common case skips this (and the text it would need)

@@ -154,17 +154,21 @@ class Reconnect:
                 left = max(0.1, deadline - time.monotonic())
                 await self._connector.connect(min(attempt_timeout, left), answered_timeout=min(cap, left))
                 return None
-            except FINAL as exc:
-                return exc
             except (RLinkError, OSError) as exc:
                 last = map_plane_error(exc)
+                # Only rank 0 (the address the actor was given) refuses for good: what answers on a
+                # rank's address may be a process that took the port of a rank that died, whose
+                # refusal (a failed proof, no rlink) says nothing about the job. Rank 0 decides.
+                if isinstance(exc, FINAL) and (s.host, s.port) == s.home:
+                    return exc
                 attempt_timeout = min(cap, 2 * attempt_timeout)
                 self._teardown()
                 if (s.host, s.port) != s.home:  # the rank it was sent to did not answer: rank 0 places it anew
                     log.info("actor %s: learner rank %d at %s:%s did not answer (%s); asking rank 0 at %s:%s",
                              s.actor_id, s.rank, s.host, s.port, exc, *s.home)  # fmt: skip
                     s.go_home()
-                    at_once, delay = True, 0.05  # rank 0 is asked at once
+                    # at once, unless the rank refused: rank 0 may place the actor there again
+                    at_once, delay = not isinstance(exc, FINAL), 0.05
                 if cause is None and not waiting_logged:
                     waiting_logged = True
                     log.warning("actor: waiting for the learner at %s:%s (%s); retrying for up to %.0fs",

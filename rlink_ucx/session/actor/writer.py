@@ -17,7 +17,7 @@ from ...errors import Backpressure, Closed, SchemaMismatch
 from ...transport.loop import IOThread
 from ...wire import messages as _wire
 from ...wire.codec import Schema, infer_schema
-from .fields import Field, check_chunk, check_value, raise_extra
+from .fields import Field, accepted_schema, check_chunk, check_value, raise_extra
 from .frames import BorrowedFrame, FrameBuffer, write_chunk, write_step
 from .link import ActorConnection
 from .policy import Left, SendPolicy, Why
@@ -98,6 +98,7 @@ class StepWriter:
         reply = self._io.call(self._connector.propose(schema), self.config.connect_timeout, "schema negotiation")
         if isinstance(reply, _wire.Reject):
             raise SchemaMismatch(f"learner rejected the schema: {reply.reason}")
+        schema = accepted_schema(schema, reply, self.config.max_fields)
         capacity = max(1, min(reply.max_steps, schema.frame_steps(self.config.frame_bytes)))
         # One frame buffer now; the others (up to frame_buffers) when a put finds none free
         # (Outbox.acquire). A slow actor's frame leaves from its buffer, which takes the next

@@ -1,100 +1,111 @@
-"""A job of many learner ranks: the torch.distributed group they meet in, and what rank 0 tells
-the others when they start (its port, a token it generated). No pickle: rank 0's word is a
-msgpack struct in a fixed-size byte tensor.
+"""A job of many learner ranks, without torch.distributed: this process's rank and the job's
+size come from the launcher's environment, rank 0 is found at the address every rank was given,
+and the ranks prove to each other that they are ranks with the job's rank token, a secret that
+actors do not hold (the rank links themselves are in ``ranks.py`` and ``rank_link.py``).
 
-Every rank calls these in the same order (they are collectives): :func:`join`, then
-:meth:`Job.tell` on rank 0 / :meth:`Job.hear` on the others, then :meth:`Job.agree`."""
+Rank 0 writes a job file, ``job-<rendezvous>.rank0`` (mode 0600, in its user's token directory,
+``tokens.token_dirs``), named by the launcher's rendezvous (``MASTER_ADDR``/``MASTER_PORT``,
+``TORCHELASTIC_RUN_ID``, ``SLURM_JOB_ID``/``SLURM_STEP_ID``): its port (port 0 is a free one),
+its pid, and the rank token it generated. Ranks on rank 0's host read it there, as local actors
+read a generated token. Ranks on other hosts read no file: they need a fixed port and the rank
+token given (``RLINK_RANK_TOKEN`` / ``RLINK_RANK_TOKEN_FILE``)."""
 
 from __future__ import annotations
 
-import datetime
 import hashlib
+import json
 import logging
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-
-import msgspec
 
 from ...config import Config
 from ...errors import ConfigError
 from ...transport.address import is_loopback
+from .. import tokens
 
 log = logging.getLogger(__name__)
 
-WORD_BYTES = 4096  # rank 0's word to the others, msgpack, zero-padded
 WILDCARDS = ("0.0.0.0", "::", "")
+RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "SLURM_JOB_ID", "SLURM_STEP_ID")
+GIVE_RANK_TOKEN = ("give every learner rank the same rank token, one actors do not hold: RLINK_RANK_TOKEN_FILE=PATH "
+                   "(mode 0600; make one with `rlink token --file PATH`) or RLINK_RANK_TOKEN")  # fmt: skip
 
 
-class Home(msgspec.Struct, frozen=True):
-    """What rank 0 tells the other ranks once it listens."""
-
-    error: str  # "" when rank 0 started
-    port: int
-    token: bytes  # the token rank 0 generated (loopback only), else b""
-    digest: bytes  # the job's token, hashed: every rank must hold the same (b"": insecure)
-
-
-@dataclass
+@dataclass(frozen=True)
 class Job:
-    """This process's rank in the job, and rlink's own gloo group (never the user's)."""
+    """This process's place in a job of many learner ranks.
+
+    Attributes:
+        rank, world: from the default process group where the user made one, else the launcher.
+        rendezvous: the launcher's rendezvous, hashed (names rank 0's job file; "" without one).
+        spans_hosts: the launcher says the ranks run on more than one host (None: it does not say).
+    """
 
     rank: int
     world: int
-    group: Any
-    created_default: bool  # rlink initialised the default group (and destroys it at close)
+    rendezvous: str
+    spans_hosts: bool | None
 
-    def tell(self, home: Home) -> None:
-        """Rank 0: tell every other rank ``home`` (collective)."""
-        self._broadcast(msgspec.msgpack.encode(home))
+    @property
+    def job_file(self) -> str:
+        return f"job-{self.rendezvous}.rank0"
 
-    def hear(self) -> Home:
-        """Another rank: what rank 0 said (collective)."""
-        body = self._broadcast(None)
+
+@dataclass(frozen=True)
+class RankZero:
+    """What a rank read in rank 0's job file."""
+
+    port: int
+    rank_token: bytes | None  # the rank token rank 0 generated (None: one was given)
+
+
+def find_job(address: str, environ: Any = None) -> Job:
+    """This process's rank and the job's size: the user's default process group where one is
+    initialised (read, never used), else the launcher's ``RANK``/``WORLD_SIZE`` (torchrun, a
+    Kubernetes indexed job) or ``SLURM_PROCID``/``SLURM_NTASKS`` (srun).
+
+    Raises:
+        ConfigError: neither gives a rank, or the rank is not one of the job's.
+    """
+    env = os.environ if environ is None else environ
+    found = _default_group() or launcher_rank(env)
+    if found is None:
+        raise ConfigError("Learner(distributed=True) found no launcher's variables: start it under torchrun, srun or a "
+                          "launcher that sets RANK and WORLD_SIZE (or SLURM_PROCID and SLURM_NTASKS)")  # fmt: skip
+    rank, world = found
+    if not 0 <= rank < world:
+        raise ConfigError(f"Learner(distributed=True): rank {rank} is not a rank of a job of {world}")
+    values = [env.get(name, "") for name in RENDEZVOUS]
+    key = ""
+    if any(values[1:]):  # an address alone names no job
+        key = hashlib.sha256("\0".join([*values, address, str(world)]).encode()).hexdigest()[:32]
+    return Job(rank, world, key, _spans_hosts(env))
+
+
+def _default_group() -> tuple[int, int] | None:
+    """The user's default torch.distributed group's rank and size, where one is initialised
+    (torch is not imported for it)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return None
+    return int(dist.get_rank()), int(dist.get_world_size())
+
+
+def _spans_hosts(env: Any) -> bool | None:
+    for local, whole in (("LOCAL_WORLD_SIZE", "WORLD_SIZE"), ("SLURM_NNODES", None), ("SLURM_JOB_NUM_NODES", None)):
         try:
-            return msgspec.msgpack.decode(body, type=Home)
-        except msgspec.DecodeError as exc:
-            raise ConfigError(f"rank {self.rank}: rank 0's word is unreadable ({exc}): is every rank the same rlink "
-                              "version?") from exc  # fmt: skip
-
-    def agree(self, error: str | None) -> None:
-        """Every rank says whether it started; raise on every rank if one did not (collective)."""
-        import torch
-        import torch.distributed as dist
-
-        failed = torch.tensor([0 if error is None else 1 + self.rank], dtype=torch.int64)
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=self.group)
-        if error is not None:
-            raise ConfigError(error)
-        if int(failed.item()):
-            raise ConfigError(f"learner rank {int(failed.item()) - 1} of {self.world} did not start (see its log): "
-                              "no rank serves actors")  # fmt: skip
-
-    def _broadcast(self, body: bytes | None) -> bytes:
-        import torch
-        import torch.distributed as dist
-
-        buf = torch.zeros(WORD_BYTES, dtype=torch.uint8)
-        if body is not None:
-            if len(body) + 4 > WORD_BYTES:
-                raise ConfigError("rank 0's word to the other ranks is too long")
-            raw = len(body).to_bytes(4, "little") + body
-            buf[: len(raw)] = torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-        dist.broadcast(buf, 0, group=self.group)
-        raw = buf.numpy().tobytes()
-        return raw[4 : 4 + min(int.from_bytes(raw[:4], "little"), WORD_BYTES - 4)]
-
-    def close(self) -> None:
-        import torch.distributed as dist
-
-        try:
-            if dist.is_initialized():
-                dist.destroy_process_group(self.group)
-                if self.created_default:
-                    dist.destroy_process_group()
-        except Exception:  # a group whose peers already left: nothing more to release here
-            log.debug("destroying rlink's process group", exc_info=True)
+            if whole is None and env.get(local):
+                return int(env[local]) > 1
+            if whole is not None and env.get(local) and env.get(whole):
+                return int(env[local]) < int(env[whole])
+        except ValueError:
+            continue
+    return None
 
 
 def launcher_rank(environ: Any = None) -> tuple[int, int] | None:
@@ -110,37 +121,88 @@ def launcher_rank(environ: Any = None) -> tuple[int, int] | None:
     return None
 
 
-def join(config: Config) -> Job:
-    """Meet the job's other ranks: in the default process group where one is initialised (any
-    backend), else in one initialised from the launcher's environment (gloo); rlink's traffic
-    goes in a gloo group of its own."""
+def given_rank_token(config: Config, actor_token: bytes | None) -> bytes | None:
+    """The rank token given to this rank (``RLINK_RANK_TOKEN``, else the file named by
+    ``Config.rank_token_file`` / ``RLINK_RANK_TOKEN_FILE``); None when none is.
+
+    Raises:
+        ConfigError: a short token, an unusable file, or the actors' token given as the rank token.
+    """
+    if os.environ.get("RLINK_RANK_TOKEN"):
+        token: bytes | None = tokens.check_token(os.environ["RLINK_RANK_TOKEN"].strip(), "RLINK_RANK_TOKEN")
+    elif config.rank_token_file:
+        token = tokens.read_token_file(config.rank_token_file)
+    else:
+        return None
+    if token == actor_token:
+        raise ConfigError("the rank token is the actors' token: a rank proves it is one with a secret actors do not "
+                          f"hold; {GIVE_RANK_TOKEN}")  # fmt: skip
+    return token
+
+
+def rank_0_token(job: Job, given: bytes | None) -> bytes:
+    """Rank 0's rank token: the one given, else a generated one (for ranks on its host only).
+
+    Raises:
+        ConfigError: none given for a job the launcher says spans hosts, or one with no rendezvous.
+    """
+    if given is not None:
+        return given
+    if job.spans_hosts:
+        raise ConfigError(f"this job's learner ranks run on more than one host: {GIVE_RANK_TOKEN}")
+    if not job.rendezvous:
+        raise ConfigError("no rank token given and no launcher's rendezvous (MASTER_PORT, TORCHELASTIC_RUN_ID or "
+                          f"SLURM_JOB_ID) by which the other ranks on this host find one: {GIVE_RANK_TOKEN}")  # fmt: skip
+    return tokens.new_token().encode()
+
+
+def publish_rank_0(config: Config, job: Job, port: int, generated: bytes | None) -> Path | None:
+    """Rank 0: write the job file where the ranks on this host find its port and generated rank
+    token (None without a rendezvous: nothing to name it by)."""
+    if not job.rendezvous:
+        return None
+    body = {"port": port, "pid": os.getpid(), "rank_token": generated.decode() if generated else ""}
+    return tokens.publish_private(config, job.job_file, json.dumps(body).encode(), "rank 0's job file")
+
+
+def await_rank_0(config: Config, job: Job, home: str, deadline: float) -> RankZero:
+    """Another rank: rank 0's job file, once rank 0 (a live process of this user on this host)
+    wrote it, polling until ``deadline`` (``time.monotonic()``).
+
+    Raises:
+        ConfigError: rank 0 is on another host, the job has no rendezvous, or no file in time.
+    """
+    if not (is_loopback(home) or _is_local(home)):
+        raise ConfigError(f"rank 0 at {home} is on another host: give every rank a fixed port (not 0) and {GIVE_RANK_TOKEN}")
+    if not job.rendezvous:
+        raise ConfigError("no launcher's rendezvous (MASTER_PORT, TORCHELASTIC_RUN_ID or SLURM_JOB_ID) names this job: "
+                          f"give every rank a fixed port (not 0) and {GIVE_RANK_TOKEN}")  # fmt: skip
+    why = ""
+    while True:
+        raw, why = tokens.find_private(config, job.job_file)
+        word = None if raw is None else _read_job_file(raw)
+        if word is not None:
+            return word
+        if time.monotonic() >= deadline:
+            raise ConfigError(f"learner rank {job.rank}: rank 0 wrote no job file on this host in time ({why}): did it "
+                              f"start? Ranks on other hosts need a fixed port and {GIVE_RANK_TOKEN}")  # fmt: skip
+        time.sleep(0.1)
+
+
+def _read_job_file(raw: bytes) -> RankZero | None:
+    """The file's word, or None when it is unreadable or its writer is gone (a rank 0 of an
+    earlier job that was killed)."""
     try:
-        import torch.distributed as dist
-    except ImportError as exc:
-        raise ConfigError("Learner(distributed=True) needs torch: pip install 'rlink-ucx[torch]'") from exc
-    if not dist.is_available():
-        raise ConfigError("Learner(distributed=True): this torch build has no torch.distributed")
-    timeout = datetime.timedelta(seconds=config.connect_timeout)
-    created = False
-    if not dist.is_initialized():
-        found = launcher_rank()
-        if found is None:
-            raise ConfigError("Learner(distributed=True) found no process group and no launcher's variables: start it "
-                              "under torchrun or srun (RANK/WORLD_SIZE or SLURM_PROCID/SLURM_NTASKS), or call "
-                              "torch.distributed.init_process_group first")  # fmt: skip
-        missing = [v for v in ("MASTER_ADDR", "MASTER_PORT") if not os.environ.get(v)]
-        if missing:
-            raise ConfigError(f"Learner(distributed=True): set {' and '.join(missing)} (where rank 0 of the job meets the "
-                              "others; torchrun sets them, a SLURM script exports them)")  # fmt: skip
-        rank, world = found
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timeout)
-        created = True
-    group = dist.new_group(backend="gloo", timeout=timeout)
-    return Job(dist.get_rank(), dist.get_world_size(), group, created)
-
-
-def token_digest(token: bytes | None) -> bytes:
-    return b"" if token is None else hashlib.sha256(b"rlink job token\0" + token).digest()
+        body = json.loads(raw)
+        port, pid, token = int(body["port"]), int(body["pid"]), str(body["rank_token"])
+        os.kill(pid, 0)
+    except PermissionError:  # a live process (of another user: the file is private, so not expected)
+        pass
+    except (ValueError, KeyError, TypeError, OSError):
+        return None
+    if not 0 < port < 65536:
+        return None
+    return RankZero(port, token.encode() if token else None)
 
 
 def rank_home(address_host: str) -> str:
@@ -189,3 +251,62 @@ def _source_address(home: str) -> str:
     except OSError as exc:
         raise ConfigError(f"cannot tell this rank's address on the way to rank 0 at {home!r} ({exc}): set "
                           "Config.rank_host (RLINK_RANK_HOST)") from exc  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """How a rank other than 0 starts: where rank 0 is, the tokens, where it listens."""
+
+    home: tuple[str, int]  # rank 0's host and port
+    rank_token: bytes
+    actor_token: bytes | None  # the actors' token rank 0 generated and published on this host, if any
+    bind: tuple[str, int]  # where this rank listens
+    advertised: str  # the host actors placed here are sent to
+
+
+def plan_rank(job: Job, config: Config, address: tuple[str, int], actor_token: bytes | None, insecure: bool) -> RankPlan:
+    """Find rank 0 and the job's tokens for rank ``job.rank`` (> 0), given the ``address``
+    every rank was given and this rank's actors' token (None: none given).
+
+    Raises:
+        ConfigError: rank 0 cannot be found in ``Config.connect_timeout``, or a token is missing.
+    """
+    host, port = address
+    home = rank_home(host)
+    given = given_rank_token(config, actor_token)
+    deadline = time.monotonic() + config.connect_timeout
+    word = await_rank_0(config, job, home, deadline) if port == 0 or given is None else None
+    home_port = port or (word.port if word else 0)
+    rank_token = given or (word.rank_token if word else None)
+    if rank_token is None:
+        raise ConfigError(f"learner rank {job.rank} was given no rank token, and rank 0 generated none (it was given "
+                          f"one): {GIVE_RANK_TOKEN}")  # fmt: skip
+    generated = None
+    if actor_token is None and not insecure and (is_loopback(home) or _is_local(home)):
+        while generated is None:  # rank 0 publishes a token it generated as soon as it listens
+            generated, _ = tokens.find(config, home_port)
+            if word is not None or time.monotonic() >= deadline:
+                break
+            time.sleep(0.1)
+    bind_host, bind_port, advertised = rank_bind(host, home, job.rank, config)
+    return RankPlan((home, home_port), rank_token, generated, (bind_host, bind_port), advertised)
+
+
+def check_rank_0_port(job: Job, port: int) -> None:
+    """Refuse port 0 on rank 0 where the other ranks could not learn the port chosen."""
+    if port == 0 and (job.spans_hosts or not job.rendezvous):
+        why = "the job's ranks run on more than one host" if job.spans_hosts else "no launcher's rendezvous " \
+              "(MASTER_PORT, TORCHELASTIC_RUN_ID or SLURM_JOB_ID) names this job"  # fmt: skip
+        raise ConfigError(f"Learner(distributed=True) on port 0: {why}, so the other ranks cannot learn the port rank 0 "
+                          "picks; give a fixed port")  # fmt: skip
+
+
+def withdraw_rank_0(path: Path | None) -> None:
+    """Remove rank 0's job file if this process wrote it (idempotent)."""
+    if path is None:
+        return
+    try:
+        if int(json.loads(path.read_bytes())["pid"]) == os.getpid():
+            path.unlink()
+    except (OSError, ValueError, KeyError, TypeError):
+        pass

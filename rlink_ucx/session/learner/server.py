@@ -111,9 +111,10 @@ class LearnerServer:
         self.totals = ActorTotals()  # ended sessions' counters, for the metrics endpoint
 
     # --- lifecycle -------------------------------------------------------------------------
-    async def start(self) -> None:
+    async def start(self, rank_token: bytes | None = None) -> None:
         """Bind, publish the token, start the plane asked for by name, then accept. On failure
-        the caller runs ``stop()``, which undoes whatever was done."""
+        the caller runs ``stop()``, which undoes whatever was done. ``rank_token``: rank 0 of
+        many, the job's rank token that the other ranks prove."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
         sock = socket.create_server((self.host, self.port), family=family, backlog=listen_backlog(self.config),
                                     reuse_port=False)  # fmt: skip
@@ -132,7 +133,8 @@ class LearnerServer:
             log.info("learner token for local actors written to %s", self.token_path)
         await self.planes.start()  # asked for by name: fail here, not at the first actor
         if self.rank == 0 and self.world > 1:
-            self.ranks = RankTable(self.world, self.host, self.port, self.config, self.quiet_log)
+            assert rank_token is not None, "a job of many learners has a rank token"
+            self.ranks = RankTable(self.world, self.host, self.port, self.config, self.quiet_log, rank_token)
         self._spawn(self._accept_loop())
         self._spawn(self._heartbeat_loop())
 
@@ -148,18 +150,19 @@ class LearnerServer:
         if path is not None and self.token is not None:
             tokens.withdraw(path, self.token)
 
-    async def link_to_rank_0(self, home: tuple[str, int], advertised: tuple[str, int], timeout: float) -> None:
+    async def link_to_rank_0(self, home: tuple[str, int], advertised: tuple[str, int], rank_token: bytes,
+                             timeout: float) -> None:  # fmt: skip
         """A rank other than 0: keep a link to rank 0 at ``home``, saying actors reach this
-        rank at ``advertised``; return once it is up.
+        rank at ``advertised``; return once rank 0 welcomed it (every rank of the job linked).
 
         Raises:
-            TimeoutError: no link within ``timeout`` (it is still tried in the background).
+            ConfigError: rank 0 refused this rank, its own start failed, or no welcome within
+                ``timeout`` (the link is still tried in the background until ``stop``).
         """
-        self.rank_link = RankLinkClient(self.rank, self.world, home, advertised, self.token, self.config,
-                                        lambda: {s.actor_id for s in self.sessions.values()})  # fmt: skip
+        self.rank_link = RankLinkClient(self.rank, self.world, home, advertised, (self.token, rank_token),
+                                        self.config, lambda: {s.actor_id for s in self.sessions.values()})  # fmt: skip
         self._spawn(self.rank_link.run())
-        async with asyncio.timeout(timeout):
-            await self.rank_link.linked.wait()
+        await self.rank_link.started(timeout)
 
     async def stop(self) -> None:
         self.withdraw_token()
@@ -282,7 +285,12 @@ class LearnerServer:
             raise Refused(f"actor speaks protocol {first.proto}; learner speaks {_wire.PROTOCOL_VERSION}")
         if len(first.nonce) != _auth.NONCE_BYTES:
             raise ProtocolError("bad nonce length")
-        if self.token is not None:
+        # A learner rank proves the job's rank token, which actors do not hold; then its actors' token.
+        a_rank = self.ranks is not None and self.ranks.proves(nonce, first.nonce, first.mac)
+        if a_rank and self.ranks is not None:
+            self.admission.finished(asyncio.current_task())
+            conn.send(_wire.Proof(self.ranks.proof(nonce, first.nonce)))
+        elif self.token is not None:
             _auth.verify(_auth.actor_proof(self.token, nonce, first.nonce), first.mac, "actor")
             self.admission.finished(asyncio.current_task())  # authenticated: no longer a pre-auth slot
             conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
@@ -293,7 +301,13 @@ class LearnerServer:
             if self.ranks is None:
                 raise Refused(f"a learner rank linked to rank {self.rank} of {self.world}: only rank 0 of a job of "
                               "many learners takes ranks (are two jobs given the same address?)")  # fmt: skip
+            if not a_rank:
+                raise AuthError("a RankHello from a peer that did not prove the job's rank token (an actor's token "
+                                "does not make a learner rank)")  # fmt: skip
+            self.ranks.check_hello(hello, self.token, nonce, first.nonce)
             return hello
+        if a_rank:
+            raise ProtocolError(f"expected RankHello after a rank's login, got {type(hello).__name__}")
         if not isinstance(hello, _wire.Hello):
             raise ProtocolError(f"expected Hello, got {type(hello).__name__}")
         if self.ranks is not None:  # rank 0 of many: this actor may belong to another rank
@@ -372,9 +386,15 @@ class LearnerServer:
 
     # --- schema and credit ----------------------------------------------------------------------
     def negotiate_schema(self, schema: Schema) -> tuple[int, StepRing]:
-        if self.schema is None or self.ring is None:
-            if self.schema is not None and self.schema != schema:
+        """The schema id and ring for an actor's proposal. The first proposal (or a declared
+        schema) is the learner's schema; a later one is accepted as it when its values can be
+        cast to it without a change of kind (``Schema.casts_to``): the session answers with
+        the ring's schema, which the actor then puts as."""
+        if self.schema is not None and schema != self.schema:
+            if not schema.casts_to(self.schema):
                 raise SchemaMismatch(self._mismatch(schema))
+            schema = self.schema
+        if self.ring is None:
             if schema.step_bytes > self.config.max_frame_bytes:
                 raise SchemaMismatch(
                     f"one step is {schema.step_bytes} bytes, over max_frame_bytes={self.config.max_frame_bytes}: "
@@ -394,8 +414,6 @@ class LearnerServer:
             self.ring.on_space_freed = self.credit.space_freed
             self.ring_ready.set()
             log.info("schema %s accepted: %s", schema.fingerprint, schema.describe())
-        elif schema != self.schema:
-            raise SchemaMismatch(self._mismatch(schema))
         return 1, self.ring
 
     def _mismatch(self, schema: Schema) -> str:

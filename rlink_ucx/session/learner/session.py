@@ -147,7 +147,8 @@ class LearnerSession:
             self.control.send(_wire.Reject(str(exc)))
             return
         self.schema_id, self.ring = schema_id, ring
-        self.control.send(_wire.Accept(schema_id, ring.max_frame_steps))
+        cast_to = None if ring.schema == schema else ring.schema.to_wire()  # the actor puts as the learner's
+        self.control.send(_wire.Accept(schema_id, ring.max_frame_steps, cast_to))
         self.server.grant_credits()
 
     def _on_returned(self, steps: int) -> None:

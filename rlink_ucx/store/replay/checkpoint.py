@@ -8,7 +8,9 @@ with XXH3-128 just before writing it (the chunk is then still in the CPU's cache
 back (``posix_fadvise(DONTNEED)`` does this for dirty pages), so the disk works while the next
 chunks are copied instead of all at the final ``fsync``, and a few chunks later the same call
 drops the range's then clean pages: a save does not fill the page cache with the table.
-Files go to a temporary directory that is renamed to ``path`` at the end (then the parent
+Files are created mode 0600 in a directory of mode 0700 (``private_files.py``, as token files,
+whatever the umask): the trajectories are as private as the token that let their actors in.
+They go to a temporary directory that is renamed to ``path`` at the end (then the parent
 directory is fsynced), so a crash leaves either the old checkpoint or the new one; the old one
 is removed by a background thread, which the next save and the interpreter's exit wait for.
 ``load`` reads each field with ``O_DIRECT`` straight into the new table (``direct_read.py``;
@@ -40,6 +42,7 @@ import xxhash
 
 from ...errors import CheckpointError, ConfigError
 from ...wire.codec import DTYPES, Schema
+from ..private_files import create_private, make_private_dir
 from .core import ReplayCore
 from .direct_read import DirectReader
 
@@ -76,7 +79,8 @@ def save(core: ReplayCore, path: str | os.PathLike[str], settings: dict[str, Any
                 "table": table.state(), "sampler": sampler.state(), "limiter": core.limiter.state(),
                 "files": {},
             }  # fmt: skip
-        tmp.mkdir(parents=True)
+        tmp.parent.mkdir(parents=True, exist_ok=True)
+        make_private_dir(tmp)  # renamed to path: the checkpoint is its user's alone, as a token file
         files = manifest["files"]
         for i, spec in enumerate(table.schema.fields):
             dtype, shape = DTYPES[spec.dtype], (held, *spec.shape)
@@ -85,7 +89,7 @@ def save(core: ReplayCore, path: str | os.PathLike[str], settings: dict[str, Any
         files["meta.npy"] = _write(tmp / "meta.npy", meta.dtype, meta.shape, _pieces(meta))
         if leaves is not None:
             files["priority.npy"] = _write(tmp / "priority.npy", leaves.dtype, leaves.shape, _pieces(leaves))
-        with open(tmp / "manifest.json", "w") as f:
+        with os.fdopen(create_private(tmp / "manifest.json"), "w") as f:
             f.write(json.dumps(manifest, indent=1))
             f.flush()
             os.fsync(f.fileno())  # on disk before the rename makes it the checkpoint
@@ -101,7 +105,7 @@ def save(core: ReplayCore, path: str | os.PathLike[str], settings: dict[str, Any
 
 def _write(file: Path, dtype: np.dtype, shape: tuple[int, ...], chunks: Iterable[np.ndarray]) -> dict[str, Any]:
     digest = xxhash.xxh3_128()
-    with open(file, "wb", buffering=0) as f:
+    with os.fdopen(create_private(file), "wb", buffering=0) as f:
         fd = f.fileno()
         head = io.BytesIO()
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)), "fortran_order": False, "shape": shape}

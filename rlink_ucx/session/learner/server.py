@@ -226,7 +226,7 @@ class LearnerServer:
                 await self.ranks.serve(conn, result)
                 return
             if isinstance(result, _wire.StatsRequest):  # `rlink stats`
-                await self._answer_stats(conn)
+                await _answer_stats(conn, self.snapshot(), self.config)
                 return
             session = result
             await session.serve()
@@ -254,25 +254,11 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
-    async def _answer_stats(self, conn: ControlConnection) -> None:
-        """Send ``stats()`` to an authenticated client, then wait (bounded) for it to close: a
-        reply larger than the socket's buffer is still being written when ``send`` returns."""
-        conn.send(_wire.StatsReply(self.snapshot()))
-        with contextlib.suppress(TimeoutError, PeerLost, ProtocolError, OSError):
-            async with asyncio.timeout(self.config.handshake_timeout):
-                await conn.recv(self.config.max_preauth_bytes)
-
     async def _handshake(self, conn: ControlConnection
                          ) -> LearnerSession | tuple[Member, int] | _wire.RankHello | _wire.StatsRequest | None:  # fmt: skip
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
-        limit = min(self.config.preauth_timeout, self.config.handshake_timeout)
-        try:  # what follows is verified at once: only this wait is unauthenticated
-            async with asyncio.timeout(limit):
-                first = await conn.recv(self.config.max_preauth_bytes)
-        except TimeoutError:
-            self.admission.preauth_expired(conn.peer)
-            raise PreauthTimeout(f"no login within {limit}s (Config.preauth_timeout)") from None
+        first = await _first_message(conn, self.admission, self.config)
         if isinstance(first, _wire.Attach):
             attach_data_connection(self.sessions, conn, first, nonce)
             self.grant_credits()
@@ -468,6 +454,27 @@ class LearnerServer:
     def snapshot(self) -> dict[str, Any]:
         """The learner's stats (on the I/O loop)."""
         return report(self)
+
+
+async def _first_message(conn: ControlConnection, admission: Admission, config: Config) -> _wire.Message:
+    """A new connection's first message, within ``Config.preauth_timeout``: what follows is
+    verified at once, so only this wait is unauthenticated."""
+    limit = min(config.preauth_timeout, config.handshake_timeout)
+    try:
+        async with asyncio.timeout(limit):
+            return await conn.recv(config.max_preauth_bytes)
+    except TimeoutError:
+        admission.preauth_expired(conn.peer)
+        raise PreauthTimeout(f"no login within {limit}s (Config.preauth_timeout)") from None
+
+
+async def _answer_stats(conn: ControlConnection, stats: dict[str, Any], config: Config) -> None:
+    """Send ``stats`` to an authenticated client, then wait (bounded) for it to close: a reply
+    larger than the socket's buffer is still being written when ``send`` returns."""
+    conn.send(_wire.StatsReply(stats))
+    with contextlib.suppress(TimeoutError, PeerLost, ProtocolError, OSError):
+        async with asyncio.timeout(config.handshake_timeout):
+            await conn.recv(config.max_preauth_bytes)
 
 
 def _close_unless_handed_off(conn: ControlConnection, _task: asyncio.Task[Any]) -> None:

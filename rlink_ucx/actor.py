@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import operator
 import threading
 import time
 import weakref
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any, Self
 
 import numpy as np
 
 from .config import Config, resolve
 from .errors import ConfigError
+from .errors import TimeoutError as RLinkTimeout
 from .session.actor.link import ActorConnection
 from .session.actor.writer import StepWriter
 from .session.tokens import resolve_token
@@ -23,7 +26,7 @@ from .transport.address import parse_endpoint
 from .transport.loop import release_io, shared_io
 from .weights.subscriber import Subscriber
 from .wire.codec import Schema
-from .wire.frameworks import Adapter, adapter, default_format
+from .wire.frameworks import Adapter, adapter_soon, default_format
 from .wire.manifest import unflatten
 from .wire.messages import Welcome
 
@@ -89,7 +92,7 @@ class Actor:
         host, port, transport = parse_endpoint(address, transport)
         self._lock = threading.Lock()  # guards the subscriber's creation
         self._subscriber: Subscriber | None = None
-        self._adapters: dict[str, Adapter] = {}  # get_remote_model's formats
+        self._adapters: dict[str, Future[Adapter]] = {}  # get_remote_model's formats, made once
         self._loaded: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # module -> version
         resolved_token = resolve_token(token)  # may raise: before the shared I/O thread is taken
         self._io = shared_io()  # one I/O thread for every Actor of this process
@@ -258,16 +261,27 @@ class Actor:
                 newer_than = operator.index(newer_than)
             except TypeError as exc:
                 raise ConfigError(f"newer_than must be an int version or None, not {newer_than!r}") from exc
+        subscriber = self._subscribe()
+        waits = latest or newer_than is not None
+        snap = None if waits else subscriber.get(deadline, latest=False)
+        if not waits and snap is None:
+            return {}, 0  # nothing here: no framework to import either
         fmt = default_format() if format is None else format
-        converter = self._adapters.get(fmt)
-        if converter is None:
-            converter = self._adapters[fmt] = adapter(fmt)
-        got = self._subscribe().get(deadline, latest, converter, newer_than)
-        if got is None:
-            return {}, 0
-        flat, version = got
-        self._writer.policy_version = version
-        return unflatten(flat), version
+        with self._lock:
+            pending = self._adapters.get(fmt)
+            if pending is None:  # its import runs while we wait for the version
+                pending = self._adapters[fmt] = adapter_soon(fmt)
+        if snap is None:
+            snap = subscriber.get(deadline, latest, newer_than)
+            assert snap is not None  # it waited for one
+        try:
+            converter = pending.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise RLinkTimeout(f"weights version {snap.version} is here, but importing {fmt} "
+                               f"for it took longer than the timeout ({deadline - started:.3g}s); "
+                               "it goes on: call again") from None  # fmt: skip
+        self._writer.policy_version = snap.version
+        return unflatten(subscriber.arrays(snap, converter)), snap.version
 
     def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True,
                           newer_than: int | None = None) -> int:  # fmt: skip

@@ -186,7 +186,7 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             left = deadline - time.monotonic()
             if left <= 0:
                 raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s: no actor has sent a schema yet")
-            ring = self._feed.wait_ring(min(left, 1.0))
+            ring = self._feed.wait_ring(min(left, 1.0, max(0.1, watch.at - time.monotonic())))
             if ring is None:
                 watch()
         if self.batch_size > ring.capacity - ring.max_frame_steps:

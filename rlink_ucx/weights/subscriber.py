@@ -119,10 +119,9 @@ class Subscriber:
             self.conn.control.send(msg)
 
     # --- caller's thread ----------------------------------------------------------------------
-    def get(self, deadline: float, latest: bool, adapter: Adapter,
-            newer_than: int | None = None) -> tuple[dict[str, Any], int] | None:  # fmt: skip
-        """The newest complete version, flat (name -> array of ``adapter``'s framework), waiting
-        for it until ``deadline`` (``time.monotonic()``). ``latest``: at least the version the
+    def get(self, deadline: float, latest: bool, newer_than: int | None = None) -> Snapshot | None:
+        """The newest complete version (:meth:`arrays` hands it out), waiting for it until
+        ``deadline`` (``time.monotonic()``). ``latest``: at least the version the
         learner had announced when the call began. Not a newer one announced meanwhile: with a
         learner publishing faster than this actor takes versions in, chasing each announcement
         could keep the caller waiting until its timeout. ``newer_than``: a version above it.
@@ -147,10 +146,18 @@ class Subscriber:
                 if left <= 0:
                     raise self._timeout(newer_than) from self.rejected
                 self._cv.wait(min(left, 0.25))
+            return ready
+
+    def arrays(self, snap: Snapshot, adapter: Adapter) -> dict[str, Any]:
+        """``snap``'s arrays, flat (name -> array of ``adapter``'s framework); made once per
+        format for the version that is ready."""
+        with self._cv:
+            if snap is not self.ready:
+                return snap.arrays(adapter)
             arrays = self._tensors.get(adapter.format)
             if arrays is None:
-                arrays = self._tensors[adapter.format] = ready.arrays(adapter)
-            return dict(arrays), ready.version
+                arrays = self._tensors[adapter.format] = snap.arrays(adapter)
+            return dict(arrays)
 
     def _raise_if_ended(self) -> None:
         if self._closed:

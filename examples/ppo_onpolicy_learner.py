@@ -23,7 +23,8 @@ parser = argparse.ArgumentParser()
 parser.add_argument("--address", default="127.0.0.1:8443")
 parser.add_argument("--token-file", default=None, help="file holding the shared secret (or set RLINK_TOKEN_FILE)")
 parser.add_argument("--updates", type=int, default=500, help="stop after this many updates")
-parser.add_argument("--target-return", type=float, default=195.0, help="stop once the last 20 episodes average this")
+parser.add_argument("--target-return", type=float, default=195.0, help="stop once the last --window episodes average this")
+parser.add_argument("--window", type=int, default=50, help="episodes the mean return is taken over")
 parser.add_argument("--min-actors", type=int, default=1, help="fewest rollouts an update takes")
 parser.add_argument("--straggler-timeout", type=float, default=60.0, help="seconds an update waits for a slow actor")
 parser.add_argument("--lr", type=float, default=1e-3)
@@ -84,7 +85,7 @@ with Learner(args.address, token=token) as learner:
     # One rollout per actor per update, as [T, B]; max_staleness=0 drops (and counts) a rollout
     # of an older version (an actor that joined late) instead of training on it.
     dataset = RLinkDataset(learner, batch_size=8, time_major=True, max_staleness=0)
-    returns: collections.deque[float] = collections.deque(maxlen=20)
+    returns: collections.deque[float] = collections.deque(maxlen=args.window)
     env_steps, started = 0, time.monotonic()
     for update in range(1, args.updates + 1):
         batch = dataset.fetch(timeout=args.straggler_timeout, one_per_actor=True, min_actors=args.min_actors)

@@ -135,7 +135,9 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
                 actor; an actor that left is not waited for (its steps already here are
                 taken). Once the timeout passes, it returns what it has if at least
                 ``min_actors`` actors have a step there: ``batch.actor_id`` says who is in it.
-                Steps an actor puts meanwhile wait for the next fetch, in order.
+                Steps an actor puts meanwhile wait for the next fetch, in order. With
+                ``stop_when_actors_done``, once the stream ended what is here is returned,
+                then :class:`Closed` raised.
             min_actors: with ``one_per_actor``, the fewest actors a batch may hold (default 1):
                 it also keeps a first fetch from returning while the other actors are still
                 connecting.
@@ -163,8 +165,9 @@ class RLinkDataset(IterableDataset):  # type: ignore[type-arg]
             min_version = 0 if self.max_staleness is None else version - self.max_staleness
             ring = assembler.ring
             if one_per_actor:
+                finished = self._feed.actors_done if self.stop_when_actors_done else None
                 pieces, take_id = take_one_per_actor(ring, self._feed.streaming_actors, max(0.0, deadline - time.monotonic()),
-                                                     min_actors or 1, min_version, watch)  # fmt: skip
+                                                     min_actors or 1, min_version, watch, finished)  # fmt: skip
                 assembler = self._fitting(len(pieces))
             else:
                 pieces, take_id = self._take_in_order(ring, deadline, min_version, watch)

@@ -21,17 +21,20 @@ __all__ = ["take_one_per_actor"]
 
 
 def take_one_per_actor(ring: StepRing, live: Callable[[], set[int]], timeout: float, min_actors: int = 1,
-                       min_version: int = 0, watch: Callable[[], None] | None = None) -> tuple[list[Piece], int]:  # fmt: skip
+                       min_version: int = 0, watch: Callable[[], None] | None = None,
+                       finished: Callable[[], bool] | None = None) -> tuple[list[Piece], int]:  # fmt: skip
     """Claim the oldest pending step of each actor, outside FIFO order: a step from every
     actor in ``live()`` (the actors connected now), waiting for stragglers until
     ``timeout``; then, if at least ``min_actors`` have one, what is here. Steps of an actor
     that has left but whose steps are here are taken too (they were whole when they came).
     ``watch`` is called, outside the ring's lock, every time the wait wakes (at least every
-    0.1 s). Pieces come in actor id order. Returns the pieces and a take id for ``ring.release``.
+    0.1 s). ``finished``: a test that no more steps will come (every actor is done); once it
+    holds, what is here is taken, and with nothing here :class:`Closed` is raised. Pieces come
+    in actor id order. Returns the pieces and a take id for ``ring.release``.
 
     Raises:
         TimeoutError: fewer than ``min_actors`` actors had a step within ``timeout``.
-        Closed: the ring was closed.
+        Closed: the ring was closed, or ``finished()`` holds and nothing is here.
     """
     started = time.monotonic()
     deadline = started + timeout
@@ -49,8 +52,11 @@ def take_one_per_actor(ring: StepRing, live: Callable[[], set[int]], timeout: fl
             fronts = _actor_fronts(ring)
             have = len(fronts)
             left = deadline - time.monotonic()
-            if have >= max(1, min_actors) and (waiting <= fronts.keys() or left <= 0):
+            done = finished is not None and finished()
+            if have >= max(1, min_actors) and (waiting <= fronts.keys() or left <= 0) or have and done:
                 return _claim_fronts(ring, fronts, started)
+            if done:
+                raise Closed("every actor has finished; no step remains")
             if left <= 0:
                 raise RLinkTimeout(f"fetch timed out after {timeout:.3g}s with a step from {have} actor(s) "
                                    f"of {len(waiting | fronts.keys())}, fewer than min_actors={min_actors}")

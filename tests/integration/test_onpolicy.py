@@ -173,7 +173,7 @@ def test_one_per_actor_holds_more_actors_than_batch_size():
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("fmt", ["torch", "numpy", "jax"])
+@pytest.mark.parametrize("fmt", ["torch", "numpy", "jax", "tensorflow"])
 def test_time_major_batches(fmt: str):
     with Learner("127.0.0.1:0", transport="tcp") as learner:
         learner.publish({"w": np.zeros(4, np.float32)})

@@ -106,3 +106,13 @@ def test_time_major_of_torch_tensors_as_the_cuda_path_hands_them():
                   staleness=meta).time_major()  # fmt: skip
     assert batch["obs"].shape == (3, 2, 4) and batch["obs"].is_contiguous()
     assert torch.equal(batch["obs"], obs.transpose(0, 1)) and batch["r"].tolist() == [1.0, 2.0]
+
+
+def test_once_every_actor_is_done_what_is_here_is_taken_then_closed():
+    ring = StepRing(SCHEMA, 64 * 8, max_frame_steps=4, chunk_steps=8)
+    put(ring, 1, 0, [10])
+    pieces, take = take_one_per_actor(ring, set, timeout=5, min_actors=3, finished=lambda: True)
+    assert taken(ring, pieces) == [(1, 0, 10)]
+    ring.release(take)
+    with pytest.raises(Closed, match="every actor has finished"):
+        take_one_per_actor(ring, set, timeout=5, finished=lambda: True)

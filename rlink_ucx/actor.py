@@ -267,21 +267,25 @@ class Actor:
         if not waits and snap is None:
             return {}, 0  # nothing here: no framework to import either
         fmt = default_format() if format is None else format
-        with self._lock:
-            pending = self._adapters.get(fmt)
-            if pending is None:  # its import runs while we wait for the version
-                pending = self._adapters[fmt] = adapter_soon(fmt)
+        pending = self._adapter(fmt)  # its import runs while we wait for the version
         if snap is None:
             snap = subscriber.get(deadline, latest, newer_than)
             assert snap is not None  # it waited for one
         try:
             converter = pending.result(max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
-            raise RLinkTimeout(f"weights version {snap.version} is here, but importing {fmt} "
-                               f"for it took longer than the timeout ({deadline - started:.3g}s); "
-                               "it goes on: call again") from None  # fmt: skip
+            raise RLinkTimeout(f"weights version {snap.version} is here, but importing {fmt} for it took longer than "
+                               f"the timeout ({deadline - started:.3g}s); it goes on: call again") from None  # fmt: skip
         self._writer.policy_version = snap.version
         return unflatten(subscriber.arrays(snap, converter)), snap.version
+
+    def _adapter(self, fmt: str) -> Future[Adapter]:
+        """The adapter of ``fmt``, made once per actor (on a helper thread: ``adapter_soon``)."""
+        with self._lock:
+            pending = self._adapters.get(fmt)
+            if pending is None:
+                pending = self._adapters[fmt] = adapter_soon(fmt)
+            return pending
 
     def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True,
                           newer_than: int | None = None) -> int:  # fmt: skip

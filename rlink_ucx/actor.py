@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import operator
 import threading
 import time
 import warnings
 import weakref
 from collections.abc import Mapping
+from concurrent.futures import Future
 from typing import Any, Self
 
 import numpy as np
 
 from .config import Config, resolve
 from .errors import ConfigError, RLinkWarning
+from .errors import TimeoutError as RLinkTimeout
 from .session.actor.link import ActorConnection
 from .session.actor.writer import StepWriter
 from .session.tokens import resolve_token
@@ -24,7 +28,7 @@ from .transport.loop import release_io, shared_io
 from .weights.subscriber import Subscriber
 from .weights.unwrap import inner_module
 from .wire.codec import Schema
-from .wire.frameworks import Adapter, adapter, default_format
+from .wire.frameworks import Adapter, adapter_soon, default_format
 from .wire.manifest import unflatten
 from .wire.messages import Welcome
 
@@ -90,7 +94,7 @@ class Actor:
         host, port, transport = parse_endpoint(address, transport)
         self._lock = threading.Lock()  # guards the subscriber's creation
         self._subscriber: Subscriber | None = None
-        self._adapters: dict[str, Adapter] = {}  # get_remote_model's formats
+        self._adapters: dict[str, Future[Adapter]] = {}  # get_remote_model's formats, made once
         self._loaded: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()  # module -> version
         resolved_token = resolve_token(token)  # may raise: before the shared I/O thread is taken
         self._io = shared_io()  # one I/O thread for every Actor of this process
@@ -219,8 +223,8 @@ class Actor:
                 self._subscriber = Subscriber(self._conn, self._io, self.config)
             return self._subscriber
 
-    def get_remote_model(self, timeout: float | None = None, *, latest: bool = True,
-                         format: str | None = None) -> tuple[dict[str, Any], int]:
+    def get_remote_model(self, timeout: float | None = None, *, latest: bool = True, format: str | None = None,
+                         newer_than: int | None = None) -> tuple[dict[str, Any], int]:  # fmt: skip
         """The newest published parameters and their version; sets :attr:`policy_version`.
 
         The first call subscribes this actor: from then on a background thread keeps the newest
@@ -231,37 +235,89 @@ class Actor:
         a pytree of dicts (flax params) comes back nested.
 
         Args:
-            timeout: seconds to wait (default ``Config.weights_timeout``).
+            timeout: seconds the whole call may take (default ``Config.weights_timeout``),
+                importing the format's framework included.
             latest: wait for the newest version the learner had announced when the call began
                 (one announced meanwhile is not waited for). When False, return the newest
-                version already here without waiting for one in flight (still waits if there is
-                none yet).
+                version already here without waiting; with none here yet (nothing published,
+                or the first version still arriving) that is ``({}, 0)``: an empty mapping and
+                version 0, and :attr:`policy_version` is left as it was.
             format: the arrays' framework: ``"torch"``, ``"numpy"``, ``"jax"`` or
                 ``"tensorflow"`` (host memory; JAX and TensorFlow on their CPU device). Default:
                 torch where torch is installed (what rlink always returned), numpy otherwise.
+            newer_than: wait for a version above this one (whatever ``latest`` says): the
+                on-policy loop's "the version after the one I acted with", e.g.
+                ``get_remote_model(newer_than=actor.policy_version)`` (``docs/on-policy.md``).
 
         Raises:
             ConfigError: ``format`` names a framework that is not installed (at once).
-            TimeoutError: no (or, with ``latest``, not the newest) version within ``timeout``.
+            TimeoutError: no (or, with ``latest``, not the newest; with ``newer_than``, no
+                newer) version within ``timeout``.
+            Closed: the learner closed (checked on every call, also while a version is here:
+                an actor that only reads weights learns it from this call), or the actor did.
+            PeerLost: the learner was lost for longer than ``Config.reconnect_timeout``.
         """
+        started = time.monotonic()  # the framework's import below counts in the timeout
+        deadline = started + (self.config.weights_timeout if timeout is None else timeout)
+        if newer_than is not None:
+            try:
+                newer_than = operator.index(newer_than)
+            except TypeError as exc:
+                raise ConfigError(f"newer_than must be an int version or None, not {newer_than!r}") from exc
+        subscriber = self._subscribe()
+        waits = latest or newer_than is not None
+        snap = None if waits else subscriber.get(deadline, latest=False)
+        if not waits and snap is None:
+            return {}, 0  # nothing here: no framework to import either
         fmt = default_format() if format is None else format
-        converter = self._adapters.get(fmt)
-        if converter is None:
-            converter = self._adapters[fmt] = adapter(fmt)
-        flat, version = self._subscribe().get(timeout, latest, converter)
-        self._writer.policy_version = version
-        return unflatten(flat), version
+        pending = self._adapter(fmt)  # its import runs while we wait for the version
+        if snap is None:
+            snap = subscriber.get(deadline, latest, newer_than)
+            assert snap is not None  # it waited for one
+        try:
+            converter = pending.result(max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            raise RLinkTimeout(f"weights version {snap.version} is here, but importing {fmt} for it took longer than "
+                               f"the timeout ({deadline - started:.3g}s); it goes on: call again") from None  # fmt: skip
+        self._writer.policy_version = snap.version
+        return unflatten(subscriber.arrays(snap, converter)), snap.version
 
-    def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True) -> int:
+    def _adapter(self, fmt: str) -> Future[Adapter]:
+        """The adapter of ``fmt``, made once per actor (on a helper thread: ``adapter_soon``)."""
+        with self._lock:
+            pending = self._adapters.get(fmt)
+            if pending is None:
+                pending = self._adapters[fmt] = adapter_soon(fmt)
+            return pending
+
+    def load_remote_model(self, module: Any, timeout: float | None = None, *, latest: bool = True,
+                          newer_than: int | None = None) -> int:  # fmt: skip
         """Copy the newest published parameters into ``module`` in place; returns the version.
         A module that already holds that version (loaded by this call before) is left as it is,
         so calling this every step costs a lookup while nothing new was published. A
-        ``DistributedDataParallel`` or ``torch.compile``d ``module`` loads into the module it wraps."""
-        import torch
+        ``DistributedDataParallel`` or ``torch.compile``d ``module`` loads into the module it wraps. ``timeout``,
+        ``latest`` and ``newer_than`` as in :meth:`get_remote_model`; with ``latest=False`` and
+        no version here yet, the module is left as it is and 0 returned.
 
-        state, version = self.get_remote_model(timeout, latest=latest, format="torch")
+        Example (on-policy: one rollout per version)::
+
+            version = actor.load_remote_model(policy)
+            while True:
+                actor.put(rollout(policy), version=version)
+                version = actor.load_remote_model(policy, newer_than=version)
+
+        Raises:
+            as :meth:`get_remote_model`.
+        """
+        started = time.monotonic()
+        import torch  # counted in the timeout, as get_remote_model counts its own import
+
+        if timeout is None:
+            timeout = self.config.weights_timeout
+        left = max(0.0, timeout - (time.monotonic() - started))
+        state, version = self.get_remote_model(left, latest=latest, format="torch", newer_than=newer_than)
         module = inner_module(module)
-        if self._loaded.get(module) == version:
+        if version == 0 or self._loaded.get(module) == version:
             return version
         with torch.no_grad():
             module.load_state_dict(state)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
 
+from .wire.frameworks import aligned
+
 __all__ = ["Batch", "Host"]
 
 
@@ -22,7 +24,9 @@ _META = ("version", "actor_id", "seq", "staleness", "index", "weight")
 
 class Batch(Mapping[str, Any]):
     """A read-only mapping of field name -> array of shape ``[batch_size, ...]``: ``torch.Tensor``
-    by default, or numpy / JAX / TensorFlow arrays (the dataset's ``format``).
+    by default, or numpy / JAX / TensorFlow arrays (the dataset's ``format``). From a dataset
+    made with ``time_major=True``, fields with a time axis are ``[T, batch_size, ...]``
+    (:meth:`time_major`).
 
     Per-sample metadata rides along as attributes, each an int64 array of shape
     ``[batch_size]`` on the same device (int32 for JAX unless ``jax_enable_x64`` is on):
@@ -91,6 +95,22 @@ class Batch(Mapping[str, Any]):
 
         return Batch({k: cut(v) for k, v in self._fields.items()}, convert=self._convert,
                      **{k: cut(v) for k, v in self._meta.items()})  # fmt: skip
+
+    def time_major(self) -> Batch:
+        """The batch with every field that has a time axis, ``[B, T, ...]``, as ``[T, B, ...]``
+        (contiguous, a copy); fields of one value per step (``[B]``) and the metadata stay
+        ``[B]``. What ``RLinkDataset(time_major=True)`` hands out."""
+
+        def swap(v: Any) -> Any:
+            if type(v) is Host:
+                if v.array.ndim < 2:
+                    return v
+                out = aligned((v.array.shape[1], v.array.shape[0], *v.array.shape[2:]), v.array.dtype)
+                out[...] = v.array.swapaxes(0, 1)
+                return Host(out, v.dtype)
+            return v.transpose(0, 1).contiguous() if v.ndim >= 2 else v  # a torch tensor (CUDA path)
+
+        return Batch({k: swap(v) for k, v in self._fields.items()}, convert=self._convert, **self._meta)
 
     def to_tensordict(self) -> Any:
         """The batch as a ``tensordict.TensorDict`` (metadata under ``"_rlink"``)."""

@@ -58,6 +58,9 @@ class Config:
     put_timeout: float = 30.0
     flush_timeout: float = 30.0
     fetch_timeout: float = 300.0
+    # A fetch that has waited this long while no actor streams to the learner (none came yet, or
+    # every one has gone) says so with a warning (the warnings module), once per fetch.
+    fetch_warn_after: float = 5.0
     close_timeout: float = 5.0
     heartbeat_interval: float = 1.0
     heartbeat_timeout: float = 10.0

@@ -406,6 +406,20 @@ class StepFeed:
         actor connected."""
         return self._server.actors_done()
 
+    def streaming_actors(self) -> set[int]:
+        """The ids of the actors connected now that stream steps (negotiated a schema; an actor
+        that only reads weights is not one). Any thread: the I/O loop's session table is copied
+        in one step."""
+        return {s.actor_id for s in list(self._server.sessions.values()) if s.ring is not None}
+
+    def absence(self) -> str:
+        """Why no actor streams now, for a warning: none came yet, or every one has gone."""
+        ended = len(self._server.ended)
+        if not ended:
+            return f"no actor has connected to this learner (port {self._server.port}) yet"
+        return (f"every actor has gone ({ended} session(s) ended, none connected now); one that crashed may still "
+                f"reconnect within Config.reconnect_timeout ({self._server.config.reconnect_timeout:.3g}s)")
+
     def record_staleness(self, counts: dict[int, int]) -> None:
         """Count a batch's steps by staleness (``{versions behind: steps}``) for ``stats()``."""
         self._server.staleness.record(counts)

@@ -119,39 +119,62 @@ class Subscriber:
             self.conn.control.send(msg)
 
     # --- caller's thread ----------------------------------------------------------------------
-    def get(self, timeout: float | None, latest: bool, adapter: Adapter) -> tuple[dict[str, Any], int]:
-        """The newest complete version (waiting for it up to ``timeout``), flat (name -> array of
-        ``adapter``'s framework). ``latest``: at least
-        the version the learner had announced when the call began. Not a newer one announced
-        meanwhile: with a learner publishing faster than this actor takes versions in, chasing
-        each announcement could keep the caller waiting until its timeout."""
-        limit = self.config.weights_timeout if timeout is None else timeout
-        deadline = time.monotonic() + limit
+    def get(self, deadline: float, latest: bool, newer_than: int | None = None) -> Snapshot | None:
+        """The newest complete version (:meth:`arrays` hands it out), waiting for it until
+        ``deadline`` (``time.monotonic()``). ``latest``: at least the version the
+        learner had announced when the call began. Not a newer one announced meanwhile: with a
+        learner publishing faster than this actor takes versions in, chasing each announcement
+        could keep the caller waiting until its timeout. ``newer_than``: a version above it.
+        None: ``latest`` is False, no ``newer_than``, and no version is here yet (no wait).
+
+        The connection's end is checked first, on every call: an actor that only reads weights
+        learns that its learner closed (:class:`Closed`) or was lost past
+        ``Config.reconnect_timeout`` (:class:`PeerLost`) from this call."""
         with self._cv:
             wanted = self.conn.latest_version if latest else 0
+            if newer_than is not None:
+                wanted = max(wanted, newer_than + 1)
+            elif not latest and self.ready is None:
+                self._raise_if_ended()
+                return None
             while True:
+                self._raise_if_ended()
                 ready = self.ready
                 if ready is not None and ready.version >= wanted:
                     break
-                if self._closed:
-                    raise Closed("the actor is closed")
-                if self.conn.error is not None:
-                    raise type(self.conn.error)(str(self.conn.error)) from self.conn.error
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    newest = self.conn.latest_version
-                    rejected = self.rejected
-                    if rejected is not None and newest > self.have:
-                        raise type(rejected)(f"weights version {newest} was refused: {rejected}") from rejected
-                    raise RLinkTimeout(
-                        f"no weights within {limit:.3g}s: the learner has version {newest}, this actor "
-                        f"{self.have or 'none'}" + ("" if newest else " (nothing published yet)")
-                    )
+                    raise self._timeout(newer_than) from self.rejected
                 self._cv.wait(min(left, 0.25))
+            return ready
+
+    def arrays(self, snap: Snapshot, adapter: Adapter) -> dict[str, Any]:
+        """``snap``'s arrays, flat (name -> array of ``adapter``'s framework); made once per
+        format for the version that is ready."""
+        with self._cv:
+            if snap is not self.ready:
+                return snap.arrays(adapter)
             arrays = self._tensors.get(adapter.format)
             if arrays is None:
-                arrays = self._tensors[adapter.format] = ready.arrays(adapter)
-            return dict(arrays), ready.version
+                arrays = self._tensors[adapter.format] = snap.arrays(adapter)
+            return dict(arrays)
+
+    def _raise_if_ended(self) -> None:
+        if self._closed:
+            raise Closed("the actor is closed")
+        error = self.conn.error
+        if error is not None:
+            raise type(error)(str(error)) from error
+
+    def _timeout(self, newer_than: int | None) -> RLinkError:
+        """What a wait that ran out raises: a version refused as altered, else a timeout."""
+        newest = self.conn.latest_version
+        rejected = self.rejected
+        if rejected is not None and newest > self.have:
+            return type(rejected)(f"weights version {newest} was refused: {rejected}")
+        limit = f"no weights version newer than {newer_than}" if newer_than is not None else "no weights"
+        return RLinkTimeout(f"{limit} in time: the learner has version {newest}, this actor "
+                            f"{self.have or 'none'}" + ("" if newest else " (nothing published yet)"))  # fmt: skip
 
     # --- weights thread -----------------------------------------------------------------------
     def _run(self) -> None:

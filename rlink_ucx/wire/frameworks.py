@@ -23,9 +23,11 @@ is a :class:`ConfigError` naming the extra that installs it.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import importlib.util
 import mmap
+import threading
 from types import ModuleType
 from typing import Any
 
@@ -34,7 +36,8 @@ import numpy as np
 from ..errors import ConfigError
 from .codec import DTYPES
 
-__all__ = ["FORMATS", "Adapter", "adapter", "aligned", "default_format", "importable", "require", "typed"]
+__all__ = ["FORMATS", "Adapter", "adapter", "adapter_soon", "aligned", "default_format", "importable", "require",
+           "typed"]
 
 FORMATS = ("torch", "numpy", "jax", "tensorflow")
 _EXTRAS = {"torch": "torch", "jax": "jax", "tensorflow": "tensorflow"}
@@ -254,3 +257,28 @@ def adapter(fmt: str | None, device: Any = None) -> Adapter:
     fmt = default_format() if fmt is None else fmt
     require(fmt)
     return _ADAPTERS[fmt](device)
+
+
+def adapter_soon(fmt: str | None) -> concurrent.futures.Future[Adapter]:
+    """The host-memory adapter of ``fmt``, made on a helper thread: importing a framework takes
+    seconds (torch: 2-8 s on a busy host), and a caller bound by a timeout waits for it no
+    longer than that, meanwhile waiting for whatever else it needs. An unknown format or a
+    framework that is not installed is a :class:`ConfigError` at once."""
+    fmt = default_format() if fmt is None else fmt
+    if fmt not in FORMATS:
+        raise ConfigError(f"format must be one of {', '.join(FORMATS)}, not {fmt!r}")
+    if fmt != "numpy" and not importable(fmt):
+        raise ConfigError(f'format={fmt!r} needs {fmt}, which is not installed here: pip install "rlink-ucx[{_EXTRAS[fmt]}]"')
+    future: concurrent.futures.Future[Adapter] = concurrent.futures.Future()
+
+    def make() -> None:
+        try:
+            future.set_result(adapter(fmt))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller through the future
+            future.set_exception(exc)
+
+    if fmt == "numpy":
+        make()
+    else:
+        threading.Thread(target=make, name=f"rlink-import-{fmt}", daemon=True).start()
+    return future

@@ -123,8 +123,8 @@ def weights_actor(address: str, results, until: int, transport: str = "tcp", con
     with Actor(address, transport=transport, subscribe=True, config=Config(**(config or {}))) as a:
         seen: list[int] = []
         while not seen or seen[-1] < until:
-            state, version = a.get_remote_model(timeout=60, latest=False)
-            if not seen or seen[-1] != version:
+            state, version = a.get_remote_model(timeout=60, latest=False)  # ({}, 0): none here yet
+            if version and (not seen or seen[-1] != version):
                 seen.append(version)
             time.sleep(0.005)
         results.put({"actor_id": a.actor_id, "seen": seen, "state": as_bytes(state), "stats": a.stats()["weights"],

@@ -78,8 +78,8 @@ def _follow(actor, until: int, result: dict) -> None:
 
     seen = result["seen"]
     while not seen or seen[-1] < until:
-        state, version = actor.get_remote_model(timeout=90, latest=False)
-        if not seen or seen[-1] != version:
+        state, version = actor.get_remote_model(timeout=90, latest=False)  # ({}, 0): none here yet
+        if version and (not seen or seen[-1] != version):
             seen.append(version)
             result["w"] = float(np.asarray(state["w"])[0])
         time.sleep(0.002)

@@ -33,7 +33,7 @@ def test_the_doc_shows_a_learner_and_an_actor_script():
     assert sorted(blocks) == ["actor.py", "learner.py"]
     assert "DistributedDataParallel(policy)" in blocks["learner.py"] and "learner.publish(model" in blocks["learner.py"]
     assert 'init_process_group("nccl" if cuda else "gloo")' in blocks["learner.py"]
-    assert "actor.load_remote_model(policy)" in blocks["actor.py"]
+    assert "actor.load_remote_model(policy, newer_than=version)" in blocks["actor.py"]
 
 
 def wait_for(path: Path, texts: list[str], job: subprocess.Popen, seconds: float) -> None:
@@ -69,7 +69,7 @@ def test_the_multi_learner_example_runs_as_written_and_every_actor_loads_every_v
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    assert [p.returncode for p in actors] == [0] * ACTORS, outs
+    assert [p.returncode for p in actors] == [0] * ACTORS, "\n---\n".join(o[-2500:] for o in outs)
     job_out = log.read_text()
     published: dict[int, dict[int, str]] = collections.defaultdict(dict)  # version -> rank -> parameter sum
     for rank, version, total in re.findall(r"^rank (\d) published version (\d+): parameter sum (\S+)$", job_out, re.MULTILINE):

@@ -54,7 +54,8 @@ def watch_versions(actor: Any, until: int) -> tuple[dict[int, str], str | None]:
             state, version = actor.get_remote_model(timeout=60, latest=False)
         except RLinkError as exc:
             return seen, f"{type(exc).__name__}: {exc}"
-        seen.setdefault(version, digest(state))
+        if version:  # 0: none here yet
+            seen.setdefault(version, digest(state))
         time.sleep(0.005)
     return seen, None
 

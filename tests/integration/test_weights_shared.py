@@ -127,7 +127,7 @@ def latest_caller(address: str, results: Any, calls: int) -> None:
     threading.Thread(target=spin, daemon=True).start()
     got, slowest, error = [], 0.0, None
     with Actor(address, token=TOKEN, transport="tcp", subscribe=True) as actor:
-        actor.get_remote_model(timeout=60, latest=False)
+        actor.get_remote_model(timeout=60)
         for _ in range(calls):
             started = time.monotonic()
             try:

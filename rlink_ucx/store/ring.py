@@ -37,8 +37,8 @@ from .._memory import Reserve
 from ..errors import Closed, ProtocolError
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema
-from .extents import FreeExtents
 from .segments import Piece, RingStats, Segment, SegState
+from .space import RingSpace
 
 __all__ = ["Piece", "RingStats", "SegState", "Segment", "StepRing"]
 
@@ -75,12 +75,8 @@ class StepRing:
         self.chunks: list[list[np.ndarray]] = [self._new_chunk() for _ in range(self.capacity // chunk)]
         self._pool: list[list[np.ndarray]] = []  # spare chunks, ready to swap in
         self._lent: list[list[np.ndarray]] = []  # chunks handed out as batches
-        self._free = FreeExtents(self.capacity)
+        self._space = RingSpace(self.capacity)
         self._ready_segs: collections.deque[Segment] = collections.deque()  # READY, in the order they completed
-        self._held: collections.deque[tuple[int, list[Segment]]] = collections.deque()  # take id -> segments it finished
-        self._released_upto = 0  # release() was called for this take id (and earlier ones)
-        self._head = 0  # where the next frame's steps begin (the next free position from here)
-        self._used = 0  # steps held by live segments
         self._granted = 0  # credit handed out but not yet used by a frame
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -112,7 +108,7 @@ class StepRing:
     # --- credit accounting (I/O thread) ---------------------------------------------------
     def grantable(self) -> int:
         with self._lock:
-            return max(0, self.capacity - self._used - self._granted)
+            return max(0, self.capacity - self._space.used - self._granted)
 
     def grant(self, steps: int) -> None:
         with self._lock:
@@ -125,11 +121,11 @@ class StepRing:
 
     @property
     def used(self) -> int:
-        return self._used
+        return self._space.used
 
     @property
     def buffered_bytes(self) -> int:
-        return self._used * self.step_bytes
+        return self._space.used * self.step_bytes
 
     # --- producer side (I/O thread) --------------------------------------------------------
     def reserve(self, n: int, actor_id: int, seq: int, version: int, put_at: float = 0.0) -> Segment:
@@ -142,16 +138,12 @@ class StepRing:
             raise ProtocolError(f"frame of {n} steps; the limit is {self.max_frame_steps}")
         if self._closed:
             raise Closed("the learner is closed")
-        if self._used + n > self.capacity:  # cannot happen while actors respect their credit
+        space = self._space
+        if space.used + n > self.capacity:  # cannot happen while actors respect their credit
             raise ProtocolError("frame exceeds the credit granted to this actor")
-        if not self._used:
-            self._head = 0  # an empty ring starts over at a chunk boundary
-        runs = self._free.take(n, self._head)
-        start, count = runs[-1]
-        self._head = (start + count) % self.capacity
+        runs = space.claim(n)
         seg = Segment(runs[0][0], n, actor_id, seq, version, put_at=put_at, runs=runs)
-        self._used += n
-        self.stats.peak_used = max(self.stats.peak_used, self._used)
+        self.stats.peak_used = max(self.stats.peak_used, space.used)
         self._granted = max(0, self._granted - n)
         return seg
 
@@ -301,28 +293,7 @@ class StepRing:
         Returns the steps freed now."""
         self.stats.stale_dropped += seg.n - seg.consumed
         seg.consumed = seg.n
-        if seg.taken_by > self._released_upto:
-            self._hold(seg.taken_by, seg)
-            return 0
-        return self._give(seg)
-
-    def _hold(self, take_id: int, seg: Segment) -> None:
-        """Free ``seg`` when take ``take_id`` is released (lock held)."""
-        held = self._held
-        if held and held[-1][0] >= take_id:  # kept sorted: freed with a later take at worst
-            held[-1][1].append(seg)
-        else:
-            held.append((take_id, [seg]))
-
-    def _give(self, seg: Segment) -> int:
-        """Give ``seg``'s space back (lock held); returns the steps freed."""
-        if seg.released:
-            return 0
-        seg.released = True
-        for start, count in seg.runs:
-            self._free.give(start, count)
-        self._used -= seg.n
-        return seg.n
+        return self._space.give_after_takes(seg)
 
     def _drop_stale(self) -> int:
         freed = 0
@@ -339,7 +310,7 @@ class StepRing:
             if seg.state is SegState.PENDING:
                 seg.state = SegState.DEAD
                 self.stats.torn_frames += 1
-                freed = self._give(seg)
+                freed = self._space.give(seg)
             self._ready.notify_all()
         if freed:
             self._space_freed()
@@ -413,7 +384,7 @@ class StepRing:
             if seg.consumed == seg.n:
                 segs.popleft()
         if finished:
-            self._held.append((take, finished))
+            self._space.finished(take, finished)
         return pieces
 
     def _ready_front(self, enough: int | None = None) -> int:
@@ -449,19 +420,14 @@ class StepRing:
                 raise Closed("the learner is closed")
             first = next((s for s in self._ready_segs if s.consumed < s.n), None)
             if first is None:
-                return 0, 0 if not self._used else self._head
+                return 0, self._space.head if self._space.used else 0
             chunk, offset, _ = self._seg_chunks(first, first.consumed, 1)[0]
             return self._ready_front(), chunk * self.chunk_steps + offset
 
     def release(self, take_id: int) -> None:
         """The copies of take ``take_id`` (and earlier) are done: their space may be reused."""
-        freed = 0
         with self._lock:
-            self._released_upto = max(self._released_upto, take_id)
-            held = self._held
-            while held and held[0][0] <= take_id:
-                for seg in held.popleft()[1]:
-                    freed += self._give(seg)
+            freed = self._space.release(take_id)
         if freed:
             self._space_freed()
 

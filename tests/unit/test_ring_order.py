@@ -4,6 +4,7 @@ around it), a torn frame's space comes back at once, and each actor's steps stay
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import numpy as np
@@ -167,4 +168,4 @@ def test_free_extents_match_a_set_of_free_positions():
             cursor = (runs[-1][0] + runs[-1][1]) % 50
         extents = ext.extents()
         assert {p for s, e in extents for p in range(s, e)} == free and ext.free == len(free)
-        assert all(e < s2 for (_, e), (s2, _) in zip(extents, extents[1:])), "extents must be sorted and joined"
+        assert all(e < s2 for (_, e), (s2, _) in itertools.pairwise(extents)), "extents must be sorted and joined"

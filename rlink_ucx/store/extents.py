@@ -46,6 +46,17 @@ class FreeExtents:
                 i = 0
         return runs
 
+    def take_at(self, n: int, cursor: int) -> bool:
+        """Claim ``[cursor, cursor + n)`` if it begins a free extent and leaves some of it:
+        the ring cycling in order, each frame right after the last (the fast path)."""
+        starts = self._starts
+        i = bisect.bisect_right(starts, cursor) - 1
+        if i < 0 or starts[i] != cursor or self._ends[i] - cursor <= n:
+            return False
+        starts[i] = cursor + n
+        self.free -= n
+        return True
+
     def _cut(self, i: int, lo: int, hi: int) -> int:
         """Remove ``[lo, hi)`` from extent ``i``; returns the index of the extent after it."""
         starts, ends = self._starts, self._ends

@@ -141,8 +141,8 @@ class StepRing:
         space = self._space
         if space.used + n > self.capacity:  # cannot happen while actors respect their credit
             raise ProtocolError("frame exceeds the credit granted to this actor")
-        runs = space.claim(n)
-        seg = Segment(runs[0][0], n, actor_id, seq, version, put_at=put_at, runs=runs)
+        start, runs = space.claim(n)
+        seg = Segment(start, n, actor_id, seq, version, put_at=put_at, runs=runs)
         self.stats.peak_used = max(self.stats.peak_used, space.used)
         self._granted = max(0, self._granted - n)
         return seg
@@ -194,7 +194,7 @@ class StepRing:
 
     def _seg_chunks(self, seg: Segment, skip: int, count: int) -> list[tuple[int, int, int]]:
         """Steps ``[skip, skip + count)`` of ``seg`` as ``(chunk, offset, count)`` runs."""
-        if len(seg.runs) == 1:
+        if seg.runs is None:
             return self._split(seg.start + skip, count)
         out = []
         for start, k in seg.runs:
@@ -372,7 +372,9 @@ class StepRing:
             k = min(need, seg.n - seg.consumed)
             if k:
                 seq = seg.seq + seg.consumed
-                for chunk, offset, n in self._seg_chunks(seg, seg.consumed, k):
+                one = seg.runs is None
+                runs = self._split(seg.start + seg.consumed, k) if one else self._seg_chunks(seg, seg.consumed, k)
+                for chunk, offset, n in runs:
                     pieces.append(Piece(chunk * chunk_steps + offset, n, seg.actor_id, seq, seg.version,
                                         seg.ready_at, seg.put_at))  # fmt: skip
                     seq += n

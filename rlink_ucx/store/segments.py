@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 __all__ = ["Piece", "RingStats", "SegState", "Segment"]
 
@@ -16,7 +16,7 @@ class SegState(enum.Enum):
 
 @dataclass(eq=False, slots=True)
 class Segment:
-    """One frame's place in the ring: ``n`` steps in ``runs`` (usually one run), from ``start``."""
+    """One frame's place in the ring: ``n`` steps from ``start`` on, or in ``runs``."""
 
     start: int
     n: int
@@ -29,7 +29,13 @@ class Segment:
     released: bool = False  # its space was given back (taken and copied out, torn or dropped)
     ready_at: float = 0.0  # time.monotonic() when it became READY (for the latency metric)
     put_at: float = 0.0  # the actor's wall clock when its first step was put (seconds; 0: unknown)
-    runs: list[tuple[int, int]] = field(default_factory=list)  # (ring position, steps), in step order
+    # Its (ring position, steps) runs in step order when it lies in several (around frames
+    # still arriving, or across the ring's end); None for one run, [start, start + n).
+    runs: list[tuple[int, int]] | None = None
+
+    def places(self) -> list[tuple[int, int]]:
+        """Its ``(ring position, steps)`` runs, in step order."""
+        return self.runs if self.runs is not None else [(self.start, self.n)]
 
 
 @dataclass(slots=True)

@@ -28,22 +28,27 @@ class RingSpace:
         self._held: collections.deque[tuple[int, list[Segment]]] = collections.deque()  # take id -> its segments
         self._released_upto = 0  # release() was called for this take id (and earlier ones)
 
-    def claim(self, n: int) -> list[tuple[int, int]]:
-        """``n`` steps' ``(position, count)`` runs; the caller checks ``used + n <= capacity``."""
+    def claim(self, n: int) -> tuple[int, list[tuple[int, int]] | None]:
+        """Room for ``n`` steps: the first's position, and the ``(position, count)`` runs when
+        they are several (else None). The caller checks ``used + n <= capacity``."""
         if not self.used:
             self.head = 0  # an empty ring starts over at a chunk boundary
-        runs = self._free.take(n, self.head)
+        head = self.head
+        self.used += n
+        if self._free.take_at(n, head):
+            self.head = head + n  # take_at left free steps after them: never the ring's end
+            return head, None
+        runs = self._free.take(n, head)
         start, count = runs[-1]
         self.head = (start + count) % self.capacity
-        self.used += n
-        return runs
+        return runs[0][0], runs if len(runs) > 1 else None
 
     def give(self, seg: Segment) -> int:
         """Give ``seg``'s space back now; returns the steps freed (0 if given back already)."""
         if seg.released:
             return 0
         seg.released = True
-        for start, count in seg.runs:
+        for start, count in seg.places():
             self._free.give(start, count)
         self.used -= seg.n
         return seg.n
@@ -68,7 +73,20 @@ class RingSpace:
         """The copies of take ``take_id`` and earlier are done; returns the steps freed."""
         self._released_upto = max(self._released_upto, take_id)
         freed, held = 0, self._held
+        lo = hi = 0  # a stretch of consecutive positions freed so far, given back in one call
         while held and held[0][0] <= take_id:
             for seg in held.popleft()[1]:
-                freed += self.give(seg)
+                if seg.released:
+                    continue
+                seg.released = True
+                freed += seg.n
+                for start, count in seg.runs or ((seg.start, seg.n),):
+                    if start != hi:
+                        if hi > lo:
+                            self._free.give(lo, hi - lo)
+                        lo = start
+                    hi = start + count
+        if hi > lo:
+            self._free.give(lo, hi - lo)
+        self.used -= freed
         return freed

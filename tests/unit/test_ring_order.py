@@ -64,8 +64,8 @@ def test_others_cycle_the_ring_many_times_around_a_held_frame_and_wrap_in_pieces
         assert ring.grantable() == ring.capacity - 3
         ring.grant(3)
         seg = ring.reserve(3, actor_id=1, seq=nxt, version=0)
-        split += len(seg.runs) > 1
-        assert not any(held.start <= s < held.start + 3 for s, k in seg.runs for s in range(s, s + k))
+        split += seg.runs is not None
+        assert not any(held.start <= s < held.start + 3 for s, k in seg.places() for s in range(s, s + k))
         fill(ring, seg, 1000 + nxt)
         nxt += 3
         seen += take_values(ring, 3)

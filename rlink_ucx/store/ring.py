@@ -296,11 +296,8 @@ class StepRing:
         return self._space.give_after_takes(seg)
 
     def _drop_stale(self) -> int:
-        freed = 0
-        for seg in self._ready_segs:
-            if seg.consumed < seg.n and seg.version < self.min_version:
-                freed += self._drop(seg)
-        return freed
+        old = [s for s in self._ready_segs if s.consumed < s.n and s.version < self.min_version]
+        return sum(self._drop(seg) for seg in old)
 
     def abandon(self, seg: Segment) -> None:
         """The frame will never complete (its sender died): never yield it, and give its space
@@ -372,8 +369,8 @@ class StepRing:
             k = min(need, seg.n - seg.consumed)
             if k:
                 seq = seg.seq + seg.consumed
-                one = seg.runs is None
-                runs = self._split(seg.start + seg.consumed, k) if one else self._seg_chunks(seg, seg.consumed, k)
+                at = seg.consumed
+                runs = self._split(seg.start + at, k) if seg.runs is None else self._seg_chunks(seg, at, k)
                 for chunk, offset, n in runs:
                     pieces.append(Piece(chunk * chunk_steps + offset, n, seg.actor_id, seq, seg.version,
                                         seg.ready_at, seg.put_at))  # fmt: skip

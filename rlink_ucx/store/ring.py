@@ -47,7 +47,7 @@ _MAX_CHUNKS = 256
 
 
 class StepRing:
-    """A bounded FIFO of steps of one schema, written by the I/O threads, read by fetch()."""
+    """A bounded queue of steps of one schema, written by the I/O threads, read by fetch()."""
 
     def __init__(self, schema: Schema, capacity_bytes: int, max_frame_steps: int, *,
                  chunk_steps: int | None = None, pin_memory: bool = False,
@@ -316,7 +316,8 @@ class StepRing:
     def take(self, count: int, timeout: float, min_version: int = 0, *,
              finished: Callable[[], bool] | None = None, partial: bool = True) -> tuple[list[Piece], int]:  # fmt: skip
         """Wait until ``count`` steps are ready, then claim them in the order their frames
-        completed (a frame still arriving holds back no other). Steps of a behaviour version below ``min_version`` are dropped (and counted) instead.
+        completed (a frame still arriving holds back no other). Steps of a behaviour version
+        below ``min_version`` are dropped (and counted) instead.
 
         ``finished``: a test that no more steps will come (every actor is done); once it holds,
         what is ready is taken even if short of ``count`` (unless not ``partial``), and with

@@ -1,7 +1,8 @@
 """One slow actor holds back no one: an actor behind a 2 Mbit/s link (``tc tbf``), or one that
 holds back the last byte of every frame until just under ``frame_timeout``, beside a fast
 actor putting 20 steps a second. The fast actor's put->fetch p99 stays within 100 ms and within
-2x of its p99 alone; the slow actor's steps all arrive, in order, each once.
+2x of its p99 alone (or 10 ms of it: ``NOISE_MS``); the slow actor's steps all arrive, in
+order, each once.
 
 Needs root, iproute2 and tc (skipped otherwise); reuses test_netns.py's two namespaces.
 """
@@ -22,7 +23,7 @@ from tests.integration.test_netns import exits_cleanly, ip, killed_at_exit, run_
 
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("tc") is None, reason="needs root and tc")
 
-FAST_STEPS = 200  # 10 s at 20 steps a second
+FAST_STEPS = 400  # 20 s at 20 steps a second: a p99 of 390 steps is the 4th worst, not a single hiccup
 SLOW, FAST_ALONE, FAST_BESIDE = 3, 1, 2  # who sent a step
 
 
@@ -40,6 +41,10 @@ def wait_for(path, proc: subprocess.Popen, timeout: float) -> str:
     return path.read_text()
 
 
+# 2x of a p99 of about 1 ms is a scheduler hiccup on 2 shared cores (0.9 ms alone, 4.6 ms
+# beside a trickler, seen once): within 2x, or within 10 ms of it. A slow frame holding the
+# others back costs hundreds of milliseconds (main: p99 531 ms and 2,385 ms here).
+NOISE_MS = 10.0
 WARM_UP = 10  # the first steps also wait for the actor's connection and schema: not measured
 
 
@@ -64,7 +69,7 @@ def test_a_slow_or_trickling_actor_delays_only_itself(two_hosts, tmp_path, slow)
         # The fast actor shares the learner's namespace (an unshaped path); alone first.
         alone = start(ns_learner, f"fast_actor({address!r}, {FAST_ALONE}, {FAST_STEPS}, '/dev/null')", token)
         with killed_at_exit(alone):
-            exits_cleanly(alone, 60)
+            exits_cleanly(alone, 90)
         slow_out = tmp_path / "slow.json"
         slow_proc = start(ns_actor, f"slow_actor({address!r}, {SLOW}, {str(stop_slow)!r}, {str(slow_out)!r}, "
                                     f"{slow == 'trickle'})", token)  # fmt: skip
@@ -72,7 +77,7 @@ def test_a_slow_or_trickling_actor_delays_only_itself(two_hosts, tmp_path, slow)
             time.sleep(3.0)  # its frames are on their way
             beside = start(ns_learner, f"fast_actor({address!r}, {FAST_BESIDE}, {FAST_STEPS}, '/dev/null')", token)
             with killed_at_exit(beside):
-                exits_cleanly(beside, 60)
+                exits_cleanly(beside, 90)
             assert slow_proc.poll() is None, slow_proc.communicate()[0][-3000:]
             stop_slow.touch()
             exits_cleanly(slow_proc, 90)
@@ -89,4 +94,5 @@ def test_a_slow_or_trickling_actor_delays_only_itself(two_hosts, tmp_path, slow)
     assert sent >= 30, "the slow actor hardly sent anything: the test measured nothing"
     assert [i for w, i, _ in steps if w == SLOW] == list(range(sent)), "the slow actor's steps: lost, twice or out of order"
     assert beside_p99 <= 100, f"the fast actor's p99 beside a slow one: {beside_p99:.1f} ms"
-    assert beside_p99 <= 2 * alone_p99, f"p99 {beside_p99:.1f} ms beside a slow actor, {alone_p99:.1f} ms alone"
+    assert beside_p99 <= max(2 * alone_p99, alone_p99 + NOISE_MS), \
+        f"p99 {beside_p99:.1f} ms beside a slow actor, {alone_p99:.1f} ms alone"  # fmt: skip

@@ -27,7 +27,7 @@ from rlink_ucx.session.learner.attach import attach_data_connection
 from rlink_ucx.transport.shm_plane import ShmOpening, ShmPlane
 from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.session.learner.session import LearnerSession
-from rlink_ucx.transport import hostname, shm
+from rlink_ucx.transport import hostname, shm, shm_records
 from rlink_ucx.transport.control import ControlConnection
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import messages as _wire
@@ -386,7 +386,7 @@ class Lab:
         with a, b:
             a.sendall(raw)
             a.shutdown(socket.SHUT_WR)
-            reader = shm._Records(b)
+            reader = shm_records.Records(b)
             try:
                 for _ in range(10_000):
                     reader.next()
@@ -407,7 +407,7 @@ def hostile_records(rng: random.Random) -> bytes:
             out += FRAME_HEADER.pack(b"RLNK", PV, 0, 1, 1, 7, 0, 0, 0, 16, 0) if rng.random() < 0.5 else _bytes(
                 rng, FRAME_HEADER_BYTES)  # fmt: skip
             if kind != shm.RING_FRAME:
-                n = rng.choice([0, 1, 2, shm.MAX_EXTENTS, shm.MAX_EXTENTS + 1, 2**32, 2**64 - 1])
+                n = rng.choice([0, 1, 2, shm_records.MAX_EXTENTS, shm_records.MAX_EXTENTS + 1, 2**32, 2**64 - 1])
                 out += shm.COUNTER.pack(n) + _bytes(rng, 16 * min(n, 3))
     return mutate(rng, out) if rng.random() < 0.3 else out
 

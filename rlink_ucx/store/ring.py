@@ -2,12 +2,17 @@
 
 One :class:`StepRing` per schema holds ``capacity`` steps in ``capacity / chunk_steps``
 *chunks*; each chunk holds ``chunk_steps`` steps of every field as one flat byte buffer per
-field. Frames reserve a *segment* of consecutive ring positions when their header arrives
-(wrapping around the end like any ring), the transport writes the payload directly into the
-segment's views (no intermediate copy), and the segment becomes READY when complete or DEAD
-when its sender vanished mid-frame (so a torn step is never yielded). The consumer takes READY
-steps in arrival order (FIFO, each step once) and releases the space afterwards, which lets
-the learner grant more credit.
+field. Frames reserve a *segment* of ring positions when their header arrives (from a cursor
+that cycles around the ring: consecutive positions while frames come and go in order), the
+transport writes the payload directly into the segment's views (no intermediate copy), and the
+segment becomes READY when complete or DEAD when its sender vanished mid-frame (so a torn step
+is never yielded). The consumer takes READY steps in the order their frames *completed* (each
+step once; an actor's frames complete in its order), whatever frame is still arriving on
+another connection, and releases the space afterwards, which lets the learner grant more
+credit. Space is freed in any order (``extents.py``): a frame still arriving holds its own
+steps only, and the frames after it are taken, freed and their space reused around it, so a
+slow or trickling sender delays nobody but itself (docs/architecture.md, "No head-of-line
+blocking").
 
 When the chunk size equals the dataset's batch size, a batch that is exactly one chunk is
 *lent* to the caller without a copy: the chunk's buffers become the batch tensors and a pooled
@@ -20,13 +25,11 @@ Memory is bounded by construction: the learner only grants credits while
 from __future__ import annotations
 
 import collections
-import enum
 import itertools
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -34,59 +37,17 @@ from .._memory import Reserve
 from ..errors import Closed, ProtocolError
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema
+from .segments import Piece, RingStats, Segment, SegState
+from .space import RingSpace
+
+__all__ = ["Piece", "RingStats", "SegState", "Segment", "StepRing"]
 
 _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
 _MAX_CHUNKS = 256
 
 
-class SegState(enum.Enum):
-    PENDING = 0
-    READY = 1
-    DEAD = 2
-
-
-@dataclass(eq=False, slots=True)
-class Segment:
-    start: int
-    n: int
-    actor_id: int = 0
-    seq: int = 0
-    version: int = 0
-    state: SegState = SegState.PENDING
-    consumed: int = 0
-    taken_by: int = 0  # the take() that consumed its last step
-    released: bool = False  # that take's copy is finished: the space may be reused
-    ready_at: float = 0.0  # time.monotonic() when it became READY (for the latency metric)
-    put_at: float = 0.0  # the actor's wall clock when its first step was put (seconds; 0: unknown)
-
-
-@dataclass(slots=True)
-class Piece:
-    """``count`` consecutive steps at ring position ``start``, from one frame and one chunk."""
-
-    start: int
-    count: int
-    actor_id: int
-    seq: int
-    version: int
-    ready_at: float = 0.0  # when its frame landed (time.monotonic())
-    put_at: float = 0.0  # when its frame's first step was put (the actor's time.time())
-
-
-@dataclass
-class RingStats:
-    steps_in: int = 0
-    steps_out: int = 0
-    frames_in: int = 0
-    torn_frames: int = 0
-    bytes_in: int = 0
-    wait_seconds: float = 0.0
-    stale_dropped: int = 0  # steps dropped for being older than min_version
-    peak_used: int = 0  # most steps ever held at once: how close the learner came to its cap
-
-
 class StepRing:
-    """A bounded FIFO of steps of one schema, written by the I/O threads, read by fetch()."""
+    """A bounded queue of steps of one schema, written by the I/O threads, read by fetch()."""
 
     def __init__(self, schema: Schema, capacity_bytes: int, max_frame_steps: int, *,
                  chunk_steps: int | None = None, pin_memory: bool = False,
@@ -114,9 +75,8 @@ class StepRing:
         self.chunks: list[list[np.ndarray]] = [self._new_chunk() for _ in range(self.capacity // chunk)]
         self._pool: list[list[np.ndarray]] = []  # spare chunks, ready to swap in
         self._lent: list[list[np.ndarray]] = []  # chunks handed out as batches
-        self._segments: collections.deque[Segment] = collections.deque()
-        self._head = 0
-        self._used = 0  # steps held by live segments
+        self._space = RingSpace(self.capacity)
+        self._ready_segs: collections.deque[Segment] = collections.deque()  # READY, in the order they completed
         self._granted = 0  # credit handed out but not yet used by a frame
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -148,7 +108,7 @@ class StepRing:
     # --- credit accounting (I/O thread) ---------------------------------------------------
     def grantable(self) -> int:
         with self._lock:
-            return max(0, self.capacity - self._used - self._granted)
+            return max(0, self.capacity - self._space.used - self._granted)
 
     def grant(self, steps: int) -> None:
         with self._lock:
@@ -161,11 +121,11 @@ class StepRing:
 
     @property
     def used(self) -> int:
-        return self._used
+        return self._space.used
 
     @property
     def buffered_bytes(self) -> int:
-        return self._used * self.step_bytes
+        return self._space.used * self.step_bytes
 
     # --- producer side (I/O thread) --------------------------------------------------------
     def reserve(self, n: int, actor_id: int, seq: int, version: int, put_at: float = 0.0) -> Segment:
@@ -178,15 +138,12 @@ class StepRing:
             raise ProtocolError(f"frame of {n} steps; the limit is {self.max_frame_steps}")
         if self._closed:
             raise Closed("the learner is closed")
-        if self._used + n > self.capacity:  # cannot happen while actors respect their credit
+        space = self._space
+        if space.used + n > self.capacity:  # cannot happen while actors respect their credit
             raise ProtocolError("frame exceeds the credit granted to this actor")
-        if not self._segments:
-            self._head = 0  # an empty ring starts over at a chunk boundary
-        seg = Segment(self._head, n, actor_id, seq, version, put_at=put_at)
-        self._segments.append(seg)
-        self._head = (self._head + n) % self.capacity
-        self._used += n
-        self.stats.peak_used = max(self.stats.peak_used, self._used)
+        start, runs = space.claim(n)
+        seg = Segment(start, n, actor_id, seq, version, put_at=put_at, runs=runs)
+        self.stats.peak_used = max(self.stats.peak_used, space.used)
         self._granted = max(0, self._granted - n)
         return seg
 
@@ -210,7 +167,7 @@ class StepRing:
         with self._ready:
             seg = self._reserve_locked(n, actor_id, seq, version, put_at)
             chunk, offset = divmod(seg.start, self.chunk_steps)
-            runs = [(chunk, offset, n)] if offset + n <= self.chunk_steps else self._split(seg.start, n)
+            runs = [(chunk, offset, n)] if offset + n <= self.chunk_steps else self._seg_chunks(seg, 0, n)
             pos = 0
             for f, sb in enumerate(sizes):
                 src = parts[f] if parts is not None else whole[pos : pos + n * sb]
@@ -219,9 +176,9 @@ class StepRing:
                 for c, o, k in runs:  # almost always one: the frame lies in one chunk
                     self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
                     at += k * sb
-            dropped = self._commit_locked(seg, time.monotonic())
-        if dropped:
-            self._free_front()
+            freed = self._commit_locked(seg, time.monotonic())
+        if freed:
+            self._space_freed()
 
     def _split(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """Ring positions ``[start, start + n)`` as ``(chunk, offset, count)`` runs."""
@@ -235,9 +192,26 @@ class StepRing:
             pos = (pos + k) % self.capacity
         return runs
 
+    def _seg_chunks(self, seg: Segment, skip: int, count: int) -> list[tuple[int, int, int]]:
+        """Steps ``[skip, skip + count)`` of ``seg`` as ``(chunk, offset, count)`` runs."""
+        if seg.runs is None:
+            return self._split(seg.start + skip, count)
+        out = []
+        for start, k in seg.runs:
+            if skip >= k:
+                skip -= k
+                continue
+            m = min(k - skip, count)
+            out += self._split(start + skip, m)
+            count -= m
+            skip = 0
+            if not count:
+                break
+        return out
+
     def field_views(self, seg: Segment) -> list[list[memoryview]]:
         """Raw byte views of the segment: per field (schema order), one view per chunk run."""
-        runs = self._split(seg.start, seg.n)
+        runs = self._seg_chunks(seg, 0, seg.n)
         views = []
         for f, sb in enumerate(self._sizes):
             views.append([self.chunks[c][f].data[o * sb : (o + k) * sb] for c, o, k in runs])
@@ -290,62 +264,60 @@ class StepRing:
     def commit(self, seg: Segment) -> None:
         ready_at = time.monotonic()  # read before taking the lock, to keep the critical section short
         with self._ready:
-            dropped = self._commit_locked(seg, ready_at)
-        if dropped:
-            self._free_front()
+            freed = self._commit_locked(seg, ready_at)
+        if freed:
+            self._space_freed()
 
-    def _commit_locked(self, seg: Segment, ready_at: float) -> bool:
-        """``seg`` is complete (lock held); returns whether it was dropped as too stale (the
-        caller then frees the front, outside the lock)."""
+    def _commit_locked(self, seg: Segment, ready_at: float) -> int:
+        """``seg`` is complete (lock held); returns the steps freed because it was dropped as
+        too stale (the caller then says so, outside the lock)."""
+        if seg.state is not SegState.PENDING:
+            return 0  # abandoned meanwhile: its space is another frame's already
         seg.state = SegState.READY
         seg.ready_at = ready_at
+        self._ready_segs.append(seg)
         stats = self.stats
         stats.steps_in += seg.n
         stats.frames_in += 1
         stats.bytes_in += seg.n * self.schema.step_bytes
-        dropped = seg.version < self.min_version
-        if dropped:
-            self._drop(seg)
+        freed = self._drop(seg) if seg.version < self.min_version else 0
         # Wake the consumer only once its batch can be complete: one wake-up per batch,
         # not per frame (each costs a thread switch and a GIL hand-off).
         if self._waiting_for and self._ready_front(self._waiting_for) >= self._waiting_for:
             self._ready.notify_all()
-        return dropped
+        return freed
 
-    def _drop(self, seg: Segment) -> None:
+    def _drop(self, seg: Segment) -> int:
         """Never yield the rest of ``seg`` (too stale); lock held. Its space is reused once no
-        take still copies from it: at once if no take touched it, else with the last take."""
+        take still copies from it: at once if none does, else with the last take that did.
+        Returns the steps freed now."""
         self.stats.stale_dropped += seg.n - seg.consumed
-        if seg.consumed:
-            seg.taken_by = self._takes
-        else:
-            seg.released = True
         seg.consumed = seg.n
+        return self._space.give_after_takes(seg)
 
-    def _drop_stale(self) -> bool:
-        dropped = False
-        for seg in self._segments:
-            if seg.state is SegState.PENDING:
-                break
-            if seg.state is SegState.READY and seg.consumed < seg.n and seg.version < self.min_version:
-                self._drop(seg)
-                dropped = True
-        return dropped
+    def _drop_stale(self) -> int:
+        old = [s for s in self._ready_segs if s.consumed < s.n and s.version < self.min_version]
+        return sum(self._drop(seg) for seg in old)
 
     def abandon(self, seg: Segment) -> None:
-        """The frame will never complete (its sender died): never yield it."""
+        """The frame will never complete (its sender died): never yield it, and give its space
+        back now (nothing writes into it any more)."""
+        freed = 0
         with self._ready:
             if seg.state is SegState.PENDING:
                 seg.state = SegState.DEAD
                 self.stats.torn_frames += 1
+                freed = self._space.give(seg)
             self._ready.notify_all()
-        self._free_front()
+        if freed:
+            self._space_freed()
 
     # --- consumer side (fetch) ----------------------------------------------------------------
     def take(self, count: int, timeout: float, min_version: int = 0, *,
              finished: Callable[[], bool] | None = None, partial: bool = True) -> tuple[list[Piece], int]:  # fmt: skip
-        """Wait until ``count`` steps are ready at the front, then claim them in FIFO order.
-        Steps of a behaviour version below ``min_version`` are dropped (and counted) instead.
+        """Wait until ``count`` steps are ready, then claim them in the order their frames
+        completed (a frame still arriving holds back no other). Steps of a behaviour version
+        below ``min_version`` are dropped (and counted) instead.
 
         ``finished``: a test that no more steps will come (every actor is done); once it holds,
         what is ready is taken even if short of ``count`` (unless not ``partial``), and with
@@ -358,9 +330,9 @@ class StepRing:
         if min_version > self.min_version:
             with self._lock:
                 self.min_version = min_version
-                dropped = self._drop_stale()
-            if dropped:
-                self._free_front()
+                freed = self._drop_stale()
+            if freed:
+                self._space_freed()
         with self._ready:
             while True:
                 if self._closed:
@@ -384,39 +356,45 @@ class StepRing:
                 finally:
                     self._waiting_for = 0
             self.stats.wait_seconds += time.monotonic() - started
-            pieces = []
-            need = count
-            self._takes += 1
-            for seg in self._segments:
-                if need == 0:
-                    break
-                if seg.state is SegState.DEAD:
-                    continue
-                k = min(need, seg.n - seg.consumed)
-                if k:
-                    seq = seg.seq + seg.consumed
-                    for chunk, offset, n in self._split(seg.start + seg.consumed, k):
-                        pieces.append(Piece(chunk * self.chunk_steps + offset, n, seg.actor_id, seq, seg.version,
-                                            seg.ready_at, seg.put_at))
-                        seq += n
-                    seg.consumed += k
-                    need -= k
-                    if seg.consumed == seg.n:
-                        seg.taken_by = self._takes
             self.stats.steps_out += count
-            return pieces, self._takes
+            return self._claim(count), self._takes
+
+    def _claim(self, need: int) -> list[Piece]:
+        """The next ``need`` READY steps, in the order their frames completed (lock held)."""
+        pieces = []
+        self._takes += 1
+        take, finished = self._takes, []
+        segs, chunk_steps = self._ready_segs, self.chunk_steps
+        while need and segs:
+            seg = segs[0]
+            k = min(need, seg.n - seg.consumed)
+            if k:
+                seq = seg.seq + seg.consumed
+                at = seg.consumed
+                runs = self._split(seg.start + at, k) if seg.runs is None else self._seg_chunks(seg, at, k)
+                for chunk, offset, n in runs:
+                    pieces.append(Piece(chunk * chunk_steps + offset, n, seg.actor_id, seq, seg.version,
+                                        seg.ready_at, seg.put_at))  # fmt: skip
+                    seq += n
+                seg.consumed += k
+                seg.taken_by = take
+                need -= k
+                if seg.consumed == seg.n:
+                    finished.append(seg)
+            if seg.consumed == seg.n:
+                segs.popleft()
+        if finished:
+            self._space.finished(take, finished)
+        return pieces
 
     def _ready_front(self, enough: int | None = None) -> int:
         """Steps ready to take in order, counted up to ``enough`` (all when None): a backlog
         of many small frames (hundreds of actors) is not walked whole on every take."""
         total = 0
-        for seg in self._segments:
-            if seg.state is SegState.PENDING:
+        for seg in self._ready_segs:
+            total += seg.n - seg.consumed
+            if enough is not None and total >= enough:
                 break
-            if seg.state is SegState.READY:
-                total += seg.n - seg.consumed
-                if enough is not None and total >= enough:
-                    break
         return total
 
     def ready_steps(self) -> int:
@@ -440,30 +418,22 @@ class StepRing:
                     self._waiting_for = 0
             if self._closed:
                 raise Closed("the learner is closed")
-            front = next((s.start + s.consumed for s in self._segments if s.state is not SegState.DEAD
-                          and s.consumed < s.n), 0 if not self._segments else self._head)  # fmt: skip
-            return self._ready_front(), front % self.capacity
+            first = next((s for s in self._ready_segs if s.consumed < s.n), None)
+            if first is None:
+                return 0, self._space.head if self._space.used else 0
+            chunk, offset, _ = self._seg_chunks(first, first.consumed, 1)[0]
+            return self._ready_front(), chunk * self.chunk_steps + offset
 
     def release(self, take_id: int) -> None:
         """The copies of take ``take_id`` (and earlier) are done: their space may be reused."""
         with self._lock:
-            for seg in self._segments:
-                if seg.state is SegState.PENDING:
-                    break
-                if seg.state is SegState.READY and not seg.taken_by and not seg.released:
-                    break  # FIFO: nothing after a not-fully-consumed segment was taken
-                if seg.taken_by and seg.taken_by <= take_id:
-                    seg.released = True
-        self._free_front()
+            freed = self._space.release(take_id)
+        if freed:
+            self._space_freed()
 
-    def _free_front(self) -> None:
-        freed = 0
-        with self._lock:
-            segs = self._segments
-            while segs and (segs[0].state is SegState.DEAD or segs[0].released):
-                freed += segs.popleft().n
-            self._used -= freed
-        if freed and self.on_space_freed is not None:
+    def _space_freed(self) -> None:
+        """Steps were freed: tell the credit granter (never under the lock)."""
+        if self.on_space_freed is not None:
             self.on_space_freed()
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ putting in lockstep made about 5 per frame. A pump polls every registered connec
 each receiver handle what has arrived without waiting for more (``pump_step``): an shm
 receiver whole frames at a time (a frame's bytes are in the shared ring, the actor's arena or
 its memory before it is announced; only a frame larger than half the ring streams, and the
-pump then waits for its bytes like the receiving thread did), a tcp receiver whatever bytes
+pump copies its bytes as they come, never waiting for them), a tcp receiver whatever bytes
 came, keeping a frame that came in pieces where it stopped. A stalled frame is closed by the
 session's heartbeat check, which ends such a wait or the partial frame.
 

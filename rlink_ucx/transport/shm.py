@@ -35,70 +35,36 @@ from __future__ import annotations
 import errno
 import select
 import socket
-import struct
 import threading
 import time
 from typing import Any
 
 from ..errors import ProtocolError
-from ..wire.frame import FRAME_HEADER_BYTES, announced_payload
+from ..wire.frame import announced_payload
 from . import cma
 from .base import FrameSink
 from .shm_memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
+from .shm_records import (
+    ARENA_FRAME,
+    COUNTER,
+    DIRECT_FRAME,
+    FREED,
+    READ,
+    REPLY,
+    RING_FRAME,
+    WRITTEN,
+    Records,
+    Replies,
+)
 from .sockopts import close_socket
 from .tcp import SocketReceiver, tune_socket
 
-COUNTER = struct.Struct("<Q")
-# Actor -> learner records on the data connection: bytes written to the ring so far; a frame
-# whose payload follows in the ring; in the actor's arena; at addresses in the actor's memory.
-WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME = b"W", b"R", b"A", b"C"
-# Learner -> actor: ring bytes freed so far; payload bytes read from the actor's memory so far.
-FREED, READ = b"F", b"D"
-REPLY = struct.Struct("<cQ")
-MAX_EXTENTS = 4096
 SMALL_FRAME = 64 * 1024  # an actor's frame up to this size is joined and copied into the ring at once
 
 __all__ = ["ARENA_NAME", "DATA_OFFSET", "NONCE_BYTES", "RING_NAME", "Arena", "ShmReceiver", "ShmRing", "ShmSender",
            "available"]
 # poll events that mean the actor shut its end (POLLRDHUP even with data still queued before it)
 _PEER_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
-
-
-class _Replies:
-    """The learner's cumulative counters (ring bytes freed, bytes read directly), read from the
-    data connection."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self._buf = bytearray(4096)
-        self._partial = b""
-        self.freed = 0
-        self.read_directly = 0
-
-    def read(self) -> bool:
-        """Take the replies waiting in the socket without blocking; whether any whole one came.
-        The socket is blocking without a timeout (a timeout would make Python poll before every
-        call, even a non-blocking one): callers bound waits with poll."""
-        try:
-            n = self.sock.recv_into(self._buf, len(self._buf), socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        if n == 0:
-            raise EOFError("learner closed the data connection")
-        data = self._partial + bytes(self._buf[:n])
-        whole = len(data) - len(data) % REPLY.size
-        self._partial = data[whole:]
-        for kind, value in REPLY.iter_unpack(data[:whole]):
-            last = self.freed if kind == FREED else self.read_directly if kind == READ else None
-            if last is None:
-                raise ProtocolError(f"unknown reply {kind!r} on the shm data connection")
-            if value < last:
-                raise ProtocolError(f"the learner's shm counter {kind!r} went back from {last} to {value}")
-            if kind == FREED:
-                self.freed = value
-            else:
-                self.read_directly = value
-        return whole > 0
 
 
 class ShmSender:
@@ -126,7 +92,7 @@ class ShmSender:
         self._closed = False
         self._poll = select.poll()
         self._poll.register(sock, select.POLLIN)
-        self._replies = _Replies(sock)
+        self._replies = Replies(sock)
 
     def on_ready(self, *, arena: bool, direct: bool) -> None:
         if not arena:
@@ -149,12 +115,11 @@ class ShmSender:
             elif self.direct and size >= cma.MIN_BYTES:
                 self._send_direct(header, payload)
             elif self._room_for(size):
-                # Copied first, announced after, in one send: the learner's ring hands out steps
-                # in arrival order, so a frame it has begun but whose bytes are still to come
-                # holds back every actor's steps behind it (seconds, with 256 actor threads
-                # waiting for their processes' GIL between the header and the bytes). So a
-                # frame that does not fit yet waits for room before it is announced; only one
-                # larger than half the ring streams through it.
+                # Copied first, announced after, in one send: the learner lands the whole frame
+                # in one call (``_land_from_ring``) instead of beginning it and coming back for
+                # its bytes (256 actor threads can wait for their processes' GIL between the
+                # header and the bytes). So a frame that does not fit yet waits for room before
+                # it is announced; only one larger than half the ring streams through it.
                 for buf in [b"".join(payload)] if size <= SMALL_FRAME else payload:
                     if len(buf):
                         self.ring.copy_in(self.written, buf)
@@ -244,73 +209,6 @@ class ShmSender:
                 self.ring.close()
 
 
-class _Records:
-    """The actor's records, read from the data connection (blocking)."""
-
-    def __init__(self, sock: socket.socket):
-        self.sock = sock
-        self._buf = bytearray(65536)
-        self._data = b""
-
-    def _need(self, n: int) -> bytes:
-        while len(self._data) < n:
-            got = self.sock.recv_into(self._buf)
-            if got == 0:
-                raise EOFError("actor closed the data connection")
-            self._data += self._buf[:got]
-        out, self._data = self._data[:n], self._data[n:]
-        return out
-
-    def fill(self) -> bool:
-        """Read what has arrived without blocking; whether anything had."""
-        try:
-            got = self.sock.recv_into(self._buf, len(self._buf), socket.MSG_DONTWAIT)
-        except BlockingIOError:
-            return False
-        if got == 0:
-            if self._data:
-                raise ConnectionResetError("actor closed the data connection mid-record")
-            raise EOFError("actor closed the data connection")  # between frames: the control channel says why
-        self._data += self._buf[:got]
-        return True
-
-    def complete(self) -> bool:
-        """Whether a whole record is buffered (an unknown or oversized one counts: reading it
-        raises the protocol error)."""
-        data = self._data
-        if not data:
-            return False
-        kind = data[:1]
-        need = 1 + (COUNTER.size if kind == WRITTEN else FRAME_HEADER_BYTES)
-        if kind in (ARENA_FRAME, DIRECT_FRAME) and len(data) >= need + COUNTER.size:
-            (n,) = COUNTER.unpack_from(data, need)
-            need += COUNTER.size + (n * EXTENT.size if n <= MAX_EXTENTS else 0)
-        elif kind in (ARENA_FRAME, DIRECT_FRAME):
-            need += COUNTER.size
-        return kind not in (WRITTEN, RING_FRAME, ARENA_FRAME, DIRECT_FRAME) or len(data) >= need
-
-    def buffered(self) -> bool:
-        """Whether a whole byte-count record (``WRITTEN`` + counter) is already read, so reading
-        it will not block."""
-        return len(self._data) >= 1 + COUNTER.size and self._data[:1] == WRITTEN
-
-    def next(self) -> tuple[bytes, bytes, list[tuple[int, int]]]:
-        """``(kind, header or counter, extents)``."""
-        kind = self._need(1)
-        if kind == WRITTEN:
-            return kind, self._need(COUNTER.size), []
-        if kind == RING_FRAME:
-            return kind, self._need(FRAME_HEADER_BYTES), []
-        if kind in (ARENA_FRAME, DIRECT_FRAME):
-            header = self._need(FRAME_HEADER_BYTES)
-            (n,) = COUNTER.unpack(self._need(COUNTER.size))
-            if n > MAX_EXTENTS:
-                raise ProtocolError(f"a frame in {n} pieces; the limit is {MAX_EXTENTS}")
-            raw = self._need(n * EXTENT.size)
-            return kind, header, list(EXTENT.iter_unpack(raw))
-        raise ProtocolError(f"unknown record {kind!r} on the shm data connection")
-
-
 class ShmReceiver(SocketReceiver):
     """Learner side: copies frames out of the ring, or out of the actor's arena or memory, into
     the sink's views (on a pump's thread, or one of its own: ``SocketReceiver``)."""
@@ -328,24 +226,35 @@ class ShmReceiver(SocketReceiver):
         self._written = 0  # what the actor announced
         self._consumed = 0  # copied out
         self._released = 0  # what we told the actor
-        self._records = _Records(sock)
+        self._records = Records(sock)
+        self._streaming: list[memoryview] = []  # a pumped frame's views still to fill, as its bytes come
 
     def _read_into(self, views: list[memoryview]) -> None:
-        for view in views:
-            while len(view):
-                ready = self._written - self._consumed
-                if not ready:
-                    self._wait_for_bytes()
-                    continue
-                k = min(ready, len(view))
-                self.ring.copy_out(self._consumed, view[:k])
-                self._consumed += k
-                view = view[k:]
-                # Freed room is announced every half ring (and before waiting): each reply is a
-                # system call here and a wake-up of the actor, a large share of the shm pump's
-                # time if sent more often (docs/benchmarks.md).
-                if self._consumed - self._released >= self.ring.size // 2:
-                    self._release()
+        while views := self._copy_ready(views):
+            self._wait_for_bytes()
+
+    def _copy_ready(self, views: list[memoryview]) -> list[memoryview]:
+        """Copy what the actor has written into the front of ``views``; the views still to fill."""
+        while views and self._written > self._consumed:
+            k = min(self._written - self._consumed, len(views[0]))
+            self.ring.copy_out(self._consumed, views[0][:k])
+            self._consumed += k
+            views = [views[0][k:], *views[1:]] if k < len(views[0]) else views[1:]
+            # Freed room is announced every half ring (and before waiting): each reply is a
+            # system call here and a wake-up of the actor, a large share of the shm pump's
+            # time if sent more often (docs/benchmarks.md).
+            if self._consumed - self._released >= self.ring.size // 2:
+                self._release()
+        return views
+
+    def _stream(self) -> None:
+        """A pumped frame streaming through the ring: copy what came, never wait for the rest
+        (the pump reads other actors meanwhile; the next byte count resumes it)."""
+        self._streaming = self._copy_ready(self._streaming)
+        if not self._streaming:
+            self._frame_done()
+        elif self._consumed != self._released:
+            self._release()  # the actor may be waiting for room
 
     def _release(self) -> None:
         self._released = self._consumed
@@ -466,9 +375,13 @@ class ShmReceiver(SocketReceiver):
     def _handle(self, kind: bytes, body: bytes, extents: list[tuple[int, int]]) -> None:
         if kind == WRITTEN:
             self._note_written(body)
-            if self._consumed != self._released:
+            if self._streaming:
+                self._stream()
+            elif self._consumed != self._released:
                 self._release()  # between frames a doorbell means: the actor waits for room
             return
+        if self._streaming:
+            raise ProtocolError("a new frame was announced before the last one's payload was written")
         if kind == ARENA_FRAME and self._land is not None:
             self._land_from_arena(body, extents)
             return
@@ -481,10 +394,16 @@ class ShmReceiver(SocketReceiver):
                 self._copy_from_arena(extents, payload)
             elif kind == DIRECT_FRAME:
                 self._copy_directly(extents, payload)
+            elif self._pumped:
+                self._streaming = payload
+                return self._stream()
             else:
                 self._read_into(payload)
         except EOFError:
             raise ConnectionResetError("actor closed the data connection mid-frame") from None
+        self._frame_done()
+
+    def _frame_done(self) -> None:
         self.frame_started = None
         self.sink.end_threadsafe()
 

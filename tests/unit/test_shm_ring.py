@@ -102,9 +102,9 @@ class SlowSink(RecordingSink):
 
 
 def test_a_frame_up_to_half_the_ring_waits_for_room_before_it_is_announced(connection, monkeypatch):
-    """The learner hands out steps in arrival order: a frame announced before its bytes are in
-    the ring would hold back every other actor's steps. So a frame that fits in half the ring
-    waits for room and is never announced before all of it is written."""
+    """A frame announced before its bytes are in the ring is begun and then resumed as they
+    come (a frame's ring space held meanwhile); one that fits in half the ring waits for room
+    instead and is never announced before all of it is written (the learner lands it whole)."""
     streamed = []  # frames announced before their bytes were written (then streamed in)
     original = shm.ShmSender._stream
     monkeypatch.setattr(shm.ShmSender, "_stream", lambda self, payload: (streamed.append(1), original(self, payload))[1])
@@ -362,6 +362,41 @@ def test_four_connections_read_together_and_a_bad_one_fails_alone():
         assert [bytes(f) for f in sinks[k].frames] == sent[k]
     assert [bytes(f) for f in sinks[0].frames] == sent[0][:40]  # what came before is kept
     for a, b in connections:
+        a.close()
+        b.close()
+
+
+def test_a_frame_streaming_through_the_ring_holds_back_no_other_connection():
+    """A frame larger than half the ring is announced first and its bytes follow as room comes.
+    One whose bytes stop halfway (a slow or hostile actor) holds back only itself: the pump
+    that reads it goes on reading other actors' connections, and the frame completes, bit
+    exact, once the rest is written."""
+    slow_conn, fast_conn = _pairs(2)
+    slow_sink, fast_sink = RecordingSink(), RecordingSink()
+    slow, _ = _pair(slow_conn, slow_sink)
+    fast, _ = _pair(fast_conn, fast_sink)
+    size = RING * 3 // 4
+    data = np.random.default_rng(1).integers(0, 256, size, dtype=np.uint8)
+    slow.sock.sendall(shm.RING_FRAME + _header(size))  # what ShmSender.send does before _stream
+    slow.ring.copy_in(0, memoryview(data)[: size // 2])
+    slow.written = size // 2
+    slow._doorbell()  # half of it, then nothing for a while
+    rng = np.random.default_rng(2)
+    sent = []
+    for _ in range(20):
+        part = rng.integers(0, 256, int(rng.integers(1, RING // 4)), dtype=np.uint8)
+        fast.send(_header(part.size), [memoryview(part)])
+        sent.append(part.tobytes())
+    assert all(fast_sink.ended.acquire(timeout=5) for _ in sent), "the other connection's frames were held back"
+    assert [bytes(f) for f in fast_sink.frames] == sent
+    assert not slow_sink.ended.acquire(timeout=0)  # still waiting for its second half
+    slow.ring.copy_in(size // 2, memoryview(data)[size // 2 :])
+    slow.written = size
+    slow._doorbell()
+    assert slow_sink.ended.acquire(timeout=5)
+    assert bytes(slow_sink.frames[0]) == data.tobytes()
+    assert slow_sink.failure is None and fast_sink.failure is None
+    for a, b in (slow_conn, fast_conn):
         a.close()
         b.close()
 

@@ -57,8 +57,9 @@ def test_torn_frame_is_skipped_and_its_space_freed():
     b = ring.reserve(4, 2, 0, 0)
     fill(ring, b, 100)
     with pytest.raises(TimeoutError):
-        ring.take(4, timeout=0.05)  # a is still pending in front of b
+        ring.take(5, timeout=0.05)  # only b's 4 steps are ready: a is still arriving
     ring.abandon(a)
+    assert ring.used == 4  # a's space came back at once, though it was in front of b
     pieces, take = ring.take(4, timeout=1)
     assert values(ring, pieces) == [100, 101, 102, 103]
     assert [p.actor_id for p in pieces] == [2]

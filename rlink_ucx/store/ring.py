@@ -5,14 +5,11 @@ One :class:`StepRing` per schema holds ``capacity`` steps in ``capacity / chunk_
 field. Frames reserve a *segment* of ring positions when their header arrives (from a cursor
 that cycles around the ring: consecutive positions while frames come and go in order), the
 transport writes the payload directly into the segment's views (no intermediate copy), and the
-segment becomes READY when complete or DEAD when its sender vanished mid-frame (so a torn step
-is never yielded). The consumer takes READY steps in the order their frames *completed* (each
-step once; an actor's frames complete in its order), whatever frame is still arriving on
-another connection, and releases the space afterwards, which lets the learner grant more
-credit. Space is freed in any order (``extents.py``): a frame still arriving holds its own
-steps only, and the frames after it are taken, freed and their space reused around it, so a
-slow or trickling sender delays nobody but itself (docs/architecture.md, "No head-of-line
-blocking").
+segment becomes READY when complete or DEAD when its sender vanished mid-frame (a torn step is
+never yielded). The consumer takes READY steps in the order their frames *completed* (an
+actor's frames complete in its order) and releases the space afterwards, in any order
+(``extents.py``): a frame still arriving holds its own steps only, so a slow or trickling
+sender delays nobody but itself (docs/architecture.md, "No head-of-line blocking").
 
 When the chunk size equals the dataset's batch size, a batch that is exactly one chunk is
 *lent* to the caller without a copy: the chunk's buffers become the batch tensors and a pooled
@@ -327,12 +324,7 @@ class StepRing:
         """
         deadline = time.monotonic() + timeout
         started = time.monotonic()
-        if min_version > self.min_version:
-            with self._lock:
-                self.min_version = min_version
-                freed = self._drop_stale()
-            if freed:
-                self._space_freed()
+        self.drop_below(min_version)
         with self._ready:
             while True:
                 if self._closed:
@@ -386,6 +378,65 @@ class StepRing:
         if finished:
             self._space.finished(take, finished)
         return pieces
+
+    def drop_below(self, min_version: int) -> None:
+        """Raise the ring's ``min_version``: ready steps of older behaviour versions are dropped."""
+        if min_version <= self.min_version:
+            return
+        with self._lock:
+            self.min_version = min_version
+            freed = self._drop_stale()
+        if freed:
+            self._space_freed()
+
+    def actor_fronts(self) -> tuple[set[int], int]:
+        """The actors with a ready step not taken yet (an actor's oldest untaken step is always in
+        a ready frame), and the frames committed so far (for :meth:`wait_commit`)."""
+        with self._lock:
+            return set(self._fronts()), self.stats.frames_in
+
+    def wait_commit(self, frames_seen: int, timeout: float) -> None:
+        """Wait up to ``timeout`` for a frame committed after the first ``frames_seen``."""
+        with self._ready:
+            if self._closed:
+                raise Closed("the learner is closed")
+            if self.stats.frames_in != frames_seen:
+                return
+            self._waiting_for = 1
+            try:
+                self._ready.wait(timeout)
+            finally:
+                self._waiting_for = 0
+
+    def claim_fronts(self, started: float) -> tuple[list[Piece], int]:
+        """Claim the oldest untaken step of every actor that has one, in actor id order."""
+        with self._lock:
+            self._takes += 1
+            take, finished, pieces, fronts = self._takes, [], [], self._fronts()
+            for seg in (fronts[a] for a in sorted(fronts)):
+                chunk, offset, _ = self._seg_chunks(seg, seg.consumed, 1)[0]
+                pieces.append(Piece(chunk * self.chunk_steps + offset, 1, seg.actor_id, seg.seq + seg.consumed,
+                                    seg.version, seg.ready_at, seg.put_at))  # fmt: skip
+                seg.consumed += 1
+                seg.taken_by = take
+                if seg.consumed == seg.n:
+                    finished.append(seg)
+            segs = self._ready_segs
+            while segs and segs[0].consumed >= segs[0].n:
+                segs.popleft()
+            if finished:
+                self._space.finished(take, finished)
+            self.stats.wait_seconds += time.monotonic() - started
+            self.stats.steps_out += len(pieces)
+            return pieces, take
+
+    def _fronts(self) -> dict[int, Segment]:
+        """Each actor's first ready segment with a step not taken yet (lock held)."""
+        fronts: dict[int, Segment] = {}
+        for seg in self._ready_segs:
+            if seg.consumed < seg.n and seg.actor_id not in fronts:
+                fronts[seg.actor_id] = seg
+        return fronts
 
     def _ready_front(self, enough: int | None = None) -> int:
         """Steps ready to take in order, counted up to ``enough`` (all when None): a backlog

@@ -50,9 +50,9 @@ def test_the_oldest_step_of_each_actor_out_of_fifo_order():
 
 
 def test_an_actor_whose_oldest_frame_is_still_arriving_is_waited_for_and_kept_in_order():
+    # A session has one frame open at a time, so an actor's frames complete in its order.
     ring = StepRing(SCHEMA, 64 * 8, max_frame_steps=4, chunk_steps=8)
     arriving = put(ring, 1, 0, [10], commit=False)
-    put(ring, 1, 1, [11])  # complete, but after one still arriving: not taken before it
     put(ring, 2, 0, [20])
     with pytest.raises(TimeoutError, match="min_actors=2"):
         take_one_per_actor(ring, lambda: {1, 2}, timeout=0.3, min_actors=2)
@@ -60,9 +60,14 @@ def test_an_actor_whose_oldest_frame_is_still_arriving_is_waited_for_and_kept_in
     assert taken(ring, pieces) == [(2, 0, 20)]
     ring.release(take)
     ring.commit(arriving)
+    put(ring, 1, 1, [11])
     pieces, take = take_one_per_actor(ring, lambda: {1, 2}, timeout=0.3, min_actors=1)
     assert taken(ring, pieces) == [(1, 0, 10)]
     ring.release(take)
+    pieces, take = take_one_per_actor(ring, lambda: {1}, timeout=0.3)
+    assert taken(ring, pieces) == [(1, 1, 11)]
+    ring.release(take)
+    assert ring.used == 0
 
 
 def test_stale_steps_are_dropped_and_a_closed_ring_raises():

@@ -120,7 +120,7 @@ class Config:
     # shm plane: an actor lets the learner read large payloads straight out of its memory
     # (process_vm_readv: one copy instead of two) where the kernel allows it; docs/transports.md.
     shm_direct_read: bool = True
-    ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
+    ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/transports.md
     # Congestion control of the tcp plane's data connections: "auto" = Reno where the peer is
     # this host (no pacing; docs/transports.md), the system's default elsewhere; "system" = the
     # system's default everywhere; or a kernel's name for all of them ("reno", "cubic", ...;

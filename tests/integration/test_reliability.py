@@ -783,7 +783,10 @@ def test_an_actor_resumes_soon_after_a_cut_link_is_restored():
                 actor.flush(10)
                 proxy.set("cut")
                 wait_for(lambda: not actor.stats()["connected"], 10, "the actor did not notice the cut")
-                time.sleep(2.5)  # its first reconnect attempts run into the cut
+                attempts = proxy.accepted
+                # Its next reconnect attempt runs into the cut (swallowed whole), and a little later
+                # the one after it: the stall this test is about.
+                wait_for(lambda: proxy.accepted >= attempts + 2, 30, "the actor made no reconnect attempts")
                 proxy.set(None)
                 restored = time.monotonic()
                 actor.put({"x": np.int64(1)})

@@ -30,6 +30,8 @@ import sys
 import time
 from typing import Any
 
+from rlink_ucx.bench.procfs import listening_ports
+
 SPAWN = mp.get_context("spawn")
 TOKEN = "hostile-load-token-0123456789abcdef"
 NOBODY = 65534
@@ -60,26 +62,6 @@ while time.monotonic() - start < seconds and not 0 < limit <= sum(made.values())
 print(json.dumps({"connections": sum(made.values()), "failed": sum(failed.values()), "per_port": made,
                   "failed_per_port": failed, "seconds": round(time.monotonic() - start, 1)}))
 """
-
-
-def listening_ports(pid: int) -> list[int]:
-    """The TCP ports process ``pid`` listens on (its socket inodes matched in /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    ports = set()
-    for table in ("tcp", "tcp6"):
-        with open(f"/proc/{pid}/net/{table}") as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[3] == "0A" and parts[9] in inodes:  # 0A: LISTEN
-                    ports.add(int(parts[1].rsplit(":", 1)[1], 16))
-    return sorted(ports)
 
 
 def open_files(pid: int) -> int:

@@ -1,9 +1,9 @@
 """Buffers committed ahead of use, so the data path never pays for first touches.
 
-The first write to a fresh page is a page fault. Measured on the 2-core VM we develop on:
-1.2-1.4 GiB/s into fresh memory, as slow as 0.17 GiB/s when the host backs the page lazily,
-against 15-20 GiB/s into warm memory (``python bench/large_steps.py`` prints this machine's).
-A learner that wrote its first 256 MiB of receive ring at fault speed lost its first second.
+The first write to a fresh page is a page fault, an order of magnitude slower than a write to
+warm memory (``python bench/large_steps.py`` prints this machine's figures; docs/benchmarks.md,
+"Figures behind the code's choices"): a receive ring written at fault speed would cost the
+learner its first second of steps.
 
 So the buffers the data path writes at full speed (the learner's receive ring, an actor's frame
 buffers) come from a :class:`Reserve`: one anonymous or shared mapping whose pages a background

@@ -105,14 +105,14 @@ class Config:
     max_weights_tensors: int = 100_000
     # At the learner's first batch, move every object alive then out of the garbage
     # collector's way (gc.freeze): a full collection holds the GIL, and with torch imported it
-    # stalled the learner's receiving for 100-270 ms several times an hour (6-14 ms after;
-    # docs/reliability.md). What is frozen is never collected, even if it becomes garbage.
+    # walks enough objects to stall the learner's receiving (docs/reliability.md). What is
+    # frozen is never collected, even if it becomes garbage.
     gc_freeze: bool = True
 
     # --- weights ---------------------------------------------------------------------------
-    weights_bucket_bytes: int = 32 * MiB  # one collective per bucket
+    weights_bucket_bytes: int = 32 * MiB  # one tagged bucket: an actor checks each as it arrives
     # Actors on the learner's host read each version straight from the learner's shared memory
-    # (one copy, no sockets) instead of joining the broadcast; docs/weights.md.
+    # (one copy, no sockets) instead of over a weights connection; docs/weights.md.
     weights_shared_memory: bool = True
 
     # --- transport ------------------------------------------------------------------------
@@ -120,7 +120,7 @@ class Config:
     # shm plane: an actor lets the learner read large payloads straight out of its memory
     # (process_vm_readv: one copy instead of two) where the kernel allows it; docs/transports.md.
     shm_direct_read: bool = True
-    ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/ucx-tuning.md
+    ucx_segment_bytes: int = 512 * KiB  # UCX_TCP_TX/RX_SEG_SIZE; see docs/transports.md
     # Congestion control of the tcp plane's data connections: "auto" = Reno where the peer is
     # this host (no pacing; docs/transports.md), the system's default elsewhere; "system" = the
     # system's default everywhere; or a kernel's name for all of them ("reno", "cubic", ...;

@@ -39,6 +39,11 @@ class AuthError(ConnectError):
     """The mutual token handshake failed (missing, wrong or replayed credentials)."""
 
 
+class Rejected(ConnectError):
+    """The session was refused for a reason no retry cures (no common data plane, a requested
+    plane that cannot work here): raised at once, not retried until ``connect_timeout``."""
+
+
 class ProtocolError(RLinkError):
     """A peer sent a malformed, oversized or unexpected message; the connection is dropped."""
 
@@ -65,6 +70,26 @@ class Closed(RLinkError):
 
 class TimeoutError(RLinkError, builtins.TimeoutError):  # shadows the builtin on purpose, and derives from it
     """A blocking call ran past its timeout."""
+
+
+# What a peer's ``Error.kind`` (wire/messages.py) means to the side that reads it. Only the
+# final kinds are here: "timeout", "protocol" and unknown kinds are ``otherwise``, because
+# whether they may be retried depends on where they arrive (a handshake retries them).
+_REFUSALS: dict[str, type[RLinkError]] = {
+    "auth": AuthError,
+    "superseded": Superseded,
+    "refused": Rejected,
+}
+
+
+def refusal(kind: str, text: str, *, otherwise: type[RLinkError] = ProtocolError) -> RLinkError:
+    """The exception a peer's ``Error(kind, text)`` becomes: ``AuthError`` for "auth",
+    ``Superseded`` for "superseded", ``Rejected`` for "refused", ``otherwise`` for any other kind.
+
+    >>> type(refusal("auth", "learner refused: bad token")).__name__
+    'AuthError'
+    """
+    return _REFUSALS.get(kind, otherwise)(text)
 
 
 class CheckpointError(ConfigError):

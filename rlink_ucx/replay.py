@@ -74,7 +74,7 @@ class ReplayDataset(IterableDataset):  # type: ignore[type-arg]
         timeout: default seconds :meth:`sample` waits (``Config.fetch_timeout`` if None).
         seed: seeds the sampler's random generator (for reproducible tests).
         prefetch: batches drawn ahead of :meth:`sample` by two background threads that gather
-            side by side (``store/sample_ahead.py``): sampling overlaps your training step and
+            side by side (``store/replay/sample_ahead.py``): sampling overlaps your training step and
             reaches more of the memory bandwidth. None (default): 2 where nothing but timing
             changes, i.e. the ``"uniform"`` sampler, no ``samples_per_insert``, no ``seed``, a
             host table, batches on the CPU, and more than one CPU; else 0. A batch drawn ahead

@@ -70,3 +70,14 @@ def _no_stale_token_files():
         for path in d.glob("*.token"):
             if path not in before and path.stem.isdigit() and not _listening(int(path.stem)):
                 path.unlink(missing_ok=True)
+
+
+@pytest.fixture
+def weights_over_connections(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Weights go to actors over their weights connections, the path of actors on other hosts:
+    actors on the learner's host would read its shared memory instead (test_weights_shared.py).
+    For test files about that path: ``pytestmark = pytest.mark.usefixtures("weights_over_connections")``."""
+    from rlink_ucx.weights import snapshot
+
+    monkeypatch.setattr(snapshot, "shared_available", lambda: False)  # learners made here
+    monkeypatch.setenv("RLINK_WEIGHTS_SHARED_MEMORY", "0")  # learners and actors in other processes

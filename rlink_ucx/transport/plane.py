@@ -19,7 +19,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
-from ..errors import ConfigError, ConnectError, PeerLost, RLinkError
+from ..errors import ConfigError, PeerLost, RLinkError
 from .base import FrameSink
 
 if TYPE_CHECKING:
@@ -30,11 +30,6 @@ if TYPE_CHECKING:
     from .frame_memory import FrameMemory
 
 AUTO = "auto"
-
-
-class Rejected(ConnectError):
-    """The session was refused for a reason no retry cures (no common data plane, a requested
-    plane that cannot work here): raised at once, not retried until ``connect_timeout``."""
 
 
 def map_plane_error(exc: BaseException, what: str = "") -> RLinkError:

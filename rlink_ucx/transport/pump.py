@@ -1,14 +1,12 @@
 """A few threads read every data connection of the process (tcp and shm).
 
-With a thread per actor, a learner's receive threads pass the GIL and the cores around several
-times per frame: with 4 actors on 2 cores each receive thread made 3,500-7,000 voluntary
-context switches a second (docs/benchmarks.md, "4 actors against 1"), and 256 tcp actors
-putting in lockstep made about 5 per frame. A pump polls every registered connection and lets
-each receiver handle what has arrived without waiting for more (``pump_step``): an shm
-receiver whole frames at a time (a frame's bytes are in the shared ring, the actor's arena or
-its memory before it is announced; only a frame larger than half the ring streams, and the
-pump copies its bytes as they come, never waiting for them), a tcp receiver whatever bytes
-came, keeping a frame that came in pieces where it stopped. A stalled frame is closed by the
+Threads that each read one connection pass the GIL and the cores around several times per
+frame (docs/benchmarks.md, "Figures behind the code's choices"). A pump polls every registered
+connection and lets each receiver handle what has arrived without waiting for more
+(``pump_step``): an shm receiver whole frames at a time (a frame's bytes are in the shared
+ring, the actor's arena or its memory before it is announced; only a frame larger than half
+the ring streams, and the pump copies its bytes as they come, never waiting for them), a tcp
+receiver whatever bytes came, keeping a frame that came in pieces where it stopped. A stalled frame is closed by the
 session's heartbeat check, which ends such a wait or the partial frame.
 
 A pump takes at most :data:`PER_PUMP` connections; more actors get more pumps. Every socket

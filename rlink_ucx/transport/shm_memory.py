@@ -54,8 +54,8 @@ def open_memfd(pid: int, fd: int, size: int, name: str, mode: int) -> int:
 
 
 # Copies up to this size slice the mapping and keep the GIL: ``ctypes.memmove`` releases it,
-# and with several receive threads each release of a small field's copy is a likely thread
-# switch (measured with 4 actors: 4,000-7,000 voluntary switches a second per receive thread).
+# and a release around a small field's copy is a likely thread switch (to another pump, the
+# consumer, the I/O loop) that costs more than the copy itself (docs/benchmarks.md).
 SLICE_BYTES = 64 * 1024
 
 

@@ -17,9 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+from ..errors import Rejected
 from ..wire import messages as _wire
 from . import cma, peer
-from .plane import ActorSide, Attached, Opening, Plane, Rejected, SessionSide, Situation
+from .plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation
 from .shm import ARENA_NAME, ShmReceiver, ShmRing, ShmSender, available
 from .tcp import TcpSender
 from .tcp_plane import TcpOpening, TcpPlane, open_data_connection, send_timeout, tcp_receiver

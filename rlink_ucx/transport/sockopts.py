@@ -47,8 +47,8 @@ def set_congestion(sock: socket.socket, wanted: str = "auto") -> None:
     ``"auto"``: Reno on a connection to this host, else the system's default. Why: the default
     may be BBR, which paces: it holds back bursts above its pacing rate and arms a timer to
     send them later. With no network in between there is nothing to pace for, and on a virtual
-    machine each such timer traps to the hypervisor. Measured on loopback at 64 KiB steps:
-    2.6 -> 3.5 GB/s (docs/benchmarks.md). ``"system"``: leave it. Any other name: use it
+    machine each such timer traps to the hypervisor, which costs loopback throughput
+    (docs/benchmarks.md). ``"system"``: leave it. Any other name: use it
     (a name the kernel refuses is logged once and the default stays).
     """
     option = getattr(socket, "TCP_CONGESTION", None)

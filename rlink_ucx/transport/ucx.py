@@ -1,13 +1,13 @@
 """The ``ucx`` data plane, on ucxx's low-level (synchronous) API.
 
-Measured on our 2-core machine (docs/transports.md), ucxx's asyncio API costs ~100 us per
-message and reaches 0.3-1.8 GB/s; the low-level API driven by one dedicated progress thread
-costs ~10 us and beats a raw socket. So:
+ucxx's asyncio API costs about ten times more per message than the low-level API driven by one
+dedicated progress thread, which beats a raw socket (docs/transports.md, "Why the low-level
+ucxx API"). So:
 
 - the learner owns one UCX worker driven by :class:`UcxLearnerPlane`'s thread. It reads each
   frame header off the worker's queue of unexpected messages, where the sweeper finds it
-  (so an actor between frames has no receive posted and costs the thread nothing per round:
-  with 1,024 actors, checking a posted header receive per actor took most of the thread),
+  (so an actor between frames has no receive posted and costs the thread nothing per round; a
+  header receive posted per actor would be checked every round, for every actor),
   and once the header is validated copies the small fields that came with it into the ring;
   each other field's message, once on the queue and as long as the field, is received into
   the ring (a rendezvous message straight from the actor's memory). A worker keeps the shared memory of every actor process it
@@ -24,8 +24,8 @@ key (``ucx_setup.session_tags``), so a process that did not authenticate cannot
 address a session's buffers; what it sends anyway is thrown away (``ucx_unexpected.py``)
 rather than kept by UCX for a receive that never comes. UCX's TCP transport listens only on
 the interfaces of the control channel (``ucx_probe.net_devices``). Endpoint error handling
-is off: it would restrict UCX to TCP and lose same-host shared memory (sysv/cma, 3-5x a raw
-socket here); a dead peer is detected by the control channel instead.
+is off: it would restrict UCX to TCP and lose same-host shared memory (sysv/cma, several times
+a raw socket; docs/benchmarks.md); a dead peer is detected by the control channel instead.
 """
 
 from __future__ import annotations

@@ -15,10 +15,10 @@ import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, ConnectError, PeerLost
+from ..errors import ConfigError, ConnectError, PeerLost, Rejected
 from ..wire import messages as _wire
 from . import ucx_probe
-from .plane import ActorSide, Attached, LearnerContext, Opening, Plane, Rejected, SessionSide, Situation
+from .plane import ActorSide, Attached, LearnerContext, Opening, Plane, SessionSide, Situation
 from .ucx_setup import UCX_INSTALL
 
 if TYPE_CHECKING:

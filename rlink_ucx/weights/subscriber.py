@@ -24,7 +24,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from ..config import Config
-from ..errors import AuthError, Closed, ProtocolError, RLinkError
+from ..errors import AuthError, Closed, ProtocolError, RLinkError, refusal
 from ..errors import TimeoutError as RLinkTimeout
 from ..transport.control import ControlConnection
 from ..transport.loop import IOThread
@@ -254,7 +254,7 @@ class Subscriber:
             sock.sendall(_wire.encode(_wire.KeyedPull(_wire.PROTOCOL_VERSION, welcome.session, mac, self.have, nonce)))
             proof = _wire.read_message(sock, self.config.max_control_bytes)
             if isinstance(proof, _wire.Error):
-                raise (AuthError if proof.kind == "auth" else ProtocolError)(f"learner refused the pull: {proof.text}")
+                raise refusal(proof.kind, f"learner refused the pull: {proof.text}")
             expected = _keys.pull_proof(session_key, "learner", challenge.nonce, nonce, welcome.session)
             if not isinstance(proof, _wire.Proof) or not hmac.compare_digest(expected, proof.mac):
                 raise self._refuse(AuthError("the peer answering a weights pull did not prove the session's key "
@@ -308,7 +308,7 @@ class Subscriber:
     def _read(self, sock: socket.socket, kind: Any) -> Any:
         msg = _wire.read_message(sock, self.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
-            raise (AuthError if msg.kind == "auth" else ProtocolError)(f"learner refused the weights pull: {msg.text}")
+            raise refusal(msg.kind, f"learner refused the weights pull: {msg.text}")
         if not isinstance(msg, kind):
             raise ProtocolError(f"weights pull: unexpected {type(msg).__name__}")
         return msg

@@ -26,6 +26,7 @@ class FaultProxy:
         self.fault: str | None = None
         self.delay = 0.0
         self.events: list[str] = []
+        self.accepted = 0  # connections forwarded so far (a test waits for a reconnect attempt)
         self._lock = threading.Lock()
         self._socks: list[socket.socket] = []
         self._closed = False
@@ -45,6 +46,7 @@ class FaultProxy:
             upstream.settimeout(None)
             with self._lock:
                 self._socks += [client, upstream]
+                self.accepted += 1
             threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
             threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
 

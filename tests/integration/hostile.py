@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 
 from rlink_ucx import __version__
+from rlink_ucx.bench.procfs import listening_sockets
 from rlink_ucx.transport import hostname
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import keys as _keys
@@ -133,31 +134,6 @@ def honest_direct_proc(address: str, token: bytes, nbytes: int, seed: int, out: 
     probe = ctypes.string_at(secret.ctypes.data, 16)
     cma_impostor_proc(address, token, os.getpid(), secret.ctypes.data, nbytes, probe, out)
     del secret
-
-
-def listening_sockets(pid: int | str = "self") -> set[tuple[str, int]]:
-    """The listening TCP sockets of process ``pid``: ``(address, port)`` (from /proc)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    out = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        with open(table) as f:
-            for line in f.readlines()[1:]:
-                parts = line.split()
-                if parts[3] != "0A" or parts[9] not in inodes:  # 0A: LISTEN
-                    continue
-                addr_hex, port_hex = parts[1].split(":")
-                raw = bytes.fromhex(addr_hex)
-                raw = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))  # host order words
-                family = socket.AF_INET if len(raw) == 4 else socket.AF_INET6
-                out.add((socket.inet_ntop(family, raw), int(port_hex, 16)))
-    return out
 
 
 def paced_int_proc(address: str, token: bytes, transport: str, stop: Any, out: Any) -> None:

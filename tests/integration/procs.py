@@ -299,8 +299,11 @@ def proxied_actor(address: str, n: int, results, transport: str = "tcp", token: 
 
 
 def netns_learner(address: str, token: str, n: int, progress_path: str, result_path: str) -> None:
-    """A learner on a non-loopback address (another network namespace): collect ``n`` steps."""
+    """A learner on a non-loopback address (another network namespace): collect ``n`` steps.
+    ``progress_path`` holds the steps received so far (0 once it listens); ``progress_path``
+    + ".lost" appears once it has found an actor lost."""
     import json
+    import os
 
     from rlink_ucx import Config, Learner, RLinkDataset
     from rlink_ucx import TimeoutError as RLinkTimeout
@@ -309,6 +312,8 @@ def netns_learner(address: str, token: str, n: int, progress_path: str, result_p
     seqs: list[int] = []
     with Learner(address, token=token, transport="tcp", config=config) as learner:
         dataset = RLinkDataset(learner, batch_size=100)
+        with open(progress_path, "w") as f:
+            f.write("0")
         deadline = time.monotonic() + 90
         while len(seqs) < n and time.monotonic() < deadline:
             try:
@@ -317,6 +322,8 @@ def netns_learner(address: str, token: str, n: int, progress_path: str, result_p
                 pass
             with open(progress_path, "w") as f:
                 f.write(str(len(seqs)))
+            if learner.stats()["lost_actors"] and not os.path.exists(progress_path + ".lost"):
+                open(progress_path + ".lost", "w").close()
         while learner.stats()["connected_actors"] and time.monotonic() < deadline:
             time.sleep(0.05)  # stay until the actor has its last acknowledgement and says goodbye
         stats = learner.stats()
@@ -343,13 +350,15 @@ def netns_actor(address: str, token: str, n: int, result_path: str) -> None:
 
 def netns_congestion_learner(address: str, token: str, congestion: str, result_path: str) -> None:
     """Take 1,000 steps from one tcp actor in another network namespace, with
-    ``Config(tcp_congestion=congestion)``; record the congestion control of its data connection."""
+    ``Config(tcp_congestion=congestion)``; record the congestion control of its data connection.
+    ``result_path`` + ".listening" appears once it listens."""
     import json
 
     from rlink_ucx import Config, Learner, RLinkDataset
     from rlink_ucx.transport.sockopts import congestion_of
 
     with Learner(address, token=token, transport="tcp", config=Config(tcp_congestion=congestion)) as learner:
+        open(result_path + ".listening", "w").close()
         RLinkDataset(learner, batch_size=1000).fetch(timeout=60)
         (session,) = learner._server.sessions.values()  # the actor stays until it sees the file below
         result = {"congestion": congestion_of(session.receiver.sock)}

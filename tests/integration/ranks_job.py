@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rlink_ucx import Closed, Config, Learner, RLinkDataset
     from rlink_ucx import TimeoutError as RLinkTimeout
-    from tests.integration.hostile import listening_sockets
+    from rlink_ucx.bench.procfs import listening_sockets
 
     if args.nofile:
         resource.setrlimit(resource.RLIMIT_NOFILE, (args.nofile, args.nofile))

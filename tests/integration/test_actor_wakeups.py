@@ -33,22 +33,22 @@ def _learner(config: Config, ready: Any, stop: Any, out: Any) -> None:
     with Learner("127.0.0.1:0", config=config) as learner:
         dataset = RLinkDataset(learner, batch_size=1)
         got: list[float] = []
-        done = threading.Event()
 
         def consume() -> None:
-            while not done.is_set():
+            # ``stop`` comes once the actor has flushed and closed: every step is in the ring
+            # then, so a fetch that finds nothing after it means all were taken.
+            while True:
                 try:
                     got.extend(dataset.fetch(timeout=0.2)["reward"].tolist())
                 except FetchTimeout:
-                    pass
+                    if stop.is_set():
+                        return
 
         consumer = threading.Thread(target=consume, daemon=True)
         consumer.start()
         ready.put(learner.address)
         stop.wait(60)
-        time.sleep(0.5)
-        done.set()
-        consumer.join(5)
+        consumer.join(30)
         out.put({"rewards": got, "lost_actors": learner.stats()["lost_actors"]})
 
 

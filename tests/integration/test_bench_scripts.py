@@ -115,23 +115,25 @@ def test_many_learners_compares_one_rank_with_two_on_the_same_actors(tmp_path):
 @pytest.mark.timeout(200)
 def test_the_soak_at_scale_kills_actor_processes_and_the_learner_and_every_step_is_accounted_for(tmp_path):
     # The CI size of the hour-long soak (docs/reliability.md): 64 actors over 4 processes for
-    # 2 minutes, an actor process SIGKILLed every 30 s, the learner killed and restarted once.
+    # 1 minute, an actor process SIGKILLed every 18 s, the learner killed and restarted once (at
+    # 30 s). A minute, so that a slow 2-vCPU machine stays well inside the per-test budget and
+    # the stack dump that pytest prints after faulthandler_timeout (110 s).
     out = tmp_path / "soak_scale.json"
-    done = _run("bench/soak.py", "--actors", "64", "--procs", "4", "--minutes", "2", "--kill-every", "30",
+    done = _run("bench/soak.py", "--actors", "64", "--procs", "4", "--minutes", "1", "--kill-every", "18",
                 "--learner-restarts", "1", "--transport", "tcp", "--json", str(out), ok=False)  # fmt: skip
     assert out.exists(), (done.stdout[-3000:], done.stderr[-3000:])
     report = json.loads(out.read_text())
     assert done.returncode == 0 and report["ok"], (done.stdout[-3000:], done.stderr[-2000:])
     kills = [e for _, e in report["events"] if e.startswith("actor process")]
     restarts = [e for _, e in report["events"] if e.startswith("learner killed")]
-    assert len(kills) == 3 and len(restarts) == 1, report["events"]  # at 30, 60 and 90 s
+    assert len(kills) == 3 and len(restarts) == 1, report["events"]  # at 18, 36 and 54 s
     t = report["totals"]
     # 64 streams, and 16 more for each killed process of 16 actors
     assert report["streams"] == 64 + 3 * 16 and report["unbalanced"] == [] and report["actor_errors"] == []
     assert t["put"] == t["delivered"] + t["reported_lost"] + t["lost_in_kill"] + t["lost_at_learner_restart"]
-    assert t["delivered"] > 64 * 5 * 60  # 5 steps/s each: most of two minutes' steps arrived
+    assert t["delivered"] > 64 * 5 * 30  # 5 steps/s each: most of the minute's steps arrived
     minutes = report["minutes"]
-    assert [m["minute"] for m in minutes] == [1, 2]
+    assert [m["minute"] for m in minutes] == [1]
     for m in minutes:
         assert m["rss_mib"] > 0 and m["fds"] > 64 and m["threads"] > 0 and 0 < m["p50_ms"] <= m["p99_ms"], m
     assert "minute  rss_MiB  fds  threads" in done.stdout and "learner killed and restarted" in done.stdout

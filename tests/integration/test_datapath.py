@@ -19,15 +19,16 @@ from rlink_ucx.wire.messages import PROTOCOL_VERSION
 from tests.conftest import TRANSPORTS, shm_possible
 from tests.integration.procs import (
     encoded_steps,
+    int_actor,
     large_field_actor,
     large_field_steps,
-    int_actor,
     lingering_actor,
     steady_actor,
     stream_actor,
     unmappable_shm_actor,
     version_of,
 )
+from tests.waiting import wait_until
 
 SPAWN = mp.get_context("spawn")
 
@@ -100,15 +101,6 @@ def shm_rings_held() -> tuple[int, int]:
             pass
     with open("/proc/self/maps") as maps:
         return fds, sum("/memfd:rlink-shm" in line or "/memfd:rlink-arena" in line for line in maps)
-
-
-def wait_until(check, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 @pytest.mark.timeout(120)

@@ -11,7 +11,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 
@@ -19,8 +18,9 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, ConfigError, Learner, RLinkDataset
+from rlink_ucx.bench import procfs
 from tests.integration.metrics_procs import TOKEN, counting_actor, wrong_token_actor
-from tests.integration.test_reliability import _listening_sockets
+from tests.waiting import wait_until
 
 prometheus_client = pytest.importorskip("prometheus_client")
 from prometheus_client.parser import text_string_to_metric_families
@@ -45,7 +45,7 @@ def value(samples: dict, name: str, **labels: str) -> float:
 
 def listening_ports() -> set[int]:
     """TCP ports this process listens on."""
-    return set(_listening_sockets())
+    return set(procfs.listening_ports())
 
 
 def ipv6_loopback() -> bool:
@@ -54,15 +54,6 @@ def ipv6_loopback() -> bool:
             return True
     except OSError:
         return False
-
-
-def wait_until(predicate, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.05)
-    return predicate()
 
 
 @pytest.mark.timeout(180)

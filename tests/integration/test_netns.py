@@ -19,6 +19,8 @@ import uuid
 
 import pytest
 
+from tests.waiting import wait_for
+
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 pytestmark = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("ip") is None, reason="needs root and iproute2")
 
@@ -80,7 +82,7 @@ def test_link_cut_between_two_hosts_reconnects_and_delivers_everything_once(two_
     token, n = "netns-" + uuid.uuid4().hex, 40_000
     progress, learned, acted = tmp_path / "progress", tmp_path / "learner.json", tmp_path / "actor.json"
     learner = run_in(ns_learner, f"netns_learner('10.77.0.1:7443', {token!r}, {n}, {str(progress)!r}, {str(learned)!r})")
-    time.sleep(2)
+    wait_for(lambda: progress.exists() or learner.poll() is not None, 60, "the learner did not start")
     actor = run_in(ns_actor, f"netns_actor('10.77.0.1:7443', {token!r}, {n}, {str(acted)!r})")
     with killed_at_exit(actor, learner):
         deadline = time.monotonic() + 60
@@ -91,8 +93,9 @@ def test_link_cut_between_two_hosts_reconnects_and_delivers_everything_once(two_
         while received() <= 3000:
             assert time.monotonic() < deadline and learner.poll() is None, "no data crossed the link"
             time.sleep(0.05)
-        ip("-n", ns_learner, "link", "set", dev, "down")  # cut, longer than the heartbeat timeout
-        time.sleep(3.0)
+        ip("-n", ns_learner, "link", "set", dev, "down")  # cut until the learner finds the actor lost
+        lost = progress.with_name(progress.name + ".lost")
+        wait_for(lambda: lost.exists() or learner.poll() is not None, 60, "the learner never found the actor lost")
         ip("-n", ns_learner, "link", "set", dev, "up")
         exits_cleanly(actor, 120)
         exits_cleanly(learner, 120)
@@ -113,7 +116,8 @@ def test_tcp_congestion_on_a_link_between_two_hosts(two_hosts, tmp_path, setting
     token = "netns-" + uuid.uuid4().hex
     learned, acted = tmp_path / "learner.json", tmp_path / "actor.json"
     learner = run_in(ns_learner, f"netns_congestion_learner('10.77.0.1:7444', {token!r}, {setting!r}, {str(learned)!r})")
-    time.sleep(2)
+    listening = learned.with_name(learned.name + ".listening")
+    wait_for(lambda: listening.exists() or learner.poll() is not None, 60, "the learner did not start")
     actor = run_in(ns_actor, f"netns_congestion_actor('10.77.0.1:7444', {token!r}, {setting!r}, {str(acted)!r}, "
                              f"{str(learned)!r})")  # fmt: skip
     with killed_at_exit(actor, learner):

@@ -19,10 +19,10 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded
+from rlink_ucx.bench.procfs import listening_sockets
 from rlink_ucx.transport import cma
 from rlink_ucx.wire import messages as _wire
 from tests.conftest import TRANSPORTS, shm_possible, ucx_importable
-from tests.integration.hostile import listening_sockets
 from tests.integration.procs import (
     big_frame_actor,
     pressing_actor,
@@ -34,6 +34,7 @@ from tests.integration.procs import (
     steady_actor,
 )
 from tests.integration.test_datapath import join_all
+from tests.waiting import wait_for
 
 # Actors that reach the learner through a fault proxy connect to the proxy's port, where no
 # generated token file is: they are given the learner's token, as a remote actor would be.
@@ -60,13 +61,6 @@ def open_fds() -> int:
 def is_run(values: list, start: int, stop: int) -> bool:
     """``values`` is exactly start, start + 1, ..., stop - 1 (compared without a huge assert diff)."""
     return len(values) == stop - start and all(v == start + i for i, v in enumerate(values))
-
-
-def wait_for(predicate, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.02)
 
 
 @pytest.mark.timeout(180)
@@ -789,7 +783,10 @@ def test_an_actor_resumes_soon_after_a_cut_link_is_restored():
                 actor.flush(10)
                 proxy.set("cut")
                 wait_for(lambda: not actor.stats()["connected"], 10, "the actor did not notice the cut")
-                time.sleep(2.5)  # its first reconnect attempts run into the cut
+                attempts = proxy.accepted
+                # Its next reconnect attempt runs into the cut (swallowed whole), and a little later
+                # the one after it: the stall this test is about.
+                wait_for(lambda: proxy.accepted >= attempts + 2, 30, "the actor made no reconnect attempts")
                 proxy.set(None)
                 restored = time.monotonic()
                 actor.put({"x": np.int64(1)})

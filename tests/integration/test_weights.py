@@ -24,14 +24,7 @@ from tests.integration.test_datapath import join_all
 SPAWN = mp.get_context("spawn")
 
 
-@pytest.fixture(autouse=True)
-def broadcast_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about weights connections, the path of actors on other hosts:
-    actors on the learner's host would read its shared memory instead (test_weights_shared.py)."""
-    from rlink_ucx.weights import snapshot
-
-    monkeypatch.setattr(snapshot, "shared_available", lambda: False)  # learners made here
-    monkeypatch.setenv("RLINK_WEIGHTS_SHARED_MEMORY", "0")  # learners and actors in other processes
+pytestmark = pytest.mark.usefixtures("weights_over_connections")
 
 
 def wait_subscribed(learner: Learner, n: int, timeout: float = 60) -> None:

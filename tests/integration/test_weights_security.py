@@ -13,21 +13,14 @@ import pytest
 import torch
 
 from rlink_ucx import Learner
-from tests.integration.hostile import listening_sockets
+from rlink_ucx.bench.procfs import listening_sockets
 from tests.integration.test_datapath import join_all
 from tests.integration.weights_mitm import WeightsMitm
 
 SPAWN = mp.get_context("spawn")
 
 
-@pytest.fixture(autouse=True)
-def broadcast_path(monkeypatch: pytest.MonkeyPatch) -> None:
-    """These tests are about weights connections, the path of actors on other hosts:
-    actors on the learner's host would read its shared memory instead (test_weights_shared.py)."""
-    from rlink_ucx.weights import snapshot
-
-    monkeypatch.setattr(snapshot, "shared_available", lambda: False)  # learners made here
-    monkeypatch.setenv("RLINK_WEIGHTS_SHARED_MEMORY", "0")  # learners and actors in other processes
+pytestmark = pytest.mark.usefixtures("weights_over_connections")
 TOKEN = "weights-security-test-token-0123456789"
 
 

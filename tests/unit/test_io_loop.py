@@ -8,6 +8,7 @@ import time
 import pytest
 
 from rlink_ucx.transport.loop import IOThread, release_io, shared_io
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -24,27 +25,38 @@ def test_every_runs_callbacks_of_one_interval_from_one_timer_and_stops_them():
             real_tick(interval)
 
         io._tick = counted_tick  # type: ignore[method-assign]
+
+        def count(name: str) -> int:
+            return sum(c == name for c, _ in calls)
+
+        def at_most_one_per_interval(name: str, since: float) -> None:
+            # Every 0.01 s from one chain: two chains would call twice as often.
+            n, ticks = count(name), (time.monotonic() - since) / 0.01
+            assert n <= ticks + 2, (name, n, ticks)
+
+        started = time.monotonic()
         stop_a = io.every(0.01, lambda: calls.append(("a", time.monotonic())))
         stop_b = io.every(0.01, lambda: calls.append(("b", time.monotonic())))
-        time.sleep(0.3)
-        a, b = sum(c == "a" for c, _ in calls), sum(c == "b" for c, _ in calls)
-        assert 5 <= a <= 31 and abs(a - b) <= 1, (a, b)
+        assert wait_until(lambda: count("a") >= 5 and count("b") >= 5, 10)
+        a, b = count("a"), count("b")
+        assert abs(a - b) <= 1, (a, b)
+        at_most_one_per_interval("a", started)
         assert timer_runs[0] <= a + 2  # one timer for both, not one each
         stop_a()
         stop_b()
-        time.sleep(0.05)
+        time.sleep(0.05)  # a tick already under way may still run
         runs, n = timer_runs[0], len(calls)
-        time.sleep(0.2)
+        time.sleep(0.2)  # nothing to wait for: this proves that nothing happens
         assert len(calls) == n and timer_runs[0] <= runs + 1  # stopped: nothing wakes any more
+        started = time.monotonic()
         stop_c = io.every(0.01, lambda: calls.append(("c", time.monotonic())))  # starts a timer again
-        time.sleep(0.2)
-        c = sum(x == "c" for x, _ in calls)
-        assert 5 <= c <= 21, c  # one chain, not two
+        assert wait_until(lambda: count("c") >= 5, 10)
+        at_most_one_per_interval("c", started)  # one chain, not two
         stop_c()
+        started = time.monotonic()
         stop_d = io.every(0.01, lambda: calls.append(("d", time.monotonic())))  # while c's timer is pending
-        time.sleep(0.2)
-        d = sum(x == "d" for x, _ in calls)
-        assert 5 <= d <= 21, d
+        assert wait_until(lambda: count("d") >= 5, 10)
+        at_most_one_per_interval("d", started)
         stop_d()
     finally:
         io.stop(5)
@@ -94,10 +106,7 @@ def test_an_actor_that_fails_to_start_leaves_no_io_thread_behind(monkeypatch):
     with pytest.raises(ConfigError, match="cannot build"):
         Actor("127.0.0.1:1", token="x" * 32)
     assert loop._shared is None and loop._shared_users == 0
-    deadline = time.monotonic() + 5
-    while io_threads() > before and time.monotonic() < deadline:
-        time.sleep(0.01)
-    assert io_threads() == before
+    assert wait_until(lambda: io_threads() == before, 5)
     assert actor_link.ActorConnection is not broken
 
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..._version import __version__
-from ...errors import AuthError, ConnectError, PeerLost, ProtocolError, SchemaMismatch, Superseded
+from ...errors import AuthError, ConnectError, PeerLost, ProtocolError, SchemaMismatch, Superseded, refusal
 from ...transport import hostname, shm, ucx_available
 from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
@@ -208,8 +208,7 @@ class Connector:
             # "auth", "superseded" and "refused" are final; "timeout" (the learner was too busy
             # to finish our handshake), "protocol" (a message garbled on the way) and unknown
             # kinds may be retried.
-            kind = {"auth": AuthError, "superseded": Superseded, "refused": Rejected}.get(msg.kind, ConnectError)
-            raise kind(f"learner refused: {msg.text}")
+            raise refusal(msg.kind, f"learner refused: {msg.text}", otherwise=ConnectError)
         if not isinstance(msg, kind):
             expected = " or ".join(k.__name__ for k in (kind if isinstance(kind, tuple) else (kind,)))
             raise ProtocolError(f"expected {expected}, got {type(msg).__name__}")

@@ -8,7 +8,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ...errors import AuthError, Closed, ProtocolError, RLinkError
+from ...errors import Closed, ProtocolError, RLinkError, refusal
 from ...transport.plane import map_plane_error
 from ...wire import messages as _wire
 from .attach import PlaneAttach
@@ -71,8 +71,7 @@ class ControlReader:
                     if s.proposal is not None and not s.proposal.done():
                         s.proposal.set_result(msg)
                 elif isinstance(msg, _wire.Error):
-                    kind = AuthError if msg.kind == "auth" else ProtocolError
-                    raise kind(f"learner reported: {msg.text}")
+                    raise refusal(msg.kind, f"learner reported: {msg.text}")
                 elif isinstance(msg, _wire.Bye):  # the learner is finishing: final, no reconnect
                     raise Closed(f"the learner closed the session ({msg.reason})")
                 else:

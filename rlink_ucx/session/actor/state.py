@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ...config import Config
-from ...errors import PeerLost, RLinkError
+from ...errors import PeerLost, Rejected, RLinkError
 from ...transport.base import FrameSender
 from ...transport.control import ControlConnection
-from ...transport.plane import Rejected
 from ...wire import keys as _keys
 from ...wire import messages as _wire
 from ...wire.codec import Schema

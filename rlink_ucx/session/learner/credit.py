@@ -34,7 +34,7 @@ class CreditGranter:
         self._pending = False  # a grant is scheduled on the loop and has not run yet
         # Some actor is low on credit and the ring had no room for it: the consumer's next
         # release must wake the loop. A flag, so that a release (one per batch) does not walk
-        # every session (with 1,024 actors that walk was a fifth of the consumer's thread).
+        # every session: with many actors that walk costs the consumer's thread (docs/benchmarks.md).
         self.starved = False
 
     def window(self, ring: StepRing, actors: int) -> int:

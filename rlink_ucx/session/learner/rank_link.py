@@ -16,7 +16,7 @@ import socket
 from collections.abc import Callable
 
 from ...config import Config
-from ...errors import AuthError, ConfigError, PeerLost, ProtocolError, RLinkError
+from ...errors import ConfigError, PeerLost, ProtocolError, RLinkError, refusal
 from ...transport.control import ControlConnection
 from ...wire import auth as _auth
 from ...wire import messages as _wire
@@ -202,6 +202,6 @@ def _refusal(msg: object) -> None:
     if isinstance(msg, _wire.Error):
         if msg.kind == RankRefused.kind:
             raise RankRefused(msg.text)
-        raise (AuthError if msg.kind == "auth" else ProtocolError)(f"rank 0 refused this rank: {msg.text}")
+        raise refusal(msg.kind, f"rank 0 refused this rank: {msg.text}")
     if isinstance(msg, _wire.Bye):
         raise RankRefused(f"rank 0 did not start: {msg.reason}")

@@ -18,7 +18,7 @@ import msgspec
 
 from ..._memory import Reserve
 from ...config import Config
-from ...errors import AuthError, PeerLost, ProtocolError, RLinkError, SchemaMismatch, Superseded
+from ...errors import AuthError, PeerLost, ProtocolError, Rejected, RLinkError, SchemaMismatch, Superseded
 from ...observe.counters import ActorTotals
 from ...observe.ratelog import RateLimitedLog
 from ...observe.report import StalenessHistogram, describe_session, report
@@ -27,7 +27,7 @@ from ...transport import hostname
 from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
 from ...transport.loop import ticks
-from ...transport.plane import LearnerContext, LearnerPlanes, Plane, Rejected
+from ...transport.plane import LearnerContext, LearnerPlanes, Plane
 from ...weights.publisher import Member, Publisher
 from ...wire import auth as _auth
 from ...wire import messages as _wire

@@ -9,7 +9,7 @@ free blocks to put in the ring in their place, swapped in during the second.
 
 A sample picks ids and finds their rows under the lock, then copies the rows without it, into
 staging buffers reused only once no batch refers to them; so several threads may gather at
-once (``store/sample_ahead.py``). An insert that must evict waits until no gather is copying
+once (``store/replay/sample_ahead.py``). An insert that must evict waits until no gather is copying
 (an evicted row may be overwritten at once), and while it waits no new gather starts.
 With ``storage="device"`` the rows live on the device (``DeviceTable``) and a sample gathers
 them there; only the ids, weights and metadata go through host staging.

@@ -2,9 +2,9 @@
 
 ``RLinkDataset.fetch(one_per_actor=True)`` reads the receive ring here: for each actor, its
 oldest step not taken yet, once that step's frame is complete (an actor's steps stay in their
-order; other actors' frames around it do not matter). The claim itself is the ring's
-(``StepRing.claim_fronts``): a frame whose last step is taken records the take, so
-``StepRing.release`` frees its space once that take's copy is done, in any order.
+order; other actors' frames around it do not matter). It works under the ring's own lock and
+with its bookkeeping, as ``StepRing.take`` does: a frame whose last step is taken records the
+take, so ``StepRing.release`` frees its space once that take's copy is done, in any order.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from ..errors import Closed
 from ..errors import TimeoutError as RLinkTimeout
-from .ring import Piece, StepRing
+from .ring import Piece, Segment, StepRing
 
 __all__ = ["take_one_per_actor"]
 
@@ -40,17 +40,73 @@ def take_one_per_actor(ring: StepRing, live: Callable[[], set[int]], timeout: fl
     ring.drop_below(min_version)
     while True:
         waiting = live()
-        fronts, frames_seen = ring.actor_fronts()
+        fronts, frames_seen = _actor_fronts(ring)
         have = len(fronts)
         left = deadline - time.monotonic()
         done = finished is not None and finished()
         if have >= max(1, min_actors) and (waiting <= fronts or left <= 0) or have and done:
-            return ring.claim_fronts(started)
+            return _claim_fronts(ring, started)
         if done:
             raise Closed("every actor has finished; no step remains")
         if left <= 0:
             raise RLinkTimeout(f"fetch timed out after {time.monotonic() - started:.3g}s with a step from {have} "
                                f"actor(s) of {len(waiting | fronts)}, fewer than min_actors={min_actors}")  # fmt: skip
-        ring.wait_commit(frames_seen, min(left, 0.1))  # a commit, or an actor leaving (wake), ends it early
+        _wait_commit(ring, frames_seen, min(left, 0.1))  # a commit, or an actor leaving (wake), ends it early
         if watch is not None:
             watch()
+
+
+def _actor_fronts(ring: StepRing) -> tuple[set[int], int]:
+    """The actors with a ready step not taken yet (an actor's oldest untaken step is always in
+    a ready frame), and the frames committed so far (for :func:`_wait_commit`)."""
+    with ring._lock:
+        return set(_fronts_of(ring)), ring.stats.frames_in
+
+
+
+def _wait_commit(ring: StepRing, frames_seen: int, timeout: float) -> None:
+    """Wait up to ``timeout`` for a frame committed after the first ``frames_seen``."""
+    with ring._ready:
+        if ring._closed:
+            raise Closed("the learner is closed")
+        if ring.stats.frames_in != frames_seen:
+            return
+        ring._waiting_for = 1
+        try:
+            ring._ready.wait(timeout)
+        finally:
+            ring._waiting_for = 0
+
+
+
+def _claim_fronts(ring: StepRing, started: float) -> tuple[list[Piece], int]:
+    """Claim the oldest untaken step of every actor that has one, in actor id order."""
+    with ring._lock:
+        ring._takes += 1
+        take, finished, pieces, fronts = ring._takes, [], [], _fronts_of(ring)
+        for seg in (fronts[a] for a in sorted(fronts)):
+            chunk, offset, _ = ring._seg_chunks(seg, seg.consumed, 1)[0]
+            pieces.append(Piece(chunk * ring.chunk_steps + offset, 1, seg.actor_id, seg.seq + seg.consumed,
+                                seg.version, seg.ready_at, seg.put_at))  # fmt: skip
+            seg.consumed += 1
+            seg.taken_by = take
+            if seg.consumed == seg.n:
+                finished.append(seg)
+        segs = ring._ready_segs
+        while segs and segs[0].consumed >= segs[0].n:
+            segs.popleft()
+        if finished:
+            ring._space.finished(take, finished)
+        ring.stats.wait_seconds += time.monotonic() - started
+        ring.stats.steps_out += len(pieces)
+        return pieces, take
+
+
+
+def _fronts_of(ring: StepRing) -> dict[int, Segment]:
+    """Each actor's first ready segment with a step not taken yet (lock held)."""
+    fronts: dict[int, Segment] = {}
+    for seg in ring._ready_segs:
+        if seg.consumed < seg.n and seg.actor_id not in fronts:
+            fronts[seg.actor_id] = seg
+    return fronts

@@ -314,16 +314,13 @@ class StepRing:
              finished: Callable[[], bool] | None = None, partial: bool = True) -> tuple[list[Piece], int]:  # fmt: skip
         """Wait until ``count`` steps are ready, then claim them in the order their frames
         completed (a frame still arriving holds back no other). Steps of a behaviour version
-        below ``min_version`` are dropped (and counted) instead.
-
-        ``finished``: a test that no more steps will come (every actor is done); once it holds,
-        what is ready is taken even if short of ``count`` (unless not ``partial``), and with
-        nothing to take :class:`Closed` is raised.
-
-        Returns the pieces and a take id; pass the id to :meth:`release` once copied out.
+        below ``min_version`` are dropped (and counted) instead. ``finished``: a test that no
+        more steps will come (every actor is done); once it holds, what is ready is taken even
+        if short of ``count`` (unless not ``partial``), and with nothing to take :class:`Closed`
+        is raised. Returns the pieces and a take id; pass the id to :meth:`release` once copied out.
         """
-        deadline = time.monotonic() + timeout
         started = time.monotonic()
+        deadline = started + timeout
         self.drop_below(min_version)
         with self._ready:
             while True:
@@ -381,62 +378,11 @@ class StepRing:
 
     def drop_below(self, min_version: int) -> None:
         """Raise the ring's ``min_version``: ready steps of older behaviour versions are dropped."""
-        if min_version <= self.min_version:
-            return
         with self._lock:
-            self.min_version = min_version
-            freed = self._drop_stale()
+            self.min_version, raised = max(self.min_version, min_version), min_version > self.min_version
+            freed = self._drop_stale() if raised else 0
         if freed:
             self._space_freed()
-
-    def actor_fronts(self) -> tuple[set[int], int]:
-        """The actors with a ready step not taken yet (an actor's oldest untaken step is always in
-        a ready frame), and the frames committed so far (for :meth:`wait_commit`)."""
-        with self._lock:
-            return set(self._fronts()), self.stats.frames_in
-
-    def wait_commit(self, frames_seen: int, timeout: float) -> None:
-        """Wait up to ``timeout`` for a frame committed after the first ``frames_seen``."""
-        with self._ready:
-            if self._closed:
-                raise Closed("the learner is closed")
-            if self.stats.frames_in != frames_seen:
-                return
-            self._waiting_for = 1
-            try:
-                self._ready.wait(timeout)
-            finally:
-                self._waiting_for = 0
-
-    def claim_fronts(self, started: float) -> tuple[list[Piece], int]:
-        """Claim the oldest untaken step of every actor that has one, in actor id order."""
-        with self._lock:
-            self._takes += 1
-            take, finished, pieces, fronts = self._takes, [], [], self._fronts()
-            for seg in (fronts[a] for a in sorted(fronts)):
-                chunk, offset, _ = self._seg_chunks(seg, seg.consumed, 1)[0]
-                pieces.append(Piece(chunk * self.chunk_steps + offset, 1, seg.actor_id, seg.seq + seg.consumed,
-                                    seg.version, seg.ready_at, seg.put_at))  # fmt: skip
-                seg.consumed += 1
-                seg.taken_by = take
-                if seg.consumed == seg.n:
-                    finished.append(seg)
-            segs = self._ready_segs
-            while segs and segs[0].consumed >= segs[0].n:
-                segs.popleft()
-            if finished:
-                self._space.finished(take, finished)
-            self.stats.wait_seconds += time.monotonic() - started
-            self.stats.steps_out += len(pieces)
-            return pieces, take
-
-    def _fronts(self) -> dict[int, Segment]:
-        """Each actor's first ready segment with a step not taken yet (lock held)."""
-        fronts: dict[int, Segment] = {}
-        for seg in self._ready_segs:
-            if seg.consumed < seg.n and seg.actor_id not in fronts:
-                fronts[seg.actor_id] = seg
-        return fronts
 
     def _ready_front(self, enough: int | None = None) -> int:
         """Steps ready to take in order, counted up to ``enough`` (all when None): a backlog

@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 8
+PROTOCOL_VERSION = 9
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):

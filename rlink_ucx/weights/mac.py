@@ -104,7 +104,8 @@ class VersionKey:
         """Every bucket's tag, in order. A model of at least 64 MiB in several buckets is tagged
         on up to 4 threads (OpenSSL releases the GIL); the threads end before this returns."""
         total = buckets[-1][1] - buckets[0][0] if buckets else 0
-        threads = min(_MAX_THREADS, len(buckets), len(os.sched_getaffinity(0)))
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = min(_MAX_THREADS, len(buckets), cores)
         if total < _PARALLEL_BYTES or threads < 2:
             return [self.tag(flat, a, b, version, i) for i, (a, b) in enumerate(buckets)]
         host = host_bytes(flat, buckets[0][0], buckets[-1][1])  # one copy of a device buffer

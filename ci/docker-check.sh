@@ -180,12 +180,12 @@ junit=$LOGS/junit.xml
 # pytest from the test environment (.ci/run's venv); from a bare interpreter, a small venv of
 # its own in $CACHE/venv (pytest and what tests/conftest.py imports; no torch on the host).
 TESTPY=$PYTHON
-if ! "$TESTPY" -c 'import pytest, pytest_timeout, numpy, msgspec, xxhash' 2>/dev/null; then
+if ! "$TESTPY" -c 'import pytest, pytest_timeout, numpy, msgspec, xxhash, cryptography' 2>/dev/null; then
   TESTPY=$CACHE/venv/bin/python
-  if ! "$TESTPY" -c 'import pytest, pytest_timeout, numpy, msgspec, xxhash' 2>/dev/null; then
+  if ! "$TESTPY" -c 'import pytest, pytest_timeout, numpy, msgspec, xxhash, cryptography' 2>/dev/null; then
     say "test: $PYTHON lacks pytest or rlink_ucx's dependencies: making $CACHE/venv"
     { "$PYTHON" -m venv --clear "$CACHE/venv" \
-        && "$TESTPY" -m pip install -q pytest pytest-timeout numpy msgspec xxhash; } > "$LOGS/venv.log" 2>&1 \
+        && "$TESTPY" -m pip install -q pytest pytest-timeout numpy msgspec xxhash cryptography; } > "$LOGS/venv.log" 2>&1 \
       || { show_log "$LOGS/venv.log"; fail "making $CACHE/venv"; }
   fi
 fi

@@ -74,7 +74,7 @@ else
   export PYTHONPATH=$PWD
   # exit status 2: only ucxx is missing (a failure only where there is a GPU)
   run_step wheels no-wheels 40 "" python3 -c "import importlib.util as u, sys
-missing = [n for n in ('msgspec', 'xxhash', 'ucxx') if u.find_spec(n) is None]
+missing = [n for n in ('msgspec', 'xxhash', 'cryptography', 'ucxx') if u.find_spec(n) is None]
 print('no .whl/ here; missing:', ', '.join(missing) or 'nothing')
 sys.exit(1 if set(missing) - {'ucxx'} else 2 if missing else 0)"
 fi
@@ -89,7 +89,7 @@ GPUS_SEEN=$(timeout 20 nvidia-smi -L 2>/dev/null | grep -c '^GPU ' || true)
 run_step env plain 25 env.txt python3 -c '
 import importlib, sys
 print("python", sys.version.split()[0], sys.executable)
-for name in ("torch", "cupy", "numpy", "ucxx", "msgspec", "xxhash", "pytest", "pytest_timeout"):
+for name in ("torch", "cupy", "numpy", "ucxx", "msgspec", "xxhash", "cryptography", "pytest", "pytest_timeout"):
     try:
         m = importlib.import_module(name)
         print(f"{name:15s}", getattr(m, "__version__", "?"), getattr(m, "__file__", ""))
@@ -216,7 +216,7 @@ for line in open(os.path.join(work, "steps.tsv")):
             status, note = ("failed", "says no CUDA, but a GPU is there") if expect_cuda else ("skipped-no-cuda", (data or {}).get("error", "no CUDA"))
         elif kind == "no-wheels":
             if rc == 0:
-                status, note = "skipped", "no .whl/ needed: msgspec, xxhash and ucxx are installed"
+                status, note = "skipped", "no .whl/ needed: msgspec, xxhash, cryptography and ucxx are installed"
             elif rc == 2 and not expect_cuda:
                 status, note = "skipped", "no .whl/; ucxx is missing (its steps need CUDA anyway)"
             else:

@@ -10,8 +10,9 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_24_x86_64 manyl
   args+=(--platform "$p")
 done
 # ucxx for CUDA 13 and what it needs beyond that machine's packages (cuda-core, cuda-bindings,
-# nvidia-ml-py and numpy are there), and msgspec for rlink_ucx itself.
+# nvidia-ml-py and numpy are there), and msgspec and cryptography (with cffi, pycparser) for rlink_ucx itself.
 python3 -m pip download -q "${args[@]}" \
   "ucxx-cu13==0.52.*" "libucxx-cu13==0.52.*" "libucx-cu13>=1.19,<1.22" \
-  "rmm-cu13==26.10.*" "librmm-cu13==26.10.*" "rapids-logger==0.3.*" "msgspec>=0.18"
+  "rmm-cu13==26.10.*" "librmm-cu13==26.10.*" "rapids-logger==0.3.*" "msgspec>=0.18" \
+  "cryptography>=42" "cffi>=1.14" pycparser
 du -sh .whl

@@ -87,6 +87,11 @@ class PlainBroadcast:
 
 # --- rlink publish ------------------------------------------------------------------------------
 def _subscriber(address: str, until: int, results: Any) -> None:
+    # A torch actor has torch loaded before its first version. Imported by the first
+    # ``get_remote_model`` instead, it would take 2-3 s of CPU per actor during the measured
+    # repetitions (the warm-up publishes do not wait for it), slowing both systems.
+    import torch  # noqa: F401
+
     from .. import Actor
 
     with Actor(address, transport="tcp", subscribe=True) as actor:

@@ -1,86 +1,134 @@
-"""Keyed tags of weights buckets: a universal hash with secret keys, finished by BLAKE2b.
+"""Keyed tags of weights buckets: AES-256-GMAC under a one-time key per bucket.
 
-A bucket is read as signed bytes in rows of :data:`ROW` bytes (the last row zero-padded; the
-bucket's place and length go into its tag) and multiplied by a secret ``ROW x COLUMNS`` matrix
-of random signed bytes: each row yields ``COLUMNS`` integer dot products, exact in int32
-(at most 4096 * 128 * 128 = 2**26). For two rows that differ, one column's sums collide with
-probability at most 2**-8 over its keys (take a byte that differs: at most one of the 256
-values of its key cancels it), and the columns have independent keys, so all eight collide
-with probability at most 2**-64. The row hashes never leave the process: a bucket's tag is
-BLAKE2b, keyed with the version's secret, of its place and its row hashes. A forged bucket
-therefore passes only if its row hashes collide with the real ones, or BLAKE2b is broken.
+Every bucket of a version has its own AES-256 key and GCM nonce, derived from the version's
+secret (32 random bytes, fresh for every published version) with keyed BLAKE2b, a PRF, over the
+bucket's place: (version, index, start, stop). Its tag is GMAC (NIST SP 800-38D): AES-GCM with
+the bucket's bytes as associated data and nothing to encrypt, all 16 bytes of it, computed by
+OpenSSL through pyca/cryptography.
 
-This is a matrix product of int8s, which CPUs with VNNI or AVX2 and GPUs do at memory speed:
-about 1.1 ms per 16 MiB on one core, close to an unkeyed XXH3 checksum and far below keyed
-BLAKE2b over the bytes themselves (docs/weights.md has the figures). The arithmetic is exact, so host and device
-agree to the bit: a CUDA snapshot is tagged on its GPU (in float64, exact for these sums) and
-only the row hashes (32 bytes per 4 KiB) come to the host.
+- One key, one message: the learner tags each place of a version once, and a key is never used
+  for another place (another index, range or version), so no two messages share a GHASH key
+  or a nonce, which is what GCM's authentication needs. A receiver recomputes the tag over the
+  bytes it got to compare; it tells nobody what it computed.
+- Forgery: without the secret, bytes other than the published ones pass a bucket's tag with
+  probability at most (ceil(L/16) + 1) / 2**128 per try for a bucket of L bytes, given the
+  one tag an attacker may have seen (GHASH is a polynomial of that degree in a key no one
+  else knows), plus the advantage of breaking AES or BLAKE2b as PRFs.
+- The length and place are bound: GHASH ends with the length of what it covered, and another
+  place has another key.
+
+OpenSSL's GCM uses AES-NI and carry-less multiplication (PCLMULQDQ; VAES and VPCLMULQDQ where
+the CPU has them), not the integer dot products that VNNI speeds up, and it releases the GIL:
+one core tags many GB/s (docs/benchmarks.md), and :meth:`VersionKey.tags` tags a large model's
+buckets on several threads. The same code runs with or without torch: a torch tensor is read
+through its own ``cpu()`` and ``numpy()`` (a CUDA buffer is tagged from a host copy), so a
+numpy, JAX or TensorFlow process never imports torch here.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
-import ctypes
-import functools
 import hashlib
 import hmac
 import os
 import secrets
 import struct
-import sys
 from typing import Any
 
 import numpy as np
+from cryptography.hazmat.primitives.ciphers import Cipher, algorithms, modes
 
 from ..errors import ProtocolError
 from ..wire.keys import KEY_BYTES
 
-__all__ = ["COLUMNS", "ROW", "VersionKey", "check_tags"]
+__all__ = ["TAG_BYTES", "BucketTagger", "VersionKey", "check_tags", "host_bytes"]
 
-ROW = 4096  # bytes per row: 4 KiB of weights per COLUMNS * 4 bytes of row hashes
-COLUMNS = 8  # independent key columns: 2**-8 each
-TAG_BYTES = 16
-_CHUNK_ROWS = 2048  # rows per step: bounds the temporaries (8 MiB of bytes at a time)
-_PLACE = struct.Struct("<QQQQ")
+TAG_BYTES = 16  # GCM's full tag
+_NONCE_BYTES = 12  # GCM's standard nonce
+_PLACE = struct.Struct("<QQQQ")  # version, index, start, stop
+_KDF_PERSON = b"rlink gmac key"  # BLAKE2b's personalisation: these derived keys and nothing else
+_PARALLEL_BYTES = 64 << 20  # below this one thread tags a model in a few ms; threads cost more
+_MAX_THREADS = 4
+
+
+class BucketTagger:
+    """The GMAC of one bucket, fed piece by piece: :meth:`update` with consecutive pieces of the
+    bucket's bytes (any sizes), then :meth:`finalize` once for the tag. Made by
+    :meth:`VersionKey.tagger`; the tag equals :meth:`VersionKey.tag` of the whole bucket."""
+
+    __slots__ = ("_gcm",)
+
+    def __init__(self, key: bytes, nonce: bytes):
+        self._gcm = Cipher(algorithms.AES(key), modes.GCM(nonce)).encryptor()
+
+    def update(self, data: Any) -> None:
+        """Add the next piece of the bucket (a contiguous bytes-like object or numpy array)."""
+        self._gcm.authenticate_additional_data(data)
+
+    def finalize(self) -> bytes:
+        """The bucket's 16-byte tag (once: the tagger cannot be used after)."""
+        self._gcm.finalize()
+        tag: bytes = self._gcm.tag
+        return tag
 
 
 class VersionKey:
-    """The secret of one model version: its key matrix (derived with SHAKE-256) and the BLAKE2b
-    key of its tags. A fresh one is drawn for every published version."""
+    """The secret of one model version, from which each bucket's one-time GMAC key is derived.
+    A fresh one is drawn for every published version; a receiver builds it from the secret it
+    was sent (wrapped under its own key, ``wire/keys.py``)."""
 
-    __slots__ = ("_matrices", "rows", "secret")
+    __slots__ = ("secret",)
 
     def __init__(self, secret: bytes | None = None):
         self.secret = secrets.token_bytes(KEY_BYTES) if secret is None else bytes(secret)
         if len(self.secret) != KEY_BYTES:
             raise ProtocolError(f"a weights key has {KEY_BYTES} bytes, not {len(self.secret)}")
-        stream = hashlib.shake_256(b"rlink-v1 row keys|" + self.secret).digest(ROW * COLUMNS)
-        self.rows = np.frombuffer(stream, dtype=np.int8).reshape(ROW, COLUMNS)
-        self._matrices: dict[str, Any] = {}
+
+    def bucket_key(self, version: int, index: int, start: int, stop: int) -> tuple[bytes, bytes]:
+        """The AES-256 key and GCM nonce of bucket ``index`` (bytes ``start:stop``) of
+        ``version``: BLAKE2b keyed with the secret over the place, so each place has its own."""
+        derived = hashlib.blake2b(_PLACE.pack(version, index, start, stop), key=self.secret,
+                                  digest_size=32 + _NONCE_BYTES, person=_KDF_PERSON).digest()  # fmt: skip
+        return derived[:32], derived[32:]
+
+    def tagger(self, start: int, stop: int, version: int, index: int) -> BucketTagger:
+        """An incremental tagger of bucket ``index`` (bytes ``start:stop``) of ``version``."""
+        return BucketTagger(*self.bucket_key(version, index, start, stop))
 
     def tag(self, flat: Any, start: int, stop: int, version: int, index: int) -> bytes:
         """The tag of bucket ``index`` (bytes ``start:stop`` of ``flat``, a host ``np.uint8``
         array or a torch ``uint8`` tensor on any device) of ``version``."""
-        return self.tag_of_rows(row_hashes(flat, start, stop, self), start, stop, version, index)
-
-    def tag_of_rows(self, rows: bytes, start: int, stop: int, version: int, index: int) -> bytes:
-        """The tag of bucket ``index`` (bytes ``start:stop``) of ``version`` from its row
-        hashes, which may be computed piece by piece (:func:`row_hashes` of consecutive pieces
-        of whole rows, joined, are those of the bucket)."""
-        place = _PLACE.pack(version, index, start, stop)
-        return hashlib.blake2b(place + rows, key=self.secret, digest_size=TAG_BYTES, person=b"rlink wtag").digest()
+        return self._tag_host(host_bytes(flat, start, stop), start, stop, version, index)
 
     def tags(self, flat: Any, buckets: list[tuple[int, int]], version: int) -> list[bytes]:
-        return [self.tag(flat, a, b, version, i) for i, (a, b) in enumerate(buckets)]
+        """Every bucket's tag, in order. A model of at least 64 MiB in several buckets is tagged
+        on up to 4 threads (OpenSSL releases the GIL); the threads end before this returns."""
+        total = buckets[-1][1] - buckets[0][0] if buckets else 0
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        threads = min(_MAX_THREADS, len(buckets), cores)
+        if total < _PARALLEL_BYTES or threads < 2:
+            return [self.tag(flat, a, b, version, i) for i, (a, b) in enumerate(buckets)]
+        host = host_bytes(flat, buckets[0][0], buckets[-1][1])  # one copy of a device buffer
+        base = buckets[0][0]
+        with concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="rlink-tags") as pool:
+            futures = [pool.submit(self._tag_host, host[a - base : b - base], a, b, version, i)
+                       for i, (a, b) in enumerate(buckets)]  # fmt: skip
+            return [f.result() for f in futures]
 
-    def matrix(self, device: Any, dtype: Any) -> Any:
-        """The key matrix as a torch tensor of ``dtype`` on ``device`` (made once for each)."""
-        import torch
+    def _tag_host(self, data: np.ndarray, start: int, stop: int, version: int, index: int) -> bytes:
+        tagger = self.tagger(start, stop, version, index)
+        tagger.update(data)
+        return tagger.finalize()
 
-        name = f"{device}/{dtype}"
-        if name not in self._matrices:
-            self._matrices[name] = torch.from_numpy(self.rows.copy()).to(device=device, dtype=dtype)
-        return self._matrices[name]
+
+def host_bytes(flat: Any, start: int, stop: int) -> np.ndarray:
+    """Bytes ``start:stop`` of ``flat`` as a contiguous host ``np.uint8`` array: a view of a
+    host array or CPU tensor, a copy of a device tensor's. Torch is never imported here: a
+    tensor's own methods read it."""
+    if isinstance(flat, np.ndarray):
+        return np.ascontiguousarray(flat[start:stop])
+    array: np.ndarray = flat[start:stop].cpu().numpy()  # ``cpu()`` returns a CPU tensor itself
+    return np.ascontiguousarray(array)
 
 
 def check_tags(expected: list[bytes], got: list[bytes], version: int) -> None:
@@ -90,106 +138,3 @@ def check_tags(expected: list[bytes], got: list[bytes], version: int) -> None:
     bad = [i for i, (a, b) in enumerate(zip(expected, got)) if not hmac.compare_digest(a, b)]
     if bad:
         raise ProtocolError(f"weights version {version}: buckets {bad[:10]} failed their MAC (altered on the way)")
-
-
-def row_hashes(flat: Any, start: int, stop: int, key: VersionKey, *, exact_float: bool = False) -> bytes:
-    """Every row's ``COLUMNS`` dot products with the key matrix, as little-endian int32.
-    ``exact_float``: compute in float64 (what a device does) instead of int8 products. Without
-    torch (a numpy-only actor or learner) numpy computes the same sums (:func:`_rows_numpy`).
-    A host array is hashed by torch only where the process has imported torch already: an
-    actor that never touches torch must not pay its import (seconds, hundreds of MiB) here."""
-    if isinstance(flat, np.ndarray) and "torch" not in sys.modules:
-        return _rows_numpy(flat[start:stop].view(np.int8), key)
-    import torch
-
-    data = torch.from_numpy(flat[start:stop]) if isinstance(flat, np.ndarray) else flat[start:stop]
-    data = data.view(torch.int8)
-    if data.device.type == "cpu" and not exact_float and hasattr(torch, "_int_mm"):
-        return _tag_worker().submit(_rows_int8, data, key).result()
-    return _rows_float64(data, key)
-
-
-_SEGMENTS = 4  # float32 sums of ROW / 4 int8 products stay below 2**24: exact
-
-
-def _rows_numpy(data: np.ndarray, key: VersionKey) -> bytes:
-    """The products of :func:`_rows_int8` with numpy: each row in ``_SEGMENTS`` parts whose
-    float32 sums are exact integers, added in int32 (bit for bit what torch computes)."""
-    full, rest = divmod(len(data), ROW)
-    matrix = key.rows.astype(np.float32).reshape(_SEGMENTS, ROW // _SEGMENTS, COLUMNS)
-    step = 256  # rows per matrix product: 4 MiB of float32 at a time
-    blocks = [data[r * ROW : min(full, r + step) * ROW] for r in range(0, full, step)]
-    if rest:  # the last row, zero-padded
-        tail = np.zeros(ROW, dtype=np.int8)
-        tail[:rest] = data[full * ROW :]
-        blocks.append(tail)
-    parts = []
-    for block in blocks:
-        rows = block.reshape(-1, _SEGMENTS, ROW // _SEGMENTS).astype(np.float32).transpose(1, 0, 2)
-        parts.append(np.matmul(rows, matrix).astype(np.int32).sum(axis=0, dtype=np.int32))  # [row, column]
-    return b"".join(p.astype("<i4", copy=False).tobytes() for p in parts)
-
-
-def _rows_int8(data: Any, key: VersionKey) -> bytes:
-    import torch
-
-    full, rest = divmod(len(data), ROW)
-    matrix = key.matrix("cpu", torch.int8)
-    parts = [torch._int_mm(data[r * ROW : min(full, r + _CHUNK_ROWS) * ROW].view(-1, ROW), matrix)
-             for r in range(0, full, _CHUNK_ROWS)]  # fmt: skip
-    if rest:
-        tail = torch.zeros(ROW, dtype=torch.int8)
-        tail[:rest] = data[full * ROW :]
-        parts.append(torch._int_mm(tail.view(1, ROW), matrix))
-    return b"".join(p.numpy().astype("<i4", copy=False).tobytes() for p in parts)
-
-
-def _rows_float64(data: Any, key: VersionKey) -> bytes:
-    """The same products in float64: exact, since every partial sum is an integer below 2**27."""
-    import torch
-
-    full, rest = divmod(len(data), ROW)
-    matrix = key.matrix(data.device, torch.float64)
-    parts = [data[r * ROW : min(full, r + _CHUNK_ROWS) * ROW].view(-1, ROW).to(torch.float64) @ matrix
-             for r in range(0, full, _CHUNK_ROWS)]  # fmt: skip
-    if rest:
-        tail = torch.zeros(ROW, dtype=torch.float64, device=data.device)
-        tail[:rest] = data[full * ROW :].to(torch.float64)
-        parts.append(tail.view(1, ROW) @ matrix)
-    if not parts:
-        return b""
-    return torch.cat(parts).to(torch.int32).cpu().numpy().astype("<i4", copy=False).tobytes()
-
-
-@functools.cache
-def _tag_worker() -> concurrent.futures.ThreadPoolExecutor:
-    """One thread that computes host tags, with one OpenMP thread. torch's int8 matrix product
-    otherwise runs on every core, and on a host whose cores are all busy (a learner and its
-    actors sharing a machine) threads waiting for each other make it up to 20x slower. The
-    OpenMP setting is per thread: the caller's ``torch.get_num_threads()`` is left as it is."""
-    return concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlink-tags", initializer=_one_omp_thread)
-
-
-os.register_at_fork(after_in_child=_tag_worker.cache_clear)  # a forked child has no such thread
-
-
-def _one_omp_thread() -> None:
-    import torch
-
-    torch.get_num_threads()  # torch sets this thread's OpenMP thread count once, on first use
-    library = _openmp_library()
-    if library is not None:
-        ctypes.CDLL(library).omp_set_num_threads(1)
-
-
-def _openmp_library() -> str | None:
-    """The OpenMP runtime torch loaded (libgomp, libiomp or libomp), if any."""
-    try:
-        with open("/proc/self/maps") as maps:
-            for line in maps:
-                path = line.split()[-1]
-                if path.startswith("/") and os.path.basename(path).startswith(("libgomp", "libiomp", "libomp")):
-                    return path
-    except OSError:
-        pass
-    return None

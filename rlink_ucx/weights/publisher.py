@@ -403,10 +403,10 @@ class Publisher:
                     return
 
     def _host_copy(self, snap: Snapshot) -> Snapshot:
-        """A host copy of a CUDA snapshot, for the weights connections (made once per version; same key
-        and tags: the same bytes). It waits until the snapshot is sealed: the fan-out starts
-        while ``publish`` is still copying, and a copy taken earlier would send (and cache, for
-        every later pull) a half-written model."""
+        """A host copy of a CUDA snapshot, for the weights connections: the one its tags were
+        computed on (``snapshot.fill``), made here only for a snapshot sealed without it. It waits
+        until the snapshot is sealed: the fan-out starts while ``publish`` is still copying, and a
+        copy taken earlier would send (and cache, for every later pull) a half-written model."""
         if snap.device == "cpu":
             return snap
         snap.wait_ready(len(snap.manifest.buckets()) + 1, self.config.weights_timeout)

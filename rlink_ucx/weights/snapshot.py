@@ -21,7 +21,7 @@ from ..errors import ConfigError, ProtocolError, RLinkError
 from ..wire.codec import DTYPES, MAX_NAME_LEN, host_array, is_torch
 from ..wire.frameworks import Adapter
 from ..wire.manifest import ALIGN, KEYED, Entry, Manifest, flatten
-from .mac import ROW, VersionKey, row_hashes
+from .mac import VersionKey, host_bytes
 from .shared import SharedBuffer
 from .shared import available as shared_available
 from .unwrap import module_state_dict
@@ -293,6 +293,9 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
             at = stop
             release_upto(e.offset + at)
     release_upto(snap.manifest.total_bytes)
+    if on_device:  # tagged from the host copy the weights connections send (_tag_on_host)
+        _tag_on_host(snap)
+        return
     tags = snap.key.tags(snap.flat, buckets, snap.version)
     with snap._cv:
         snap.tags = tags
@@ -300,10 +303,23 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
         snap._cv.notify_all()
 
 
+def _tag_on_host(snap: Snapshot) -> None:
+    """Seal a device snapshot with tags computed on one host copy of its bytes, kept as
+    ``snap.host``: every actor receives a version in host memory (the weights connections
+    send that copy), and OpenSSL's GMAC runs on the CPU."""
+    flat = host_bytes(snap.flat, 0, snap.manifest.total_bytes)
+    tags = snap.key.tags(flat, snap.manifest.buckets(), snap.version)
+    host = Snapshot(snap.manifest, flat, "cpu", key=snap.key, tags=tags)
+    with snap._cv:
+        snap.host, snap.tags = host, tags
+        snap.sealed = True
+        snap._cv.notify_all()
+
+
 def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
     """Fill a snapshot whose buffer other processes of this user can open (a memfd, shared.py):
     each piece of a bucket is put together in private memory (small enough to stay in cache),
-    its rows hashed there, then copied into the buffer; a bucket is released once all its
+    added to the bucket's tag there, then copied into the buffer; a bucket is released once all its
     pieces are in. Bytes written into the buffer meanwhile fail their tags; a tag taken from
     the buffer itself would have vouched for them."""
     buckets = snap.manifest.buckets()
@@ -312,7 +328,7 @@ def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
     tags: list[bytes] = []
     first = 0  # the first entry that may still overlap the piece
     for i, (a, b) in enumerate(buckets):
-        rows = []
+        tagger = snap.key.tagger(a, b, snap.version, i)
         for c in range(a, b, _PIECE):
             d = min(b, c + _PIECE)
             piece = scratch[: d - c]
@@ -325,9 +341,9 @@ def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
                     piece[lo - c : hi - c] = src[lo - e.offset : hi - e.offset]
                 if e.offset + len(src) <= d:
                     first += 1
-            rows.append(row_hashes(piece, 0, d - c, snap.key))
+            tagger.update(piece)
             snap.flat[c:d] = piece
-        tags.append(snap.key.tag_of_rows(b"".join(rows), a, b, snap.version, i))
+        tags.append(tagger.finalize())
         with snap._cv:
             snap.ready = i + 1
             snap._cv.notify_all()
@@ -337,7 +353,7 @@ def _fill_tagged(snap: Snapshot, srcs: list[Any]) -> None:
         snap._cv.notify_all()
 
 
-_PIECE = 1024 * ROW  # 4 MiB (in L2/L3), whole rows: the pieces' row hashes make the bucket's
+_PIECE = 4 << 20  # staged and tagged in private memory at a time: stays in L2/L3
 _scratches = threading.local()
 
 

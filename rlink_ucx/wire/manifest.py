@@ -23,7 +23,7 @@ from .codec import DTYPES, MAX_DIMS, MAX_NAME_LEN
 __all__ = ["ALIGN", "KEYED", "Entry", "Manifest", "flatten", "unflatten"]
 
 ALIGN = 64
-KEYED = "keyed-v1"  # the bucket check: a keyed tag per bucket, sent in a Seal (weights/mac.py)
+KEYED = "gmac-v1"  # the bucket check: an AES-GMAC tag per bucket, sent in a Seal (weights/mac.py)
 MAX_BUCKETS = 1 << 16  # a manifest cannot make a receiver build a huge bucket list
 
 

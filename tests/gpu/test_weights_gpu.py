@@ -1,5 +1,5 @@
-"""Publishing CUDA parameters: copied to host memory once per version (after they are tagged on
-the GPU) and sent on each actor's weights connection; no torch.distributed group (protocol 8).
+"""Publishing CUDA parameters: copied to host memory once per version, tagged there, and that
+copy sent on each actor's weights connection; no torch.distributed group (protocol 8).
 Skipped without CUDA (CI has none); run on a GPU machine with ``pytest tests/gpu``."""
 
 from __future__ import annotations
@@ -54,6 +54,9 @@ def test_cuda_parameters_reach_actors_bit_identical():
         for p in procs:
             p.start()
         assert learner.publish(cuda_state(1), wait=True, timeout=60) == 1
+        snap = learner._server.publisher.latest
+        assert snap.device == "cuda:0" and snap.host is not None and snap.host.tags == snap.tags
+        snap.verify()  # the device buffer, read back, matches the tags of its host copy
         firsts = [results.get(timeout=75) for _ in procs]
         assert [r.get("first") for r in firsts] == [1] * len(procs), firsts
         for v in (2, 3):  # on the weights connection each actor holds now

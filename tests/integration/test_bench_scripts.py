@@ -160,3 +160,13 @@ def test_burst_receive_measures_the_learners_receive_path_per_frame(tmp_path):
     assert report["cpu_us_per_frame"] > 0
     p50, p90, p99 = report["latency_ms_p50_p90_p99"]
     assert 0 < p50 <= p90 <= p99
+
+
+def test_mac_speed_measures_the_bucket_tags(tmp_path):
+    out = tmp_path / "mac.json"
+    text = _run("bench/mac_speed.py", "--mb", "3", "--bucket-mb", "1", "--reps", "3", "--json", str(out)).stdout
+    report = json.loads(out.read_text())
+    assert report["bytes"] == 3 << 20 and report["buckets"] == 3 and report["cores"] >= 1
+    assert 0 < report["min_s"] <= report["median_s"] and report["gb_per_s"] == pytest.approx(report["bytes"] / report["median_s"] / 1e9)
+    assert set(report["cpu"]["flags"]) >= {"aes", "pclmulqdq", "avx512_vnni"} and not report["torch"]
+    assert "tags of 3 MiB in 3 bucket(s)" in text and "GB/s" in text

@@ -184,7 +184,7 @@ def test_bytes_written_into_shared_memory_before_the_learner_tags_them_are_never
     import os
 
     from rlink_ucx.transport.shm_memory import DATA_OFFSET
-    from rlink_ucx.weights import mac, snapshot
+    from rlink_ucx.weights import mac
 
     with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=Config(weights_timeout=20)) as learner:
         results, leave = SPAWN.Queue(), SPAWN.Event()
@@ -193,9 +193,9 @@ def test_bytes_written_into_shared_memory_before_the_learner_tags_them_are_never
         wait_subscribed(learner, 1)
         publisher = learner._server.publisher
         writes: list[int] = []
-        original = mac.row_hashes
+        original = mac.BucketTagger.update
 
-        def write_then_hash(flat: Any, start: int, stop: int, key: Any, **kwargs: Any) -> bytes:
+        def write_then_tag(tagger: Any, data: Any) -> None:
             snap = publisher.pending
             if snap is not None and snap.shared is not None and not snap.sealed and snap.version < 3:
                 pid, fd, _, size = snap.shared
@@ -205,10 +205,9 @@ def test_bytes_written_into_shared_memory_before_the_learner_tags_them_are_never
                 finally:
                     os.close(other)
                 writes.append(snap.version)
-            return original(flat, start, stop, key, **kwargs)
+            original(tagger, data)
 
-        monkeypatch.setattr(mac, "row_hashes", write_then_hash)
-        monkeypatch.setattr(snapshot, "row_hashes", write_then_hash, raising=False)  # where the fill calls it
+        monkeypatch.setattr(mac.BucketTagger, "update", write_then_tag)  # the fill tags each piece with it
         learner.publish(model(1), wait=True, timeout=25)
         learner.publish(model(2), wait=True, timeout=25)
         assert learner.publish(model(3), wait=True, timeout=60) == 3

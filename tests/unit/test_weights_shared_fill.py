@@ -12,6 +12,7 @@ import torch
 
 from rlink_ucx import ProtocolError
 from rlink_ucx.transport.shm_memory import DATA_OFFSET
+from rlink_ucx.weights import mac
 from rlink_ucx.weights import snapshot as snapshot_module
 from rlink_ucx.weights.shared import available
 from rlink_ucx.weights.snapshot import BufferPool, begin_snapshot, fill, sources
@@ -57,17 +58,21 @@ def test_bytes_written_into_the_memfd_while_it_is_filled_fail_their_tags(monkeyp
     snap = begin_snapshot(s, 1, 1 << 20, pool)
     assert len(snap.manifest.buckets()) > 2
     pid, fd, _, size = snap.shared
-    original = snapshot_module.row_hashes
+    original = mac.BucketTagger.update
+    pieces = []
 
-    def write_then_hash(flat: Any, start: int, stop: int, key: Any) -> bytes:
+    def write_then_tag(tagger: Any, data: Any) -> None:
         other = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR)  # as another process would
         try:
             os.pwrite(other, np.full(size // 4, np.inf, dtype=np.float32).tobytes(), DATA_OFFSET)
         finally:
             os.close(other)
-        return original(flat, start, stop, key)
+        pieces.append(len(data))
+        original(tagger, data)
 
-    monkeypatch.setattr(snapshot_module, "row_hashes", write_then_hash)
+    monkeypatch.setattr(mac.BucketTagger, "update", write_then_tag)
     fill(snap, sources(snap, s))
+    monkeypatch.setattr(mac.BucketTagger, "update", original)  # verify reads the memfd as it is
+    assert len(pieces) >= len(snap.manifest.buckets()) and max(pieces) <= snapshot_module._PIECE
     with pytest.raises(ProtocolError, match="failed its MAC"):
         snap.verify()

@@ -456,13 +456,13 @@ def test_the_first_put_makes_one_frame_buffer_and_a_busy_actor_makes_the_rest(tr
     with Learner("127.0.0.1:0", transport=transport) as learner:
         dataset = RLinkDataset(learner, batch_size=1000)
         with Actor(learner.address, transport=transport, config=config) as actor:
-            state = actor._conn.state
+            outbox = actor._conn.outbox
             actor.put({"x": np.int64(0)})
-            assert state.buffers == 1
+            assert outbox.buffers == 1
             for i in range(1, 1000):  # 64 steps a frame: faster than frames leave one by one
                 actor.put({"x": np.int64(i)})
             actor.flush(10)
-            assert 1 < state.buffers <= actor._writer._max_buffers  # (frames kept for resending hold more)
+            assert 1 < outbox.buffers <= actor._writer._max_buffers  # (frames kept for resending hold more)
             assert dataset.fetch(timeout=10)["x"].tolist() == list(range(1000))
 
 

@@ -29,14 +29,13 @@ class _Control:
 
 
 class _State:
-    """Just what the heartbeat reads: the control connection, the learner's last message, the
-    last frame."""
+    """Just what the heartbeat reads: the control connection (the shared state's) and the last
+    frame (the outbox's)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, interval: float, timeout: float):
         self.loop = loop
         self.config = Config(heartbeat_interval=interval, heartbeat_timeout=timeout)
         self.control = _Control()
-        self.last_heard = time.monotonic()
         self.frame_sent_at = 0.0
 
 
@@ -47,7 +46,7 @@ class _Reader(Heartbeat):
         self.state = _State(loop, interval, timeout)
         self.failed: list[tuple[float, Exception]] = []
         self.arms = 0
-        super().__init__(self.state, self.failed_with)  # type: ignore[arg-type]
+        super().__init__(self.state, self.state, self.failed_with)  # type: ignore[arg-type]  # state and outbox
 
     def failed_with(self, exc: Exception) -> None:
         self.failed.append((time.monotonic(), exc))
@@ -102,8 +101,8 @@ def test_our_own_heartbeat_follows_a_silence_and_the_learners_is_answered_at_onc
         async def learner_heartbeats() -> None:  # the learner, every interval of its silence
             await asyncio.sleep(0.5)
             for _ in range(5):
-                reader.state.last_heard = time.monotonic()
-                learner.append(reader.state.last_heard)
+                reader.heard()
+                learner.append(reader.last_heard)
                 reader.answer()
                 await asyncio.sleep(0.1)
 

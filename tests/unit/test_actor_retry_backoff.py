@@ -25,7 +25,7 @@ class Attempts(Reconnect):
         self.error, self.left = error, attempts
         self.targets: list[tuple[str, int]] = []
         self.slept: list[float] = []
-        super().__init__(self, self)  # type: ignore[arg-type]  # its own state and connector
+        super().__init__(self, self, self)  # type: ignore[arg-type]  # its own state, connector and outbox
 
     def go_home(self) -> None:
         self.host, self.port = self.home

@@ -23,7 +23,7 @@ class Recording:
 def test_sync_waits_for_the_session_and_goes_once_it_is_up():
     loop = asyncio.new_event_loop()
     try:
-        state = LinkState("127.0.0.1", 9, None, False, "tcp", 0, Config(), loop, None)
+        state = LinkState("127.0.0.1", 9, "tcp", 0, Config(), loop, None)
         outbox = Outbox(state, None, lambda exc: None)  # type: ignore[arg-type]  # no I/O thread needed
         control = Recording()
         state.control = control  # type: ignore[assignment]  # a new connection, still handshaking
@@ -32,7 +32,7 @@ def test_sync_waits_for_the_session_and_goes_once_it_is_up():
         state.connected = True
         outbox.sync(10)
         assert control.sent == [_wire.Sync(10)]
-        state.acked = 10
+        outbox.acked = 10
         outbox.sync(10)  # already acknowledged: nothing to ask
         assert control.sent == [_wire.Sync(10)]
         assert state.home == ("127.0.0.1", 9) and state.rank == 0

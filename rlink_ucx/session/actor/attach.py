@@ -70,14 +70,12 @@ class PlaneAttach:
                 await asyncio.sleep(delay * (0.5 + random.random()))
                 delay = min(2 * delay, 0.5)
 
-    def release_arena(self) -> None:
-        """After close: drop the frame buffers and unmap the arena (any thread)."""
+    def release_arena(self, drop_frames: Callable[[], None]) -> None:
+        """After close: drop the frame buffers (``drop_frames``: the outbox forgets them) and
+        unmap the arena (any thread)."""
         arena = self.memory.release()
         if arena is not None:
-            with self._state.changed:
-                self._state.free.clear()
-                self._state.inflight.clear()
-                self._state.queue.clear()
+            drop_frames()
             self._state.tasks.clear()  # a stopped task's frame may still hold the frame it was sending
             arena.close()
 

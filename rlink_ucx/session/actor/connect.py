@@ -66,23 +66,28 @@ async def open_channel(state: LinkState, accepted: Callable[[], None] | None = N
 class Connector:
     """Everything from a closed socket to a session whose data plane is attached (one attempt:
     the reconnect part retries), and the schema proposals. Sets ``control``, ``welcome`` and
-    ``connected`` in ``state``; ``attach`` sets the ``sender``.
+    ``connected`` in ``state``; ``attach`` sets the ``sender``. It owns the tokens.
 
     Args:
         state: the connection's shared state.
         attach: attaches the data plane the learner chose.
         reader: its task reads the control channel from the Welcome on.
         heartbeat: its task keeps the liveness once the session is up.
-        outbox: requeues what the learner lacks, and its task sends the frames.
+        outbox: holds the schema, requeues what the learner lacks, and its task sends the frames.
+        token: the token to prove; None: the learner's generated token, looked up at each attempt.
+        insecure: accept a learner that does not authenticate.
     """
 
     def __init__(self, state: LinkState, attach: PlaneAttach, reader: ControlReader, heartbeat: Heartbeat,
-                 outbox: Outbox):  # fmt: skip
+                 outbox: Outbox, *, token: bytes | None, insecure: bool):  # fmt: skip
         self._state = state
         self._attach = attach
         self._reader = reader
         self._heartbeat = heartbeat
         self._outbox = outbox
+        self._token = token
+        self._insecure = insecure
+        self._token_for_ranks: bytes | None = None  # the generated token rank 0 took: the other ranks' too
         self._attempt: tuple[Any, float | None] = (None, None)  # the connect attempt's timeout scope
         self._accepted = False  # this attempt's TCP connection is up
         self._answered = False  # and the learner's Challenge came on it
@@ -143,7 +148,7 @@ class Connector:
         s.tasks.append(s.loop.create_task(self._reader.run()))
         await self._attach.attach(welcome)
         await s.ready
-        if s.schema is not None:  # a reconnect: the new session needs the schema again
+        if self._outbox.schema is not None:  # a reconnect: the new session needs the schema again
             await self._renegotiate()
         self._outbox.requeue(welcome.resume_seq)
         s.tasks.append(s.loop.create_task(self._heartbeat.run()))
@@ -162,8 +167,8 @@ class Connector:
         log.debug("actor %s: rank 0 sends it to rank %d at %s:%d", s.actor_id, redirect.rank, redirect.host, redirect.port)
         s.host, s.port, s.rank = redirect.host, redirect.port, redirect.rank
         s.actor_id = redirect.actor_id
-        if s.token is None:
-            s.token_for_ranks = s.proved_token  # the job's ranks share rank 0's token
+        if self._token is None:
+            self._token_for_ranks = s.proved_token  # the job's ranks share rank 0's token
         self._accepted = self._answered = False
         await self._connect()
 
@@ -183,14 +188,14 @@ class Connector:
         from; (None, None) for a learner that does not authenticate (only with ``insecure``)."""
         where = f"{self._state.host}:{self._state.port}"
         if not learner_auth:
-            if not self._state.insecure:
+            if not self._insecure:
                 raise AuthError(f"the learner at {where} does not authenticate (it runs with insecure=True), so "
                                 "anyone could be listening there: refused; pass insecure=True to the actor to accept it")  # fmt: skip
             return None, None
-        if self._state.token is not None:
-            return self._state.token, None
-        if self._state.rank != 0 and self._state.token_for_ranks is not None:
-            return self._state.token_for_ranks, None
+        if self._token is not None:
+            return self._token, None
+        if self._state.rank != 0 and self._token_for_ranks is not None:
+            return self._token_for_ranks, None
         if not is_loopback(self._state.host):  # the generated token never leaves the learner's host
             raise AuthError(f"the learner at {where} requires a token: pass token=... or set RLINK_TOKEN / "
                             "RLINK_TOKEN_FILE (make one with `rlink token`)")  # fmt: skip
@@ -230,9 +235,9 @@ class Connector:
                 continue
 
     async def _renegotiate(self) -> None:
-        s = self._state
-        assert s.schema is not None
-        reply = await self._propose_once(s.schema)
+        schema = self._outbox.schema
+        assert schema is not None
+        reply = await self._propose_once(schema)
         if isinstance(reply, _wire.Reject):
             raise SchemaMismatch(f"after reconnecting, the learner rejected the schema: {reply.reason}")
         if reply.fields is not None:
@@ -240,8 +245,8 @@ class Connector:
             # another one (castable, set by another actor) cannot take them.
             theirs = Schema.from_wire(reply.fields)
             raise SchemaMismatch(f"after reconnecting, the learner's schema is {theirs.describe()}, "
-                                 f"this actor's {s.schema.describe()}")
-        s.schema_id, s.max_frame_steps = reply.schema_id, reply.max_steps
+                                 f"this actor's {schema.describe()}")
+        self._outbox.renegotiated(reply.schema_id, reply.max_steps)
 
     async def _propose_once(self, schema: Schema) -> _wire.Accept | _wire.Reject:
         s = self._state

@@ -4,7 +4,6 @@ heartbeats and the data plane's Ready from the learner, each handed to the part 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -50,13 +49,13 @@ class ControlReader:
         try:
             while True:
                 msg = await control.recv(s.config.max_control_bytes)
-                s.last_heard = time.monotonic()
+                self._heartbeat.heard()
                 if isinstance(msg, _wire.Credit):
                     self._outbox.add_credit(msg.steps, msg.acked)
                 elif isinstance(msg, _wire.Ack):
                     self._outbox.acknowledged(msg.next_seq)
                 elif isinstance(msg, _wire.Revoke):
-                    control.send(_wire.Returned(self._outbox.revoke(msg.steps)))
+                    control.send(_wire.Returned(self._outbox.credit.revoke(msg.steps)))
                 elif isinstance(msg, _wire.Heartbeat):
                     self._heartbeat.answer()
                 elif isinstance(msg, _WEIGHTS):

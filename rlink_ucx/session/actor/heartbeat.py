@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from ...errors import PeerLost, RLinkError
 from ...wire import messages as _wire
+from .outbox import Outbox
 from .state import LinkState
 
 __all__ = ["Heartbeat"]
@@ -26,15 +27,19 @@ SLACK = 0.001  # timers are armed this long after their moment, so the check at 
 class Heartbeat:
     """The liveness of one connection (loop thread).
 
+    It owns ``last_heard``: the control reader reports each message through :meth:`heard`.
+
     Args:
-        state: reads ``control``, ``last_heard`` (credits a pause of our own to it) and
-            ``frame_sent_at``.
+        state: reads ``control``.
+        outbox: reads when its last frame went out (``frame_sent_at``).
         fail: called with ``PeerLost`` when the learner fell silent for too long.
     """
 
-    def __init__(self, state: LinkState, fail: Callable[[RLinkError], None]):
+    def __init__(self, state: LinkState, outbox: Outbox, fail: Callable[[RLinkError], None]):
         self._state = state
+        self._outbox = outbox
         self._fail = fail
+        self.last_heard = time.monotonic()  # when the learner's last message came (loop thread)
         self._wake: asyncio.Future[None] | None = None  # what the heartbeat task waits on
         self._timer: asyncio.TimerHandle | None = None  # resolves it when something is due
         self._at = 0.0  # when that timer is due
@@ -43,7 +48,11 @@ class Heartbeat:
         """When we last said something to the learner: a control message or a frame."""
         control = self._state.control
         assert control is not None
-        return max(control.last_send, self._state.frame_sent_at)
+        return max(control.last_send, self._outbox.frame_sent_at)
+
+    def heard(self) -> None:
+        """A message from the learner came (loop thread)."""
+        self.last_heard = time.monotonic()
 
     def answer(self) -> None:
         """The learner's heartbeat (it was silent for an interval): answer it unless we spoke
@@ -60,7 +69,7 @@ class Heartbeat:
         learner's long enough to give up on it (monotonic time, as the loop's)."""
         c = self._state.config
         speak = self._said_alive() + OWN_HEARTBEAT_AFTER * c.heartbeat_interval
-        return min(speak, self._state.last_heard + c.heartbeat_timeout)
+        return min(speak, self.last_heard + c.heartbeat_timeout)
 
     def _arm(self) -> None:
         """(Re)schedule the heartbeat's one timer (loop thread): nothing else wakes an idle actor."""
@@ -94,8 +103,8 @@ class Heartbeat:
                 # lateness would push that moment on, again and again.)
                 late = now - self._at
                 if late > PAUSED_AFTER * c.heartbeat_interval:
-                    self._state.last_heard = min(now, self._state.last_heard + late)
-                if now - self._state.last_heard >= c.heartbeat_timeout:
+                    self.last_heard = min(now, self.last_heard + late)
+                if now - self.last_heard >= c.heartbeat_timeout:
                     self._fail(PeerLost(f"no message from the learner for {c.heartbeat_timeout:.3g}s"))
                     return
                 if now - self._said_alive() >= OWN_HEARTBEAT_AFTER * c.heartbeat_interval:

@@ -1,6 +1,7 @@
 """The actor's connection to the learner, living on its I/O loop: its parts, composed.
 
-Each part is handed the shared :class:`~.state.LinkState` and the parts it calls:
+Each part owns the fields only it writes and is handed the shared :class:`~.state.LinkState`
+(the session itself) and the parts it calls:
 :class:`~.attach.PlaneAttach` (the data plane and the frame buffers' memory),
 :class:`~.outbox.Outbox` (frame pool, credit, send queue), :class:`~.heartbeat.Heartbeat`,
 :class:`~.control.ControlReader`, :class:`~.connect.Connector` (one connection attempt, schema
@@ -24,7 +25,7 @@ from ...wire.codec import Schema
 from .attach import PlaneAttach
 from .connect import Connector, open_channel
 from .control import ControlReader
-from .frames import BorrowedFrame, FrameBuffer
+from .frames import FrameBuffer
 from .heartbeat import Heartbeat
 from .outbox import Outbox
 from .reconnect import Reconnect
@@ -42,13 +43,14 @@ class ActorConnection:
 
     def __init__(self, host: str, port: int, *, token: bytes | None, transport: str, actor_id: int | None,
                  incarnation: int, config: Config, io: IOThread, insecure: bool = False):  # fmt: skip
-        self.state = s = LinkState(host, port, token, insecure, transport, incarnation, config, io.loop, actor_id)
+        self.state = s = LinkState(host, port, transport, incarnation, config, io.loop, actor_id)
         self.attach = PlaneAttach(s, functools.partial(open_channel, s))
         self.outbox = Outbox(s, io, self.fail)
-        self.heartbeat = Heartbeat(s, self.fail)
+        self.heartbeat = Heartbeat(s, self.outbox, self.fail)
         self.reader = ControlReader(s, self.outbox, self.heartbeat, self.attach, self.fail)
-        self.connector = Connector(s, self.attach, self.reader, self.heartbeat, self.outbox)
-        self.reconnect = Reconnect(s, self.connector)
+        self.connector = Connector(s, self.attach, self.reader, self.heartbeat, self.outbox, token=token,
+                                   insecure=insecure)  # fmt: skip
+        self.reconnect = Reconnect(s, self.connector, self.outbox)
 
     def fail(self, exc: RLinkError) -> None:
         """The connection broke (loop thread): a reconnect, or the final error."""
@@ -109,7 +111,7 @@ class ActorConnection:
     # --- for the Actor ---------------------------------------------------------------------------
     @property
     def schema(self) -> Schema | None:
-        return self.state.schema
+        return self.outbox.schema
 
     @property
     def sender(self) -> FrameSender | None:
@@ -118,15 +120,12 @@ class ActorConnection:
     def stats(self) -> dict[str, Any]:
         """The connection's counters (``Actor.stats`` adds its own)."""
         s = self.state
+        counters = self.outbox.stats()
+        lost = counters.pop("steps_lost")
         return {
-            "steps_sent": s.sent_steps,
-            "steps_acked": s.acked,
-            "frames_sent": s.sent_frames,
-            "bytes_sent": s.sent_bytes,
-            "credit": s.credit,
-            "credit_waits": s.credit_waits,
-            "reconnects": s.reconnects,
-            "steps_lost": s.steps_lost,
+            **counters,
+            "reconnects": self.reconnect.count,
+            "steps_lost": lost,
             "connected": s.connected,
             "error": repr(s.error) if s.error else None,
             "learner_address": f"{s.host}:{s.port}",  # the rank serving it, in a job of many learners
@@ -137,11 +136,7 @@ class ActorConnection:
     async def close(self) -> None:
         s = self.state
         s.closing = True
-        for frame in s.queue:  # callers waiting on a large put: they raise Closed
-            if isinstance(frame, BorrowedFrame) and frame.done is not None:
-                frame.done.set()
-        with s.credit_cv:
-            s.credit_cv.notify_all()
+        self.outbox.closing()  # callers waiting on a large put or for credit: they raise Closed
         if s.control is not None and s.error is None:
             s.control.send(_wire.Bye("actor closing"))
         for task in s.tasks:
@@ -155,6 +150,5 @@ class ActorConnection:
     def release(self) -> None:
         """After close (any thread): wake every caller still waiting, then drop the frame
         buffers and unmap the arena."""
-        with self.state.changed:
-            self.state.changed.notify_all()
-        self.attach.release_arena()
+        self.outbox.wake_callers()
+        self.attach.release_arena(self.outbox.drop_frames)

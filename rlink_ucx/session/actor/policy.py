@@ -65,8 +65,9 @@ class SendPolicy:
     (ucx), with no timer either way.
 
     Args:
-        state: the connection's shared state (read: sender, credit, seq, connected).
-        outbox: takes credit, sends from the caller's thread, or queues for the send loop.
+        state: the connection's shared state (read: the sender, connected).
+        outbox: takes credit and the send lock, sends from the caller's thread, or queues for
+            the send loop.
     """
 
     def __init__(self, state: LinkState, outbox: Outbox):
@@ -90,7 +91,6 @@ class SendPolicy:
         """The send policy. :attr:`Route.NOW` for a frame buffer means the caller holds
         ``send_lock`` and all the frame's credit; for a borrowed frame, that nothing is queued
         before it (it takes credit part by part as it leaves)."""
-        s = self._state
         if why is Why.LINGERED:
             # Through the loop's ready queue, like every other hand-off: an earlier full frame
             # handed off by the caller's thread may still be waiting there, and frames must
@@ -103,35 +103,20 @@ class SendPolicy:
         if why is Why.BORROWED:
             return Route.NOW if direct and self._outbox.idle() else Route.LOOP
         if why is Why.FULL:
-            if direct and self._outbox.idle() and self._outbox.take_all_credit(frame.n):
-                s.send_lock.acquire()
+            if direct and self._outbox.claim_full(frame.n):
                 return Route.NOW
             return Route.LOOP
         if self._closed:
             return Route.LINGER if why is Why.FIRST else Route.LOOP
         if direct:
-            if self._claim_idle(frame):
+            if self._outbox.claim_idle(frame):
                 return Route.NOW
-        elif why is Why.FIRST and s.connected and s.credit >= frame.n and self._outbox.idle():
+        elif why is Why.FIRST and self._state.connected and self._outbox.credit.at_hand(frame.n) and self._outbox.idle():
             # A plane only the I/O thread sends on (ucx): hand the frame over now, while that
             # thread has nothing queued and no send under way. Without credit for it the frame
             # would only wait in the queue: better fill it meanwhile.
             return Route.LOOP
         return Route.LINGER if why is Why.FIRST else Route.LOOP
-
-    def _claim_idle(self, frame: FrameBuffer | BorrowedFrame) -> bool:
-        """Take ``send_lock`` and all of ``frame``'s credit if the I/O side is idle: no send
-        under way, nothing queued before the frame. Returns whether it did."""
-        s = self._state
-        if not s.send_lock.acquire(blocking=False):  # a send is under way: this frame follows
-            return False
-        # Plain reads: next_send_seq moves under the send lock, which we hold, and a frame
-        # handed off meanwhile is an earlier one (next_send_seq stays below ours until it is
-        # sent).
-        if s.next_send_seq == frame.seq and not s.outstanding and self._outbox.take_all_credit(frame.n):
-            return True
-        s.send_lock.release()
-        return False
 
     def leave(self, fb: FrameBuffer, why: Why, next_seq: int) -> Left:
         """Let the writer's frame buffer ``fb`` go as :meth:`route` decides (writer's lock held;
@@ -151,7 +136,7 @@ class SendPolicy:
         try:
             return self._send_now(fb, why, next_seq)
         finally:
-            self._state.send_lock.release()
+            self._outbox.release_send()
 
     def _send_now(self, fb: FrameBuffer, why: Why, next_seq: int) -> Left:
         """Send ``fb`` from the caller's thread (send_lock and its credit held). Unless it must
@@ -182,12 +167,12 @@ class SendPolicy:
     def _detach(self, fb: FrameBuffer, next_seq: int) -> tuple[FrameBuffer, Left]:
         """The partial frame ``fb`` leaves: as a right-sized copy while small (``fb`` is emptied
         for the next steps), else whole."""
-        s = self._state
-        assert s.schema is not None
-        if fb.n * s.schema.step_bytes <= _COMPACT_BYTES:
-            frame = fb.compact(s.schema)
+        schema = self._outbox.schema
+        assert schema is not None
+        if fb.n * schema.step_bytes <= _COMPACT_BYTES:
+            frame = fb.compact(schema)
             fb.reset(next_seq, fb.version)
-            if s.resend and len(s.inflight) % _ACK_EVERY == _ACK_EVERY - 1:
+            if self._state.resend and self._outbox.kept() % _ACK_EVERY == _ACK_EVERY - 1:
                 self._outbox.sync_soon(next_seq)
             return frame, Left.EMPTIED
         return fb, Left.WHOLE
@@ -197,7 +182,7 @@ class SendPolicy:
         wait (outside the lock, so close() is never held up by a put) until some credit is at
         hand."""
         if self.direct():
-            self._outbox.wait_credit(deadline)
+            self._outbox.credit.wait(deadline)
 
     def leave_borrowed(self, frame: BorrowedFrame) -> bool:
         """Send the large put ``frame`` as :meth:`route` decides (writer's lock held): True once

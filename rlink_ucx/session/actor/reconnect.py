@@ -12,7 +12,7 @@ import time
 from ...errors import AuthError, Closed, ConnectError, PeerLost, RLinkError, SchemaMismatch, Superseded
 from ...transport.plane import map_plane_error
 from .connect import ConnectionReplaced, Connector
-from .frames import BorrowedFrame
+from .outbox import Outbox
 from .state import LinkState, Rejected
 
 __all__ = ["FINAL", "REFUSED_BACKOFF", "Reconnect"]
@@ -38,14 +38,20 @@ def _refused(error: BaseException) -> bool:
 class Reconnect:
     """What happens when the connection fails: a reconnect, or a final ``state.error``.
 
+    It owns whether a reconnect is under way and how many succeeded (:attr:`count`).
+
     Args:
-        state: the connection's shared state (its waiters are woken when it fails for good).
+        state: the connection's shared state.
         connector: makes each connection attempt.
+        outbox: its waiters are woken when the connection comes back or fails for good.
     """
 
-    def __init__(self, state: LinkState, connector: Connector):
+    def __init__(self, state: LinkState, connector: Connector, outbox: Outbox):
         self._state = state
         self._connector = connector
+        self._outbox = outbox
+        self._reconnecting = False  # a reconnect is under way (loop thread)
+        self.count = 0  # reconnects that succeeded (loop thread)
 
     def fail(self, exc: RLinkError) -> None:
         """The connection broke (any task on the loop): reconnect if it was up and the error
@@ -53,7 +59,7 @@ class Reconnect:
         s = self._state
         if s.closing or s.error is not None:
             return
-        if s.reconnecting:  # a reconnect attempt failed: let it notice at once
+        if self._reconnecting:  # a reconnect attempt failed: let it notice at once
             for fut in (s.ready, s.proposal):
                 if fut is not None and not fut.done():
                     fut.set_exception(exc)
@@ -61,7 +67,7 @@ class Reconnect:
             return
         if s.connected and s.config.reconnect_timeout > 0 and not isinstance(exc, (AuthError, SchemaMismatch, Closed)):
             s.connected = False
-            s.reconnecting = True
+            self._reconnecting = True
             log.warning("actor %s: %s; reconnecting", s.actor_id, exc)
             s.tasks.append(s.loop.create_task(self._reconnect(exc)))
             return
@@ -72,21 +78,13 @@ class Reconnect:
         s.connected = False
         s.error = exc
         (log.info if isinstance(exc, Closed) else log.warning)("actor %s: %s", s.actor_id, exc)
-        for frame in s.queue:
-            if isinstance(frame, BorrowedFrame) and frame.done is not None:
-                frame.done.set()  # the caller raises state.error
         for fut in (s.ready, s.proposal):
             if fut is not None and not fut.done():
                 fut.set_exception(exc)
                 # Marked as seen: the next call raises s.error, and a future nobody awaits any
                 # more would print "Future exception was never retrieved" when collected.
                 fut.exception()
-        with s.changed:
-            s.changed.notify_all()
-        with s.credit_cv:
-            s.credit_cv.notify_all()
-        s.wake.set()
-        s.credit_event.set()
+        self._outbox.fail_waiters()  # the callers raise state.error
 
     async def open_session(self) -> None:
         """Connect for the first time, retrying with backoff and jitter until
@@ -108,16 +106,13 @@ class Reconnect:
         s = self._state
         self._teardown()
         last = await self._retry_connect(time.monotonic() + s.config.reconnect_timeout, cause)
-        s.reconnecting = False
+        self._reconnecting = False
         if last is None:
-            s.reconnects += 1
-            log.info("actor %s reconnected (resuming at seq %d)", s.actor_id, s.next_send_seq)
+            self.count += 1
+            log.info("actor %s reconnected (resuming at seq %d)", s.actor_id, self._outbox.next_send_seq)
             if s.subscription is not None and s.control is not None:
                 s.control.send(s.subscription)
-            with s.changed:
-                s.changed.notify_all()
-            with s.credit_cv:
-                s.credit_cv.notify_all()
+            self._outbox.wake_callers()
         elif not s.closing:
             if isinstance(last, FINAL):
                 self._fail_for_good(last)
@@ -189,8 +184,7 @@ class Reconnect:
         if s.control is not None:
             s.control.close()
             s.control = None
-        with s.credit_cv:
-            s.credit = 0
+        self._outbox.credit.clear()
         s.ready = s.loop.create_future()
         if s.proposal is not None and not s.proposal.done():
             s.proposal.set_exception(ConnectionReplaced())  # propose() asks the new connection

@@ -269,8 +269,9 @@ class StepWriter:
         return FrameBuffer(schema, capacity, self._attach.frame_memory(capacity * schema.step_bytes))
 
     def _new_buffer(self) -> FrameBuffer:
-        assert self._state.schema is not None
-        return self._new_frame_buffer(self._state.schema, self._frame_steps)
+        schema = self._outbox.schema
+        assert schema is not None
+        return self._new_frame_buffer(schema, self._frame_steps)
 
     def _submit_locked(self) -> None:
         """The current frame leaves now, partial or not: sent at once if the I/O side is idle,

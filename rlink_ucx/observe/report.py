@@ -103,7 +103,7 @@ def describe_session(session: Any) -> dict[str, Any]:
         "pid": session.hello.pid,
         "transport": session.transport,
         "transport_reason": session.transport_reason,
-        "state": session.state,
+        "state": session.state.value,
         "error": session.error,
         "frames": session.stats.frames,
         "steps": session.stats.steps,

@@ -35,6 +35,7 @@ from ..config import Config
 from ..errors import AuthError, Closed, ProtocolError, RLinkError
 from ..transport import hostname
 from ..transport.control import ControlConnection
+from ..transport.session_state import SessionState
 from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
@@ -46,7 +47,7 @@ class Member(Protocol):
     """One actor's session as the publisher sees it (a ``session.Member``)."""
 
     id: int
-    state: str  # "open" while the actor is connected
+    state: SessionState
     hello: _wire.Hello
     ticket: bytes  # the session's ticket (sent in clear in the Welcome)
     key: bytes  # the session's key, from the token and the ticket (``wire.keys.session_key``)
@@ -171,7 +172,7 @@ class Publisher:
         return False
 
     def _subscribers(self) -> list[Member]:
-        return [s for s in list(self.server.sessions.values()) if s.state == "open" and s.subscribed]
+        return [s for s in list(self.server.sessions.values()) if s.state is SessionState.OPEN and s.subscribed]
 
     # --- keys -----------------------------------------------------------------------------------
     def attach_proof(self, session: Member, transport: str) -> bytes:
@@ -213,7 +214,7 @@ class Publisher:
     def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> Member:
         """Check a pull connection's proof (on the loop, right before :meth:`serve_pull`)."""
         session: Member | None = self.server.sessions.get(msg.session)
-        if session is None or session.state != "open":
+        if session is None or session.state is not SessionState.OPEN:
             raise AuthError("weights pull for an unknown session")
         actor_nonce = getattr(msg, "nonce", b"")
         if not isinstance(msg, _wire.KeyedPull) or len(actor_nonce) != _auth.NONCE_BYTES:
@@ -284,13 +285,13 @@ class Publisher:
         # Not ``s.subscribed``: only a subscriber pulls, and its Subscribe (on the control
         # connection) may be read after its first pull (on a connection of its own); a pull
         # served as a single one there left the actor to open a second connection.
-        return s.state == "open" and not (s.weights_shared and in_shared_memory)
+        return s.state is SessionState.OPEN and not (s.weights_shared and in_shared_memory)
 
     def _newer(self, stream: _Stream) -> Snapshot | None:
         """The newest version newer than the stream's (waiting for one while the stream is
         kept), possibly still being copied; None once the stream should end."""
         with self._cv:
-            while not (self._closed or stream.ended or stream.session.state != "open"):
+            while not (self._closed or stream.ended or stream.session.state is not SessionState.OPEN):
                 snap = self.pending if self.pending is not None and self.pending.failed is None else self.latest
                 if snap is not None and snap.version > stream.sent:
                     return snap
@@ -345,7 +346,7 @@ class Publisher:
         timeout = self.config.weights_timeout
         for gone in [i for i in list(self._subscription_keys) if i not in self.server.sessions]:
             self._subscription_keys.pop(gone, None)
-        sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
+        sessions = [s for s in list(self.server.sessions.values()) if s.state is SessionState.OPEN]
         subscribed = [s for s in sessions if s.subscribed]
         # Actors on this host that are caught up read a host snapshot from our shared memory;
         # those with a weights connection get the version on it from its own thread.
@@ -373,7 +374,7 @@ class Publisher:
         # actor on shared memory that does not confirm in time pulls the next version.
         deadline = time.monotonic() + timeout
         with self._cv:
-            while any(s.state == "open" and s.weights_acked < snap.version for s in members):
+            while any(s.state is SessionState.OPEN and s.weights_acked < snap.version for s in members):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     if left <= 0:

@@ -28,6 +28,7 @@ from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
 from ...transport.loop import ticks
 from ...transport.plane import LearnerContext, LearnerPlanes, Plane
+from ...transport.session_state import SessionState
 from ...weights.publisher import Member, Publisher
 from ...wire import auth as _auth
 from ...wire import messages as _wire
@@ -434,9 +435,9 @@ class LearnerServer:
             while len(self.resume) > 10_000:
                 self.resume.popitem(last=False)
         self.ended.append(describe_session(session))
-        self.totals.ended(session.actor_id, session.stats, lost=session.state == "lost")
+        self.totals.ended(session.actor_id, session.stats, lost=session.state is SessionState.LOST)
         del self.ended[:-1000]
-        if session.state != "closed":  # lost or moved: its actor may come back
+        if session.state is not SessionState.CLOSED:  # lost or moved: its actor may come back
             self.last_unclean_end = time.monotonic()
         if self.ring is not None:
             self.ring.wake()

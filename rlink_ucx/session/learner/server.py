@@ -29,7 +29,7 @@ from ...transport.control import ControlConnection
 from ...transport.loop import ticks
 from ...transport.plane import LearnerContext, LearnerPlanes, Plane
 from ...transport.session_state import SessionState
-from ...weights.publisher import Member, Publisher
+from ...weights.publisher import Publisher
 from ...wire import auth as _auth
 from ...wire import messages as _wire
 from ...wire.codec import Schema
@@ -38,6 +38,7 @@ from .admission import Admission, listen_backlog, raise_file_limit
 from .attach import attach_data_connection
 from .credit import CreditGranter
 from .liveness import HeartbeatRounds
+from .outcome import Handshaken
 from .rank_link import RankLinkClient
 from .ranks import RankTable
 from .session import LearnerSession
@@ -217,20 +218,8 @@ class LearnerServer:
                 log.info("handshake with %s did not finish within %ss", peer, self.config.handshake_timeout)
                 conn.send(_wire.Error("timeout", f"handshake did not finish within {self.config.handshake_timeout}s"))
                 return
-            if result is None:  # a data connection, now owned by its session
-                return
-            if isinstance(result, tuple):  # a weights pull
-                await self.publisher.serve_pull(conn, *result)
-                return
-            if isinstance(result, _wire.RankHello):  # another rank of the job, linking to rank 0
-                assert self.ranks is not None
-                await self.ranks.serve(conn, result)
-                return
-            if isinstance(result, _wire.StatsRequest):  # `rlink stats`
-                await _answer_stats(conn, self.snapshot(), self.config)
-                return
-            session = result
-            await session.serve()
+            session = result.session
+            await result.run()
         except AuthError as exc:
             self.auth_failures += 1
             self.quiet_log.warning("auth", "refused %s: %s", peer, exc)
@@ -255,17 +244,17 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
-    async def _handshake(self, conn: ControlConnection
-                         ) -> LearnerSession | tuple[Member, int] | _wire.RankHello | _wire.StatsRequest | None:  # fmt: skip
+    async def _handshake(self, conn: ControlConnection) -> Handshaken:
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         first = await _first_message(conn, self.admission, self.config)
         if isinstance(first, _wire.Attach):
             attach_data_connection(self.sessions, conn, first, nonce)
             self.grant_credits()
-            return None
-        if isinstance(first, _wire.Pull):
-            return self.publisher.verify_pull(first, nonce), first.have
+            return Handshaken.handed_off()
+        if isinstance(first, _wire.Pull):  # a weights pull
+            member = self.publisher.verify_pull(first, nonce)
+            return Handshaken(functools.partial(self.publisher.serve_pull, conn, member, first.have))
         if not isinstance(first, _wire.Login):
             raise ProtocolError(f"expected Login or Attach, got {type(first).__name__}")
         if first.proto != _wire.PROTOCOL_VERSION:
@@ -283,7 +272,7 @@ class LearnerServer:
             conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
         hello = await conn.recv(self.config.max_control_bytes)
         if isinstance(hello, _wire.StatsRequest):  # `rlink stats`, authenticated as an actor is
-            return hello
+            return Handshaken(lambda: _answer_stats(conn, self.snapshot(), self.config))
         if isinstance(hello, _wire.RankHello):
             if self.ranks is None:
                 raise Refused(f"a learner rank linked to rank {self.rank} of {self.world}: only rank 0 of a job of "
@@ -292,7 +281,7 @@ class LearnerServer:
                 raise AuthError("a RankHello from a peer that did not prove the job's rank token (an actor's token "
                                 "does not make a learner rank)")  # fmt: skip
             self.ranks.check_hello(hello, self.token, nonce, first.nonce)
-            return hello
+            return Handshaken(functools.partial(self.ranks.serve, conn, hello))  # another rank, linking to rank 0
         if a_rank:
             raise ProtocolError(f"expected RankHello after a rank's login, got {type(hello).__name__}")
         if not isinstance(hello, _wire.Hello):
@@ -305,12 +294,12 @@ class LearnerServer:
             if rank != self.rank:
                 conn.send(self.ranks.redirect(rank, actor_id))
                 self.redirected += 1
-                return None
+                return Handshaken.handed_off()
             hello = msgspec.structs.replace(hello, actor_id=actor_id)
         plane = self._choose(hello)[0]
         if plane is not None:
             await plane.prepare()  # a plane that cannot start is no longer offered: chosen again below
-        return self._open_session(conn, hello)
+        return Handshaken.opened(self._open_session(conn, hello))
 
     def _new_actor_id(self) -> int:
         in_use = {s.actor_id for s in self.sessions.values()}

@@ -7,6 +7,7 @@ connection goes on to do, so the caller runs it without asking which kind it was
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -19,21 +20,27 @@ async def _nothing() -> None:
     """Nothing left to do on the connection."""
 
 
+class Kind(enum.Enum):
+    """What the connection turned out to be."""
+
+    SESSION = "session"  # an actor's control connection: its session is open
+    ATTACHED = "attached"  # an actor's data connection, now owned by its session
+    REDIRECTED = "redirected"  # an actor sent on to another rank of the job
+    PULL = "pull"  # a weights pull
+    RANK = "rank"  # another learner rank of the job, linking to rank 0
+    STATS = "stats"  # an `rlink stats` query
+
+
 @dataclass(frozen=True)
 class Handshaken:
-    """A finished handshake: ``run`` serves the connection until it ends; ``session`` is the
-    actor's session when the handshake opened one (its faults end that session)."""
+    """A finished handshake: what the connection is (``kind``), ``run`` serving it until it
+    ends, and the actor's session when the handshake opened one (its faults end that session)."""
 
-    run: Callable[[], Awaitable[None]]
+    kind: Kind
+    run: Callable[[], Awaitable[None]] = _nothing
     session: LearnerSession | None = None
-
-    @classmethod
-    def handed_off(cls) -> Handshaken:
-        """The connection needs nothing more here: a data connection now owned by its session,
-        or an actor sent on to another rank."""
-        return cls(_nothing)
 
     @classmethod
     def opened(cls, session: LearnerSession) -> Handshaken:
         """An actor's session, served on its control connection."""
-        return cls(session.serve, session)
+        return cls(Kind.SESSION, session.serve, session)

@@ -18,6 +18,7 @@ from ...transport.control import ControlConnection
 from ...transport.loop import call_soon_any_thread
 from ...transport.plane import get_plane
 from ...transport.session_state import SessionState
+from ...weights.membership import Membership
 from ...weights.publisher import Publisher
 from ...wire import keys as _keys
 from ...wire import messages as _wire
@@ -105,11 +106,7 @@ class LearnerSession:
         # revoke_deadline() the session is ended: credit it sits on is credit others wait for.
         self.owed_since: float | None = None
         self.owed_keep = 0
-        self.subscribed = False  # wants every published version
-        self.weights_shared = False  # on the learner's host: reads versions from its shared memory
-        self.cuda_device: int | None = None  # where it receives weights (NCCL needs distinct GPUs)
-        self.weights_sent = 0  # newest version announced or broadcast to it
-        self.weights_acked = 0  # newest version it confirmed complete and verified
+        self.weights = Membership()  # its place in the weights fan-out: the publisher's to write
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
         self._lock = threading.Lock()
 

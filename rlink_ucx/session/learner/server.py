@@ -36,8 +36,8 @@ from .attach import attach_data_connection
 from .credit import CreditGranter
 from .liveness import HeartbeatRounds
 from .outcome import Handshaken, Kind
-from .rank_link import RankLinkClient
-from .ranks import RankTable
+from .ranks.link import RankLinkClient
+from .ranks.placement import RankTable
 from .session import LearnerSession
 from .table import SessionTable
 

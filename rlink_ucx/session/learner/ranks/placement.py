@@ -21,12 +21,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ...config import Config
-from ...errors import PeerLost, ProtocolError
-from ...observe.ratelog import RateLimitedLog
-from ...transport.control import ControlConnection
-from ...wire import auth as _auth
-from ...wire import messages as _wire
+from ....config import Config
+from ....errors import PeerLost, ProtocolError
+from ....observe.ratelog import RateLimitedLog
+from ....transport.control import ControlConnection
+from ....wire import auth as _auth
+from ....wire import messages as _wire
 
 log = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ from .errors import Closed, ConfigError
 from .observe.counters import FetchTimings
 from .observe.metrics import MetricsServer, require_prometheus, sample
 from .session import tokens
-from .session.learner import job as _job
+from .session.learner.ranks import job as _job
 from .session.learner.server import LearnerServer
 from .session.tokens import resolve_token
 from .store.ring import Piece, StepRing

@@ -24,6 +24,7 @@ import msgspec
 from rlink_ucx import Config
 from rlink_ucx.errors import AuthError, PeerLost, ProtocolError, SchemaMismatch
 from rlink_ucx.session.learner.attach import attach_data_connection
+from rlink_ucx.session.learner.outcome import Kind
 from rlink_ucx.transport.shm_plane import ShmOpening, ShmPlane
 from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.session.learner.session import LearnerSession
@@ -291,12 +292,11 @@ class Lab:
                 raise Finding("the handshake waited on a connection that had said all it would") from exc
             except Exception as exc:  # noqa: BLE001 - classified
                 return outcome(exc)
-            if isinstance(result, LearnerSession):
-                result.close("fuzzing", lost=False)
-                return "session"
-            if isinstance(result, _wire.StatsRequest):  # answered by the caller, as `rlink stats` asks
-                return "stats"
-            return "pull" if isinstance(result, tuple) else "attached"
+            if result.session is not None:
+                result.session.close("fuzzing", lost=False)
+            if result.kind in (Kind.SESSION, Kind.STATS, Kind.PULL):  # stats: answered by the caller's run
+                return result.kind.value
+            return "attached"
         finally:
             task.cancel()
             conn.close()

@@ -21,6 +21,7 @@ from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from ..errors import ConfigError, RLinkError
 from ..transport.address import format_address, is_loopback
+from ..transport.session_state import SessionState
 from .counters import LATENCY_BOUNDS, PUBLISH_BOUNDS, STALENESS_BOUNDS, FetchTimings, cumulative
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ def require_prometheus() -> None:
 
 def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
     """Every number the endpoint serves, read from a ``LearnerServer`` (on its I/O loop)."""
-    open_sessions = [s for s in server.sessions.values() if s.state == "open"]
+    open_sessions = [s for s in server.sessions.values() if s.state is SessionState.OPEN]
     per_actor, total = server.totals.read((s.actor_id, s.stats) for s in server.sessions.values())
     ring = server.ring
     weights = server.publisher.snapshot_stats()
@@ -45,8 +46,8 @@ def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
         "shed_handshakes": server.admission.shed,
         "shed_handshakes_per_peer": server.admission.shed_per_peer,
         "preauth_timeouts": server.admission.timed_out,
-        "auth_failures": server.auth_failures,
-        "rejected_connections": server.rejected_connections,
+        "auth_failures": server.admission.auth_failures,
+        "rejected_connections": server.admission.rejected,
         "reconnects": server.totals.reconnects,
         "lost_sessions": server.totals.lost_sessions,
         "per_actor": per_actor,

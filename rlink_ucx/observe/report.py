@@ -58,12 +58,12 @@ def report(server: Any) -> dict[str, Any]:
         "ended_actors": list(server.ended),
         "connected_actors": len(actors),
         "lost_actors": sum(1 for a in server.ended if a["state"] == "lost"),
-        "rejected_connections": server.rejected_connections,
+        "rejected_connections": server.admission.rejected,
         "handshakes_in_flight": server.admission.in_flight,
         "shed_handshakes": server.admission.shed,  # unauthenticated, dropped by either cap
         "shed_handshakes_per_peer": server.admission.shed_per_peer,  # ... of which by max_handshakes_per_peer
         "preauth_timeouts": server.admission.timed_out,  # no login within preauth_timeout
-        "auth_failures": server.auth_failures,
+        "auth_failures": server.admission.auth_failures,
         **server.planes.counters(),  # e.g. ucx_workers_recycled
         "buffer": {
             "capacity_bytes": ring.capacity * ring.step_bytes if ring else 0,
@@ -87,7 +87,7 @@ def ranks(server: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"rank": server.rank, "world_size": server.world}
     if server.ranks is not None:
         out["ranks"] = server.ranks.describe()
-        out["redirected_actors"] = server.redirected
+        out["redirected_actors"] = server.ranks.redirected
         out["moved_actors"] = server.ranks.moved
     if server.rank_link is not None:
         out["linked_to_rank_0"] = server.rank_link.linked.is_set()
@@ -103,7 +103,7 @@ def describe_session(session: Any) -> dict[str, Any]:
         "pid": session.hello.pid,
         "transport": session.transport,
         "transport_reason": session.transport_reason,
-        "state": session.state,
+        "state": session.state.value,
         "error": session.error,
         "frames": session.stats.frames,
         "steps": session.stats.steps,
@@ -114,6 +114,6 @@ def describe_session(session: Any) -> dict[str, Any]:
         "protocol_errors": session.stats.protocol_errors,
         "credit": session.credit,
         "next_seq": session.next_seq,
-        "subscribed": session.subscribed,
-        "weights_version": session.weights_acked,
+        "subscribed": session.weights.subscribed,
+        "weights_version": session.weights.acked,
     }

@@ -35,10 +35,12 @@ from ..config import Config
 from ..errors import AuthError, Closed, ProtocolError, RLinkError
 from ..transport import hostname
 from ..transport.control import ControlConnection
+from ..transport.session_state import SessionState
 from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
+from .membership import Membership
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
 
 
@@ -46,16 +48,12 @@ class Member(Protocol):
     """One actor's session as the publisher sees it (a ``session.Member``)."""
 
     id: int
-    state: str  # "open" while the actor is connected
+    state: SessionState
     hello: _wire.Hello
     ticket: bytes  # the session's ticket (sent in clear in the Welcome)
     key: bytes  # the session's key, from the token and the ticket (``wire.keys.session_key``)
     control: ControlConnection
-    subscribed: bool  # wants every published version
-    weights_shared: bool  # on this host, and reads versions from our shared memory
-    cuda_device: int | None  # where it receives weights (unused: versions reach actors in host memory)
-    weights_sent: int  # newest version announced or sent to it
-    weights_acked: int  # newest version it confirmed complete and verified
+    weights: Membership  # written by the publisher only, under its lock
 
 
 class Owner(Protocol):
@@ -66,7 +64,10 @@ class Owner(Protocol):
     host: str
     token: bytes | None  # the shared token: every weights key derives from it
     version: int  # the newest published version: the publisher advances it
-    sessions: dict[int, Any]  # session id -> Member
+
+    @property
+    def sessions(self) -> dict[int, Any]:  # session id -> Member
+        ...
 
 
 @dataclass
@@ -162,7 +163,7 @@ class Publisher:
         deadline = time.monotonic() + (self.config.weights_timeout if timeout is None else timeout)
         with self._cv:
             while not self._closed:
-                if self._fanned >= version and all(s.weights_acked >= version for s in self._subscribers()):
+                if self._fanned >= version and all(s.weights.acked >= version for s in self._subscribers()):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -171,7 +172,7 @@ class Publisher:
         return False
 
     def _subscribers(self) -> list[Member]:
-        return [s for s in list(self.server.sessions.values()) if s.state == "open" and s.subscribed]
+        return [s for s in list(self.server.sessions.values()) if s.state is SessionState.OPEN and s.weights.subscribed]
 
     # --- keys -----------------------------------------------------------------------------------
     def attach_proof(self, session: Member, transport: str) -> bytes:
@@ -187,7 +188,7 @@ class Publisher:
     # --- loop thread --------------------------------------------------------------------------
     def on_got(self, session: Member, version: int) -> None:
         with self._cv:
-            session.weights_acked = max(session.weights_acked, version)
+            session.weights.acked = max(session.weights.acked, version)
             self._cv.notify_all()
 
     def on_subscribe(self, session: Member, msg: _wire.Subscribe) -> None:
@@ -195,15 +196,16 @@ class Publisher:
         if not isinstance(msg, _wire.KeyedSubscribe) or len(nonce) != _auth.NONCE_BYTES:
             raise ProtocolError("weights subscription without a key nonce (an actor of an older rlink?)")
         self._subscription_keys[session.id] = _keys.subscription_key(session.key, nonce)
-        session.subscribed = True
         # An actor that can open our memfds reads versions from them: on this host only (the
         # name says so; the actor falls back to pulls where the memfd still cannot be opened).
-        session.weights_shared = bool(msg.shared) and self._pool.shared and session.hello.host == hostname()
-        session.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
-        # The actor pulls the current version right away (on shared memory: until it
-        # acknowledges it, versions are not mapped for it).
-        session.weights_sent = self.server.version
+        shared = bool(msg.shared) and self._pool.shared and session.hello.host == hostname()
         with self._cv:
+            member = session.weights
+            member.subscribed, member.shared = True, shared
+            member.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
+            # The actor pulls the current version right away (on shared memory: until it
+            # acknowledges it, versions are not mapped for it).
+            member.sent = self.server.version
             self._cv.notify_all()
 
     def on_store(self, session: Member, msg: _wire.StoreRequest) -> None:
@@ -213,7 +215,7 @@ class Publisher:
     def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> Member:
         """Check a pull connection's proof (on the loop, right before :meth:`serve_pull`)."""
         session: Member | None = self.server.sessions.get(msg.session)
-        if session is None or session.state != "open":
+        if session is None or session.state is not SessionState.OPEN:
             raise AuthError("weights pull for an unknown session")
         actor_nonce = getattr(msg, "nonce", b"")
         if not isinstance(msg, _wire.KeyedPull) or len(actor_nonce) != _auth.NONCE_BYTES:
@@ -281,16 +283,16 @@ class Publisher:
         s = stream.session
         newest = self.pending or self.latest
         in_shared_memory = newest is None or newest.shared is not None
-        # Not ``s.subscribed``: only a subscriber pulls, and its Subscribe (on the control
+        # Not ``s.weights.subscribed``: only a subscriber pulls, and its Subscribe (on the control
         # connection) may be read after its first pull (on a connection of its own); a pull
         # served as a single one there left the actor to open a second connection.
-        return s.state == "open" and not (s.weights_shared and in_shared_memory)
+        return s.state is SessionState.OPEN and not (s.weights.shared and in_shared_memory)
 
     def _newer(self, stream: _Stream) -> Snapshot | None:
         """The newest version newer than the stream's (waiting for one while the stream is
         kept), possibly still being copied; None once the stream should end."""
         with self._cv:
-            while not (self._closed or stream.ended or stream.session.state != "open"):
+            while not (self._closed or stream.ended or stream.session.state is not SessionState.OPEN):
                 snap = self.pending if self.pending is not None and self.pending.failed is None else self.latest
                 if snap is not None and snap.version > stream.sent:
                     return snap
@@ -312,9 +314,9 @@ class Publisher:
         source.wait_ready(len(source.manifest.buckets()) + 1, timeout)
         send(_wire.encode(self._seal(stream.key, source)[1]))
         stream.sent = source.version
-        session = stream.session
-        session.weights_sent = max(session.weights_sent, source.version)
         with self._cv:
+            member = stream.session.weights
+            member.sent = max(member.sent, source.version)
             self.stats["pulls_served"] += 1
             self.stats["pull_bytes"] += source.manifest.total_bytes
 
@@ -345,16 +347,16 @@ class Publisher:
         timeout = self.config.weights_timeout
         for gone in [i for i in list(self._subscription_keys) if i not in self.server.sessions]:
             self._subscription_keys.pop(gone, None)
-        sessions = [s for s in list(self.server.sessions.values()) if s.state == "open"]
-        subscribed = [s for s in sessions if s.subscribed]
-        # Actors on this host that are caught up read a host snapshot from our shared memory;
-        # those with a weights connection get the version on it from its own thread.
-        sharing = [s for s in subscribed if s.weights_shared and snap.shared is not None
-                   and s.weights_acked >= s.weights_sent and s.id in self._subscription_keys]  # fmt: skip
+        sessions = [s for s in list(self.server.sessions.values()) if s.state is SessionState.OPEN]
         with self._cv:
+            subscribed = [s for s in sessions if s.weights.subscribed]
+            # Actors on this host that are caught up read a host snapshot from our shared memory;
+            # those with a weights connection get the version on it from its own thread.
+            sharing = [s for s in subscribed if s.weights.shared and snap.shared is not None
+                       and s.weights.acked >= s.weights.sent and s.id in self._subscription_keys]  # fmt: skip
             streaming = [s for s in subscribed if s.id in self._streams and s not in sharing]
-        for s in sharing:
-            s.weights_sent = snap.version
+            for s in sharing:
+                s.weights.sent = snap.version
         others = [s for s in sessions if s not in sharing and s not in streaming]
         keys = {s.id: self._subscription_keys[s.id] for s in sharing}
         if sharing:  # every bucket copied: they read while the tags are computed
@@ -373,7 +375,7 @@ class Publisher:
         # actor on shared memory that does not confirm in time pulls the next version.
         deadline = time.monotonic() + timeout
         with self._cv:
-            while any(s.state == "open" and s.weights_acked < snap.version for s in members):
+            while any(s.state is SessionState.OPEN and s.weights.acked < snap.version for s in members):
                 left = deadline - time.monotonic()
                 if left <= 0 or self._closed:
                     if left <= 0:

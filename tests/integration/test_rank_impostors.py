@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner
-from rlink_ucx.session.learner.rank_link import RankLinkClient
+from rlink_ucx.session.learner.ranks.link import RankLinkClient
 from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.transport.loop import IOThread
 from rlink_ucx.wire import auth as _auth
@@ -104,7 +104,7 @@ def test_a_holder_of_the_actor_token_only_can_neither_register_as_a_rank_nor_cla
     error = refusal(sock)
     assert error.kind == "protocol" and "expected Hello" in error.text, error
     assert server.ranks is not None and set(server.ranks.links) == {0} and server.ranks.placed == {}
-    assert server.auth_failures == 2
+    assert server.admission.auth_failures == 2
 
 
 @pytest.mark.timeout(90)

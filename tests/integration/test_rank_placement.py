@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Actor, Config, Learner
-from rlink_ucx.session.learner.rank_link import RankLinkClient
+from rlink_ucx.session.learner.ranks.link import RankLinkClient
 from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.transport.loop import IOThread
 

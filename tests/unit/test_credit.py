@@ -10,6 +10,7 @@ import pytest
 from rlink_ucx import Config
 from rlink_ucx.session.learner.credit import CreditGranter
 from rlink_ucx.store.ring import StepRing
+from rlink_ucx.transport.session_state import SessionState
 from rlink_ucx.wire.codec import Schema
 
 SCHEMA = Schema.from_spec({"x": ("int64", ())})  # 8-byte steps, like the scale benchmark's counters
@@ -20,7 +21,7 @@ class Session:
     that has not spent the credit yet."""
 
     def __init__(self, ring: StepRing, busy: bool = True):
-        self.ring, self.receiver, self.state = ring, object(), "open"
+        self.ring, self.receiver, self.state = ring, object(), SessionState.OPEN
         self.credit, self.low_water, self.revoking, self.busy = 0, 0, False, busy
         self.revokes = 0
 

@@ -14,7 +14,7 @@ from rlink_ucx.errors import (
     refusal,
 )
 
-# Every kind a learner sends (session/learner/server.py, session.py, ranks.py), and one no
+# Every kind a learner sends (session/learner/server.py, session.py, ranks/placement.py), and one no
 # learner sends: an actor of a newer rlink may meet kinds this one does not know.
 KINDS = {
     "auth": AuthError,
@@ -22,7 +22,7 @@ KINDS = {
     "refused": Rejected,
     "timeout": ProtocolError,
     "protocol": ProtocolError,
-    "config": ProtocolError,  # RankRefused.kind: rank_link.py turns it into RankRefused first
+    "config": ProtocolError,  # RankRefused.kind: ranks/link.py turns it into RankRefused first
     "no-such-kind": ProtocolError,
 }
 

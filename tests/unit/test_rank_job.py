@@ -1,4 +1,4 @@
-"""A job of many learner ranks without torch.distributed (session/learner/job.py): rank and
+"""A job of many learner ranks without torch.distributed (session/learner/ranks/job.py): rank and
 world size from the launcher's environment, the rank token's rules, and rank 0's job file by
 which the ranks on its host find its port and generated rank token."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 from rlink_ucx import Config, ConfigError
-from rlink_ucx.session.learner import job as _job
+from rlink_ucx.session.learner.ranks import job as _job
 
 TORCHRUN = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500",
             "TORCHELASTIC_RUN_ID": "abc"}  # fmt: skip

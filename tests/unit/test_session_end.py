@@ -8,6 +8,7 @@ import pytest
 from rlink_ucx.errors import ProtocolError
 from rlink_ucx.observe.ratelog import RateLimitedLog
 from rlink_ucx.session.learner.session import LearnerSession
+from rlink_ucx.transport.session_state import SessionState
 from rlink_ucx.wire import messages as _wire
 
 
@@ -35,9 +36,9 @@ def test_a_protocol_error_ends_an_open_session_and_is_reported():
     ended: list = []
     session, control = _session(ended)
     session.fail(ProtocolError("bad magic"))
-    assert session.state == "lost" and session.stats.protocol_errors == 1
+    assert session.state is SessionState.LOST and session.stats.protocol_errors == 1
     assert [type(m) for m in control.sent] == [_wire.Error] and control.closed
-    assert ended and ended[0][0] == "lost"
+    assert ended and ended[0][0] is SessionState.LOST
 
 
 @pytest.mark.timeout(10)
@@ -76,4 +77,4 @@ def test_a_receiver_stopping_after_the_learner_shut_down_raises_nothing():
         open_loop.run_forever()
     finally:
         open_loop.close()
-    assert session.state == "lost" and session.stats.protocol_errors == 1
+    assert session.state is SessionState.LOST and session.stats.protocol_errors == 1

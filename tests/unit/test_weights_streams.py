@@ -9,6 +9,8 @@ import numpy as np
 import pytest
 
 from rlink_ucx import Config
+from rlink_ucx.transport.session_state import SessionState
+from rlink_ucx.weights.membership import Membership
 from rlink_ucx.weights.publisher import Publisher, _Stream
 
 
@@ -23,8 +25,9 @@ def publisher():
 
 
 def stream_of(**session: object) -> _Stream:
-    fields = {"subscribed": True, "state": "open", "weights_shared": False, **session}
-    return _Stream(SimpleNamespace(**fields), sock=None, key=b"", sent=0)  # type: ignore[arg-type]
+    fields = {"subscribed": True, "state": SessionState.OPEN, "weights_shared": False, **session}
+    weights = Membership(subscribed=bool(fields.pop("subscribed")), shared=bool(fields.pop("weights_shared")))
+    return _Stream(SimpleNamespace(weights=weights, **fields), sock=None, key=b"", sent=0)  # type: ignore[arg-type]
 
 
 @pytest.mark.timeout(30)
@@ -38,7 +41,7 @@ def test_a_pull_that_overtook_its_subscribe_is_kept_open(publisher):
 @pytest.mark.timeout(30)
 def test_an_actor_reading_shared_memory_or_gone_gets_a_single_pull(publisher):
     assert publisher._keeps(stream_of(weights_shared=True)) is False  # nothing published: shared by default
-    assert publisher._keeps(stream_of(state="closed")) is False
+    assert publisher._keeps(stream_of(state=SessionState.CLOSED)) is False
     # A version outside shared memory (a CUDA one) keeps even a sharing actor's connection.
     publisher.latest = SimpleNamespace(shared=None, version=1)
     assert publisher._keeps(stream_of(weights_shared=True)) is True

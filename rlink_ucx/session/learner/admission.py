@@ -55,6 +55,8 @@ class Admission:
         self.shed = 0  # dropped to make room for newer ones, by either cap
         self.shed_per_peer = 0  # ... of which by the per-peer cap
         self.timed_out = 0  # dropped for not authenticating within preauth_timeout
+        self.auth_failures = 0  # refused for a failed authentication
+        self.rejected = 0  # authenticated actors turned away at max_connections
         self._log = RateLimitedLog(log, every=LOG_EVERY, burst=1)
 
     def admit(self, task: asyncio.Task[Any], host: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...errors import AuthError, ProtocolError
 from ...transport.control import ControlConnection
+from ...transport.session_state import SessionState
 from ...wire import auth as _auth
 from ...wire import messages as _wire
 from .session import LearnerSession
@@ -15,7 +16,7 @@ def attach_data_connection(sessions: dict[int, LearnerSession], conn: ControlCon
     """Hand ``conn`` to the session its Attach names (proven with the session's key) as
     the receiver of its frames; returns that session."""
     session = sessions.get(msg.session)
-    if session is None or session.state != "open":
+    if session is None or session.state is not SessionState.OPEN:
         raise AuthError("data connection for an unknown session")
     _auth.verify(_auth.data_proof(session.key, nonce, msg.session), msg.mac, "data connection")
     opening = session.opening

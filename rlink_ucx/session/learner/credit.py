@@ -20,6 +20,7 @@ from typing import Any
 from ...config import Config
 from ...store.ring import StepRing
 from ...transport.loop import call_soon_any_thread
+from ...transport.session_state import SessionState
 
 
 class CreditGranter:
@@ -76,7 +77,7 @@ class CreditGranter:
         ring = self.ring
         if ring is None:
             return
-        active = [s for s in self.sessions.values() if s.state == "open" and s.ring is ring and s.receiver]
+        active = [s for s in self.sessions.values() if s.state is SessionState.OPEN and s.ring is ring and s.receiver]
         self.starved = False  # set again below for each actor left waiting for room
         if not active:
             return

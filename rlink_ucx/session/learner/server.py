@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import collections
 import contextlib
 import functools
-import itertools
 import logging
 import secrets
 import socket
@@ -21,14 +19,14 @@ from ...config import Config
 from ...errors import AuthError, PeerLost, ProtocolError, Rejected, RLinkError, SchemaMismatch, Superseded
 from ...observe.counters import ActorTotals
 from ...observe.ratelog import RateLimitedLog
-from ...observe.report import StalenessHistogram, describe_session, report
+from ...observe.report import StalenessHistogram, report
 from ...store.ring import StepRing
 from ...transport import hostname
 from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
 from ...transport.loop import ticks
 from ...transport.plane import LearnerContext, LearnerPlanes, Plane
-from ...weights.publisher import Member, Publisher
+from ...weights.publisher import Publisher
 from ...wire import auth as _auth
 from ...wire import messages as _wire
 from ...wire.codec import Schema
@@ -37,9 +35,11 @@ from .admission import Admission, listen_backlog, raise_file_limit
 from .attach import attach_data_connection
 from .credit import CreditGranter
 from .liveness import HeartbeatRounds
-from .rank_link import RankLinkClient
-from .ranks import RankTable
+from .outcome import Handshaken, Kind
+from .ranks.link import RankLinkClient
+from .ranks.placement import RankTable
 from .session import LearnerSession
+from .table import SessionTable
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +70,6 @@ class LearnerServer:
         self.rank, self.world = rank, world  # this learner's rank in a job of many (0 of 1: alone)
         self.ranks: RankTable | None = None  # rank 0 of many: where each actor goes
         self.rank_link: RankLinkClient | None = None  # another rank: its link to rank 0
-        self.redirected = 0  # actors rank 0 sent on to another rank
         self.token = token
         self.publish_token = publish_token  # a generated token: written for local actors once bound
         self.token_path: Any = None  # where it was written
@@ -78,9 +77,7 @@ class LearnerServer:
         self.config = config
         self.quiet_log = RateLimitedLog(log)  # refusals, accept errors, session ends: a storm is a few lines
         self.loop = loop
-        self.sessions: dict[int, LearnerSession] = {}
-        self.ended: list[dict[str, Any]] = []
-        self.last_unclean_end: float | None = None  # when a session last ended without a goodbye
+        self.table = SessionTable(rank)  # open and ended sessions, resume points, incarnations
         self.schema = schema
         self.ring: StepRing | None = None
         self.ring_ready = threading.Event()
@@ -90,16 +87,6 @@ class LearnerServer:
         self.reserve: Reserve | None = Reserve(config.buffer_bytes, "learner")
         self.batch_steps: int | None = None  # the dataset's batch size: ring chunks match it
         self.version = 0
-        self.rejected_connections = 0
-        self.auth_failures = 0
-        # Where each (actor id, incarnation) stopped: a reconnecting actor resumes there, and
-        # what it resends below it is recognised as a duplicate.
-        self.resume: collections.OrderedDict[tuple[int, int], int] = collections.OrderedDict()
-        self.incarnations: dict[int, int] = {}  # newest incarnation seen per actor id
-        self._ids = itertools.count(1)
-        # Automatic actor ids: rank 0 gives every actor of the job one; an actor that reaches
-        # another rank directly gets one of that rank's own range.
-        self._auto_actor_ids = itertools.count(1 + (rank << 40))
         self.credit = CreditGranter(self.sessions, config, loop)
         self._tasks: set[asyncio.Task[Any]] = set()
         self._listener: socket.socket | None = None
@@ -108,7 +95,21 @@ class LearnerServer:
         self.planes = LearnerPlanes(LearnerContext(transport, config, loop, host, is_loopback(host)))
         self.publisher = Publisher(self)
         self.staleness = StalenessHistogram()  # fed by RLinkDataset
-        self.totals = ActorTotals()  # ended sessions' counters, for the metrics endpoint
+
+    @property
+    def sessions(self) -> dict[int, LearnerSession]:
+        """Open sessions by id (the table's)."""
+        return self.table.sessions
+
+    @property
+    def ended(self) -> list[dict[str, Any]]:
+        """``stats()`` rows of ended sessions, newest last (the table's)."""
+        return self.table.ended
+
+    @property
+    def totals(self) -> ActorTotals:
+        """Ended sessions' counters (the table's)."""
+        return self.table.totals
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, rank_token: bytes | None = None) -> None:
@@ -216,22 +217,10 @@ class LearnerServer:
                 log.info("handshake with %s did not finish within %ss", peer, self.config.handshake_timeout)
                 conn.send(_wire.Error("timeout", f"handshake did not finish within {self.config.handshake_timeout}s"))
                 return
-            if result is None:  # a data connection, now owned by its session
-                return
-            if isinstance(result, tuple):  # a weights pull
-                await self.publisher.serve_pull(conn, *result)
-                return
-            if isinstance(result, _wire.RankHello):  # another rank of the job, linking to rank 0
-                assert self.ranks is not None
-                await self.ranks.serve(conn, result)
-                return
-            if isinstance(result, _wire.StatsRequest):  # `rlink stats`
-                await _answer_stats(conn, self.snapshot(), self.config)
-                return
-            session = result
-            await session.serve()
+            session = result.session
+            await result.run()
         except AuthError as exc:
-            self.auth_failures += 1
+            self.admission.auth_failures += 1
             self.quiet_log.warning("auth", "refused %s: %s", peer, exc)
             conn.send(_wire.Error("auth", str(exc)))
         except Superseded as exc:
@@ -254,17 +243,17 @@ class LearnerServer:
             elif not conn.handed_off:
                 conn.close()
 
-    async def _handshake(self, conn: ControlConnection
-                         ) -> LearnerSession | tuple[Member, int] | _wire.RankHello | _wire.StatsRequest | None:  # fmt: skip
+    async def _handshake(self, conn: ControlConnection) -> Handshaken:
         nonce = _auth.new_nonce()
         conn.send(_wire.Challenge(_wire.PROTOCOL_VERSION, nonce, self.token is not None))
         first = await _first_message(conn, self.admission, self.config)
         if isinstance(first, _wire.Attach):
             attach_data_connection(self.sessions, conn, first, nonce)
             self.grant_credits()
-            return None
-        if isinstance(first, _wire.Pull):
-            return self.publisher.verify_pull(first, nonce), first.have
+            return Handshaken(Kind.ATTACHED)
+        if isinstance(first, _wire.Pull):  # a weights pull
+            member = self.publisher.verify_pull(first, nonce)
+            return Handshaken(Kind.PULL, functools.partial(self.publisher.serve_pull, conn, member, first.have))
         if not isinstance(first, _wire.Login):
             raise ProtocolError(f"expected Login or Attach, got {type(first).__name__}")
         if first.proto != _wire.PROTOCOL_VERSION:
@@ -282,7 +271,7 @@ class LearnerServer:
             conn.send(_wire.Proof(_auth.learner_proof(self.token, nonce, first.nonce)))
         hello = await conn.recv(self.config.max_control_bytes)
         if isinstance(hello, _wire.StatsRequest):  # `rlink stats`, authenticated as an actor is
-            return hello
+            return Handshaken(Kind.STATS, lambda: _answer_stats(conn, self.snapshot(), self.config))
         if isinstance(hello, _wire.RankHello):
             if self.ranks is None:
                 raise Refused(f"a learner rank linked to rank {self.rank} of {self.world}: only rank 0 of a job of "
@@ -291,7 +280,7 @@ class LearnerServer:
                 raise AuthError("a RankHello from a peer that did not prove the job's rank token (an actor's token "
                                 "does not make a learner rank)")  # fmt: skip
             self.ranks.check_hello(hello, self.token, nonce, first.nonce)
-            return hello
+            return Handshaken(Kind.RANK, functools.partial(self.ranks.serve, conn, hello))
         if a_rank:
             raise ProtocolError(f"expected RankHello after a rank's login, got {type(hello).__name__}")
         if not isinstance(hello, _wire.Hello):
@@ -303,19 +292,15 @@ class LearnerServer:
             rank = self.ranks.place(actor_id, [s.actor_id for s in self.sessions.values()])
             if rank != self.rank:
                 conn.send(self.ranks.redirect(rank, actor_id))
-                self.redirected += 1
-                return None
+                return Handshaken(Kind.REDIRECTED)
             hello = msgspec.structs.replace(hello, actor_id=actor_id)
         plane = self._choose(hello)[0]
         if plane is not None:
             await plane.prepare()  # a plane that cannot start is no longer offered: chosen again below
-        return self._open_session(conn, hello)
+        return Handshaken.opened(self._open_session(conn, hello))
 
     def _new_actor_id(self) -> int:
-        in_use = {s.actor_id for s in self.sessions.values()}
-        if self.ranks is not None:
-            in_use |= self.ranks.in_use()
-        return next(i for i in self._auto_actor_ids if i not in in_use)
+        return self.table.new_actor_id(self.ranks.in_use() if self.ranks is not None else ())
 
     def _choose(self, hello: _wire.Hello) -> tuple[Plane | None, str]:
         return self.planes.choose(hello, same_host=hello.host == hostname())
@@ -325,23 +310,11 @@ class LearnerServer:
         if plane is None:
             raise Refused(f"no common data plane: {reason}")
         if len(self.sessions) >= self.config.max_connections:
-            self.rejected_connections += 1
+            self.admission.rejected += 1
             raise Busy(f"the learner already serves max_connections={self.config.max_connections} actors")
         if hello.actor_id is not None:
             actor_id = hello.actor_id
-            newest = self.incarnations.get(actor_id, -1)
-            if hello.incarnation < newest:
-                raise Superseded(f"actor id {actor_id}: incarnation {hello.incarnation} was superseded by {newest}")
-            self.incarnations[actor_id] = hello.incarnation
-            while len(self.incarnations) > 100_000:
-                self.incarnations.pop(next(iter(self.incarnations)))
-            for other in list(self.sessions.values()):
-                if other.actor_id == actor_id:
-                    # The same incarnation reconnecting (its old connection may not look dead
-                    # yet), or a restarted actor: either way the old session ends here, and
-                    # nothing more from its connections is accepted.
-                    why = "reconnected" if other.incarnation == hello.incarnation else f"replaced by incarnation {hello.incarnation}"
-                    other.close(why, lost=True)
+            self.table.claim(actor_id, hello.incarnation)
         else:
             actor_id = self._new_actor_id()
         try:  # opened last: every path from here on closes it with the session
@@ -349,14 +322,10 @@ class LearnerServer:
         except Rejected as exc:
             raise Refused(str(exc)) from exc
         transport, reason = opening.plane.name, opening.reason
-        session = LearnerSession(self, next(self._ids), conn, hello, actor_id, transport, reason,
+        session = LearnerSession(self, self.table.next_id(), conn, hello, actor_id, transport, reason,
                                  secrets.token_bytes(32))  # fmt: skip
         session.opening = opening
-        resume = self.resume.pop((actor_id, hello.incarnation), None)
-        session.next_seq = resume  # None: the first frame says where this stream starts
-        session.resumed = resume is not None
-        self.totals.reconnects += session.resumed
-        self.sessions[session.id] = session
+        resume = self.table.add(session)
         conn.send(_wire.Welcome(
             session.id, actor_id, self.version, transport, reason, session.ticket, opening.ucx_address,
             self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
@@ -427,17 +396,8 @@ class LearnerServer:
                 self.credit.reclaim_idle(now)
 
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
-        if self.sessions.pop(session.id, None) is None:
+        if not self.table.remove(session):
             return
-        if session.next_seq is not None:
-            self.resume[(session.actor_id, session.incarnation)] = session.next_seq
-            while len(self.resume) > 10_000:
-                self.resume.popitem(last=False)
-        self.ended.append(describe_session(session))
-        self.totals.ended(session.actor_id, session.stats, lost=session.state == "lost")
-        del self.ended[:-1000]
-        if session.state != "closed":  # lost or moved: its actor may come back
-            self.last_unclean_end = time.monotonic()
         if self.ring is not None:
             self.ring.wake()
         self.grant_credits()
@@ -446,10 +406,7 @@ class LearnerServer:
         """Every actor that connected has left and none is expected back: no session is open,
         and the last one that ended without a goodbye did so over ``reconnect_timeout`` ago
         (any thread)."""
-        if self.sessions or not self.ended:
-            return False
-        last = self.last_unclean_end
-        return last is None or time.monotonic() - last > self.config.reconnect_timeout
+        return self.table.all_done(self.config.reconnect_timeout)
 
     def snapshot(self) -> dict[str, Any]:
         """The learner's stats (on the I/O loop)."""

@@ -17,6 +17,8 @@ from ...transport.base import DataPlaneRetired
 from ...transport.control import ControlConnection
 from ...transport.loop import call_soon_any_thread
 from ...transport.plane import get_plane
+from ...transport.session_state import SessionState
+from ...weights.membership import Membership
 from ...weights.publisher import Publisher
 from ...wire import keys as _keys
 from ...wire import messages as _wire
@@ -88,7 +90,7 @@ class LearnerSession:
         self.next_seq: int | None = 0  # None until the first frame of a stream resumed elsewhere
         self.resumed = False  # set by the server: next_seq is where an earlier session of this stream stopped
         self.last_heard = time.monotonic()
-        self.state = "open"
+        self.state = SessionState.OPEN
         self.error: str | None = None
         self.stats = SessionStats()
         self._frame: tuple[FrameHeader, Segment | None] | None = None  # None segment: a duplicate
@@ -104,11 +106,7 @@ class LearnerSession:
         # revoke_deadline() the session is ended: credit it sits on is credit others wait for.
         self.owed_since: float | None = None
         self.owed_keep = 0
-        self.subscribed = False  # wants every published version
-        self.weights_shared = False  # on the learner's host: reads versions from its shared memory
-        self.cuda_device: int | None = None  # where it receives weights (NCCL needs distinct GPUs)
-        self.weights_sent = 0  # newest version announced or broadcast to it
-        self.weights_acked = 0  # newest version it confirmed complete and verified
+        self.weights = Membership()  # its place in the weights fan-out: the publisher's to write
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
         self._lock = threading.Lock()
 
@@ -169,7 +167,7 @@ class LearnerSession:
     def revoke_credit(self, keep: int) -> None:
         """Ask the actor to give back its credit beyond ``keep`` steps: more actors connected
         since it was granted, or it went idle, and others need the ring space."""
-        if self.revoking or self._owes() or self.state != "open" or self.credit <= keep:
+        if self.revoking or self._owes() or self.state is not SessionState.OPEN or self.credit <= keep:
             return  # one unmet Revoke at a time: its deadline runs (an honest actor has nothing more to return)
         self.revoking = True
         self.owed_since, self.owed_keep = time.monotonic(), keep
@@ -246,7 +244,7 @@ class LearnerSession:
         """Validate a frame header against the session (lock held). Returns it, the ring, and
         whether the frame is new: False for one resent after a reconnect whose steps were
         delivered already (its payload is read and dropped)."""
-        if self.state != "open":
+        if self.state is not SessionState.OPEN:
             raise ProtocolError("session is closed")
         h = FrameHeader.unpack(header)
         ring = self.ring
@@ -356,7 +354,7 @@ class LearnerSession:
             if seg is None:
                 self.stats.duplicate_steps += h.n_steps
                 return
-            if self.state != "open":  # replaced by a reconnect meanwhile: its resume point is fixed
+            if self.state is not SessionState.OPEN:  # replaced by a reconnect meanwhile: its resume point is fixed
                 self._scatter = None
                 self.ring.abandon(seg)
                 return
@@ -383,7 +381,7 @@ class LearnerSession:
         self._scatter = None
 
     def _after_frame(self) -> None:
-        if self.state != "open":
+        if self.state is not SessionState.OPEN:
             return
         if self.next_seq is not None and self.next_seq >= self.ack_wanted:
             self.ack_wanted = 1 << 62
@@ -405,7 +403,7 @@ class LearnerSession:
         call_soon_any_thread(self.server.loop, self.fail, exc)
 
     def fail(self, exc: BaseException) -> None:
-        if self.state != "open":  # e.g. a frame already on its way when the session ended: not a fault
+        if self.state is not SessionState.OPEN:  # e.g. a frame already on its way when the session ended: not a fault
             log.debug("actor %s session %s, already ended: %s", self.actor_id, self.id, exc)
             return
         if isinstance(exc, EOFError):
@@ -429,10 +427,10 @@ class LearnerSession:
     def close(self, reason: str, *, lost: bool, moved: bool = False) -> None:
         """End the session: ``lost`` (a fault, reported as PeerLost), ``moved`` (the actor was
         asked to reconnect elsewhere), or else closed (a goodbye, or the learner closing)."""
-        if self.state != "open":
+        if self.state is not SessionState.OPEN:
             return
         with self._lock:  # after this, no frame commits: next_seq is where a reconnect resumes
-            self.state = "lost" if lost else "moved" if moved else "closed"
+            self.state = SessionState.LOST if lost else SessionState.MOVED if moved else SessionState.CLOSED
             credit, self.credit = self.credit, 0
         self.error = reason if lost else None
         if self.ring is not None and credit:

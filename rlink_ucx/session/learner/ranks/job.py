@@ -1,7 +1,7 @@
 """A job of many learner ranks, without torch.distributed: this process's rank and the job's
 size come from the launcher's environment, rank 0 is found at the address every rank was given,
 and the ranks prove to each other that they are ranks with the job's rank token, a secret that
-actors do not hold (the rank links themselves are in ``ranks.py`` and ``rank_link.py``).
+actors do not hold (the rank links themselves are in ``placement.py`` and ``link.py``).
 
 Rank 0 writes a job file, ``job-<rendezvous>.rank0`` (mode 0600, in its user's token directory,
 ``tokens.token_dirs``), named by the launcher's rendezvous (``MASTER_ADDR``/``MASTER_PORT``,
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ...config import Config
-from ...errors import ConfigError
-from ...transport.address import is_loopback
-from .. import tokens
+from ....config import Config
+from ....errors import ConfigError
+from ....transport.address import is_loopback
+from ... import tokens
 
 log = logging.getLogger(__name__)
 

@@ -15,12 +15,12 @@ import random
 import socket
 from collections.abc import Callable
 
-from ...config import Config
-from ...errors import ConfigError, PeerLost, ProtocolError, RLinkError, refusal
-from ...transport.control import ControlConnection
-from ...wire import auth as _auth
-from ...wire import messages as _wire
-from .ranks import RankRefused
+from ....config import Config
+from ....errors import ConfigError, PeerLost, ProtocolError, RLinkError, refusal
+from ....transport.control import ControlConnection
+from ....wire import auth as _auth
+from ....wire import messages as _wire
+from .placement import RankRefused
 
 log = logging.getLogger(__name__)
 

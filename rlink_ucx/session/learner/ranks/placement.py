@@ -21,12 +21,12 @@ import time
 from collections.abc import Collection
 from dataclasses import dataclass
 
-from ...config import Config
-from ...errors import PeerLost, ProtocolError
-from ...observe.ratelog import RateLimitedLog
-from ...transport.control import ControlConnection
-from ...wire import auth as _auth
-from ...wire import messages as _wire
+from ....config import Config
+from ....errors import PeerLost, ProtocolError
+from ....observe.ratelog import RateLimitedLog
+from ....transport.control import ControlConnection
+from ....wire import auth as _auth
+from ....wire import messages as _wire
 
 log = logging.getLogger(__name__)
 
@@ -75,6 +75,7 @@ class RankTable:
         self.placed: dict[int, Placement] = {}  # actor id -> the rank it was sent to (counts the load)
         self.sticky: collections.OrderedDict[int, int] = collections.OrderedDict()  # actor id -> its last rank
         self.moved = 0  # actors placed on another rank than the one they had (their rank ended)
+        self.redirected = 0  # actors sent on to another rank
         # Set once every rank has linked: until then an actor is not placed (the first ranks to
         # link would take every actor of a job whose actors start with its learners).
         self.complete = asyncio.Event()
@@ -155,7 +156,9 @@ class RankTable:
             raise RankRefused(why)
 
     def redirect(self, rank: int, actor_id: int) -> _wire.Redirect:
+        """The Redirect that sends ``actor_id`` on to ``rank`` (counted)."""
         link = self.links[rank]
+        self.redirected += 1
         return _wire.Redirect(rank, link.host, link.port, actor_id)
 
     def in_use(self) -> set[int]:

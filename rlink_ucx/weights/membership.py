@@ -1,0 +1,22 @@
+"""One actor session's place in the weights fan-out.
+
+The publisher owns it: it writes every field under its condition lock (the I/O loop on a
+Subscribe or a Got, the fan-out thread, and each weights connection's thread all do), so a
+version counter is never read-modify-written by two threads at once. Others only read it
+(``stats()`` rows, on the I/O loop).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass
+class Membership:
+    """What the publisher knows of one actor session."""
+
+    subscribed: bool = False  # wants every published version
+    shared: bool = False  # on the learner's host: reads versions from its shared memory
+    cuda_device: int | None = None  # where it receives weights (unused: versions reach actors in host memory)
+    sent: int = 0  # newest version announced or sent to it
+    acked: int = 0  # newest version it confirmed complete and verified

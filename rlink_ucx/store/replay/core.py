@@ -80,8 +80,9 @@ class ReplayCore:
 
             self.torch = torch
         pin = adapter.cuda or (self.torch is not None and self.torch.cuda.is_available())
-        self.settings = ReplaySettings(capacity, batch_size, sampler, sequence_length, alpha, beta, storage,
-                                       adapter.device, adapter.cuda, pin)  # fmt: skip
+        self.settings = ReplaySettings(capacity=capacity, batch_size=batch_size, sampler=sampler,
+                                       sequence_length=sequence_length, alpha=alpha, beta=beta, storage=storage,
+                                       device=adapter.device, cuda=adapter.cuda, pin=pin)  # fmt: skip
         self.limiter = limiter
         self.version = version
         self.rng = np.random.default_rng(seed)
@@ -188,10 +189,11 @@ class ReplayCore:
         groups = chunk_groups(ring, pieces, fields, table) if isinstance(table, BlockTable) else None
         with self.cond:
             # Rows about to be evicted may be being copied into a batch: wait for those copies.
-            self.gate.begin_insert(table.held + n > table.capacity)
+            self.gate.wait_to_insert(table.held + n > table.capacity)
             sampler.on_evict(table.evict_for(n))
             start = table.inserted
             swap = self._plan_swap(table, start, groups) if groups is not None else None
+            self.gate.begin_insert()
         priorities = None
         try:
             # Read the priorities first: a chunk handed back to the ring below is no longer readable.

@@ -27,9 +27,9 @@ class InsertGate:
         self.evicting = 0  # inserts waiting for those copies to finish before they evict
 
     # --- the inserter ------------------------------------------------------------------------
-    def begin_insert(self, evicts: bool) -> None:
+    def wait_to_insert(self, evicts: bool) -> None:
         """Wait until an insert may go on (lock held): no save paused it and, if it ``evicts``,
-        no gather is copying; then it counts as in flight until :meth:`end_insert`."""
+        no gather is copying."""
         while True:
             while self.paused:  # a save began after wait_room said yes: its snapshot comes first
                 self.cond.wait()
@@ -43,6 +43,9 @@ class InsertGate:
                     self.cond.wait()
             finally:
                 self.evicting -= 1
+
+    def begin_insert(self) -> None:
+        """The insert copies outside the lock from now until :meth:`end_insert` (lock held)."""
         self.inserting = True
 
     def end_insert(self) -> None:

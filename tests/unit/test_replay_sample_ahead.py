@@ -180,14 +180,14 @@ def test_an_insert_that_evicts_waits_for_a_gather_in_flight():
         assert wait_for(lambda: r.inserted == 64)
         core = r._core
         with core.cond:
-            core.gathering += 1  # as a sample between finding its rows and copying them
+            core.gate.gathering += 1  # as a sample between finding its rows and copying them
         put(ring, 1, 64, 8)  # must evict 8
         time.sleep(0.3)
-        assert r.inserted == 64 and core.evicting == 1  # the insert waits, before evicting
+        assert r.inserted == 64 and core.gate.evicting == 1  # the insert waits, before evicting
         with pytest.raises(RLinkTimeout):
             r.sample(timeout=0.2)  # and samples wait for it
         with core.cond:
-            core.gathering -= 1
+            core.gate.gathering -= 1
             core.cond.notify_all()
         assert wait_for(lambda: r.inserted == 72)
         check_rows(r.sample(timeout=5))
@@ -220,12 +220,12 @@ def test_a_save_that_begins_while_an_insert_waits_for_a_gather_is_not_written_un
         put(ring, 1, 0, 100)
         assert wait_for(lambda: r.inserted == 100)
         with core.cond:
-            core.gathering += 1  # a gather copying outside the lock
+            core.gate.gathering += 1  # a gather copying outside the lock
         put(ring, 1, 100, 10)  # must evict: waits for the gather
-        assert wait_for(lambda: core.evicting == 1)
+        assert wait_for(lambda: core.gate.evicting == 1)
         core.pause()  # a checkpoint save begins
         with core.cond:
-            core.gathering -= 1
+            core.gate.gathering -= 1
             core.cond.notify_all()
         time.sleep(0.3)
         assert r.inserted == 100 and len(r) == 100  # nothing moved under the save

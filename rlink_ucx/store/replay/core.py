@@ -17,10 +17,9 @@ them there; only the ids, weights and metadata go through host staging.
 
 from __future__ import annotations
 
-import sys
-import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -29,19 +28,20 @@ from ...batch import Batch, Host
 from ...errors import Closed, ConfigError, SchemaMismatch
 from ...errors import TimeoutError as RLinkTimeout
 from ...wire.codec import Schema, torch_dtype, typed_view
-from ...wire.frameworks import Adapter, aligned, typed
+from ...wire.frameworks import Adapter, typed
 from ..ring import Piece, StepRing
 from .block_table import BlockTable, spare_blocks
 from .device_table import DeviceTable
+from .gate import InsertGate
 from .limiter import RateLimiter
-from .pieces import chunk_groups, contiguous, streams
+from .pieces import ChunkGroup, chunk_groups, contiguous, streams
 from .samplers import UniformSampler, _checked, make_sampler
 from .split_gather import gather_rows
+from .staging import Draw, Staging, StagingPool
 from .table import PRIORITY_FIELD, ReplayTable
 
-__all__ = ["ReplayCore", "stored_schema"]
+__all__ = ["ReplayCore", "ReplaySettings", "stored_schema"]
 
-_POOL = 4  # staging buffer sets kept for reuse
 ADOPT_MIN_BYTES = 1 << 20  # ring chunks at least this large are taken without copying (host tables)
 
 
@@ -50,7 +50,26 @@ def stored_schema(stream: Schema) -> Schema:
     return Schema(tuple(f for f in stream.fields if f.name != PRIORITY_FIELD))
 
 
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What a replay core is made with, fixed for its life."""
+
+    capacity: int
+    batch_size: int
+    sampler: str  # the sampler's kind (samplers.make_sampler)
+    sequence_length: int | None
+    alpha: float
+    beta: float
+    storage: str  # "host": numpy rows (pinned where CUDA exists); "device": tensors on device
+    device: Any  # the batches' device (wire/frameworks.py)
+    cuda: bool
+    pin: bool  # host staging (and host rows) in page-locked memory
+
+
 class ReplayCore:
+    """The replay's table, sampler and rate limiter behind one lock (``gate.cond``): inserts
+    from the inserter thread, samples from any thread."""
+
     def __init__(self, *, capacity: int, batch_size: int, sampler: str, sequence_length: int | None,
                  alpha: float, beta: float, limiter: RateLimiter, adapter: Adapter,
                  version: Callable[[], int], seed: int | None = None, storage: str = "host"):  # fmt: skip
@@ -60,57 +79,48 @@ class ReplayCore:
             import torch
 
             self.torch = torch
-        self.capacity = capacity
-        self.batch_size = batch_size
-        self.kind = sampler
-        self.sequence_length = sequence_length
-        self.alpha, self.beta = alpha, beta
+        pin = adapter.cuda or (self.torch is not None and self.torch.cuda.is_available())
+        self.settings = ReplaySettings(capacity=capacity, batch_size=batch_size, sampler=sampler,
+                                       sequence_length=sequence_length, alpha=alpha, beta=beta, storage=storage,
+                                       device=adapter.device, cuda=adapter.cuda, pin=pin)  # fmt: skip
         self.limiter = limiter
-        self.device = adapter.device
-        self.cuda = adapter.cuda
-        self.pin = self.cuda or (self.torch is not None and self.torch.cuda.is_available())
-        self.storage = storage  # "host": numpy rows (pinned where CUDA exists); "device": tensors on device
         self.version = version
         self.rng = np.random.default_rng(seed)
-        self.cond = threading.Condition()
+        self.gate = InsertGate()
+        self.cond = self.gate.cond  # guards everything below, and the table, sampler and limiter
         self.table: ReplayTable | None = None
         self.sampler: UniformSampler | None = None
         self.error: BaseException | None = None
         self.closed = False
         self.ended = False  # the inserter stopped: nothing more will arrive
-        self.paused = 0  # saves in progress: no insert while > 0
-        self.inserting = False  # an insert is copying outside the lock
         self._stream: tuple[list[int], int | None] | None = None  # ring field per stored field, priority field
         self.adopt_min_bytes = ADOPT_MIN_BYTES
         self.ring_geometry: tuple[int, int] | None = None  # the learner ring's (chunk_steps, capacity), once known
-        self._pool: list[_Staging] = []
-        self.pool_size = _POOL  # staging sets kept for reuse (more while sampling ahead)
+        self.pool = StagingPool()
         self._dtypes: list[Any] = []
-        self.gathering = 0  # samples copying rows outside the lock
-        self.evicting = 0  # inserts waiting for those copies to finish before they evict
 
     # --- setup ------------------------------------------------------------------------------------
     def build(self, schema: Schema, touch: bool = True, ring: tuple[int, int] | None = None) -> None:
         """Allocate the table for ``schema`` (the stored fields); lock held or not yet shared.
         ``ring``: the learner ring's ``(chunk_steps, capacity)`` if known, for ``adopts``."""
-        ring = ring or self.ring_geometry
-        if self.storage == "device":
-            self.table = DeviceTable(schema, self.capacity, self.sequence_length, device=self.device, touch=touch)
+        ring, s = ring or self.ring_geometry, self.settings
+        if s.storage == "device":
+            self.table = DeviceTable(schema, s.capacity, s.sequence_length, device=s.device, touch=touch)
         elif ring is not None and self._adoptable(schema, *ring):
             chunk, steps = ring
-            self.table = BlockTable(schema, self.capacity, self.sequence_length, block=chunk,
+            self.table = BlockTable(schema, s.capacity, s.sequence_length, block=chunk,
                                     spare=spare_blocks(steps, chunk), touch=touch)  # fmt: skip
         else:
-            self.table = ReplayTable(schema, self.capacity, self.sequence_length, pin=self.pin, touch=touch)
-        self.sampler = make_sampler(self.kind, self.table, self.rng, self.alpha, self.beta)
+            self.table = ReplayTable(schema, s.capacity, s.sequence_length, pin=s.pin, touch=touch)
+        self.sampler = make_sampler(s.sampler, self.table, self.rng, s.alpha, s.beta)
         self._dtypes = [torch_dtype(f.dtype) for f in schema.fields] if self.torch is not None else []
 
     def _adoptable(self, schema: Schema, chunk: int, ring_steps: int) -> bool:
         """Whether a host table takes whole ring chunks without copying (``BlockTable``): large
         steps (copying them is what costs), unpinned storage (the ring keeps some of its blocks
         after the replay is gone), and a ring small next to the table (its blocks are extra)."""
-        return (not self.pin and chunk * schema.step_bytes >= self.adopt_min_bytes
-                and 4 * ring_steps <= self.capacity)  # fmt: skip
+        return (not self.settings.pin and chunk * schema.step_bytes >= self.adopt_min_bytes
+                and 4 * ring_steps <= self.settings.capacity)  # fmt: skip
 
     @property
     def adopts(self) -> bool:
@@ -163,7 +173,7 @@ class ReplayCore:
             return 0
 
     def _room(self) -> int | None:
-        if self.paused or self.table is None or self.sampler is None:
+        if self.gate.paused or self.table is None or self.sampler is None:
             return 0
         rooms = [r for r in (self.limiter.insert_room(self.table.held), self.sampler.insert_room()) if r is not None]
         return min(rooms) if rooms else None
@@ -178,48 +188,24 @@ class ReplayCore:
         fields, prio = self._stream
         groups = chunk_groups(ring, pieces, fields, table) if isinstance(table, BlockTable) else None
         with self.cond:
-            while True:
-                while self.paused:  # a save began after wait_room said yes: its snapshot comes first
-                    self.cond.wait()
-                if not (table.held + n > table.capacity and self.gathering):
-                    break
-                # Rows about to be evicted may be being copied into a batch: wait for those
-                # copies (and keep new ones from starting meanwhile, or they never all end),
-                # then look again: a save may have begun while we waited.
-                self.evicting += 1
-                try:
-                    while self.gathering:
-                        self.cond.wait()
-                finally:
-                    self.evicting -= 1
+            # Rows about to be evicted may be being copied into a batch: wait for those copies.
+            self.gate.wait_to_insert(table.held + n > table.capacity)
             sampler.on_evict(table.evict_for(n))
             start = table.inserted
-            if groups is not None:
-                assert isinstance(table, BlockTable)
-                # A whole chunk gets a free block of the table in its place in the ring; one that
-                # is a block of ours becomes its steps' rows only then (never left in the ring).
-                lends = [table.lend_block() if g.whole else None for g in groups]
-                plan = table.place(start, [(g.count, g.adopt if lend is not None else None)
-                                           for g, lend in zip(groups, lends)])  # fmt: skip
-            self.inserting = True
+            swap = self._plan_swap(table, start, groups) if groups is not None else None
+            self.gate.begin_insert()
         priorities = None
         try:
             # Read the priorities first: a chunk handed back to the ring below is no longer readable.
             if prio is not None:
                 priorities = np.concatenate([ring.piece_bytes(prio, p).view(np.float32) for p in pieces])
-            if groups is None:
+            if swap is None:
                 at = start
                 for span in contiguous(pieces, ring.chunk_steps):  # one copy per run of consecutive ring positions
                     table.write(at, [ring.piece_bytes(i, span) for i in fields], span.count)
                     at += span.count
             else:
-                assert isinstance(table, BlockTable)
-                for group, runs, lend in zip(groups, plan, lends):
-                    if runs:
-                        spans = list(contiguous(group.pieces, ring.chunk_steps))
-                        table.copy_in(runs, [[ring.piece_bytes(i, s) for s in spans] for i in fields])
-                    if lend is not None and ring.lend_chunk(group.pieces, self._ring_chunk(table, lend, ring)) is None:
-                        raise RuntimeError("a whole ring chunk could not be swapped")  # chunk_groups checked it
+                self._swap_in(ring, swap)
             at = start
             for run in streams(pieces):  # one description per run of one actor's consecutive steps
                 table.describe(at, run.count, run.actor_id, run.seq, run.version)
@@ -227,12 +213,33 @@ class ReplayCore:
         finally:
             table.finish_writes()
             with self.cond:
-                self.inserting = False
+                self.gate.end_insert()
                 table.publish(n)
                 ids = np.arange(start, start + n, dtype=np.int64)
                 sampler.on_insert(ids, priorities)
                 self.limiter.inserted += n
                 self.cond.notify_all()
+
+    def _plan_swap(self, table: ReplayTable, start: int, groups: list[ChunkGroup]) -> _Swap:
+        """Where the groups' steps go from ``start`` on (lock held): a whole chunk gets a free
+        block of the table in its place in the ring; one that is a block of ours becomes its
+        steps' rows only then (never left in the ring)."""
+        assert isinstance(table, BlockTable)  # chunk groups are made for block tables only
+        lends = [table.lend_block() if g.whole else None for g in groups]
+        plan = table.place(start, [(g.count, g.adopt if lend is not None else None)
+                                   for g, lend in zip(groups, lends)])  # fmt: skip
+        return _Swap(table, groups, plan, lends)
+
+    def _swap_in(self, ring: StepRing, swap: _Swap) -> None:
+        """Copy the steps a block table cannot take whole and swap the whole chunks (no lock)."""
+        assert self._stream is not None
+        fields, table = self._stream[0], swap.table
+        for group, runs, lend in zip(swap.groups, swap.plan, swap.lends):
+            if runs:
+                spans = list(contiguous(group.pieces, ring.chunk_steps))
+                table.copy_in(runs, [[ring.piece_bytes(i, s) for s in spans] for i in fields])
+            if lend is not None and ring.lend_chunk(group.pieces, self._ring_chunk(table, lend, ring)) is None:
+                raise RuntimeError("a whole ring chunk could not be swapped")  # chunk_groups checked it
 
     def _ring_chunk(self, table: BlockTable, block: int, ring: StepRing) -> list[np.ndarray]:
         """The free ``block`` as a ring chunk: its rows per stored field, in the stream's field
@@ -251,7 +258,7 @@ class ReplayCore:
     def sample(self, timeout: float, split: bool = True) -> Batch:
         """One batch. ``split``: a large host gather may be shared with the split-gather helper
         (threads sampling ahead pass False: they gather side by side instead)."""
-        deadline = time.monotonic() + timeout
+        deadline, batch_size = time.monotonic() + timeout, self.settings.batch_size
         with self.cond:
             while True:
                 if self.error is not None:
@@ -260,9 +267,9 @@ class ReplayCore:
                     raise Closed("the replay is closed")
                 table, sampler = self.table, self.sampler
                 got = None
-                if (table is not None and sampler is not None and not self.evicting
-                        and self.limiter.can_sample(self.batch_size, table.held)):  # fmt: skip
-                    got = sampler.sample(self.batch_size)
+                if (table is not None and sampler is not None and self.gate.may_sample()
+                        and self.limiter.can_sample(batch_size, table.held)):  # fmt: skip
+                    got = sampler.sample(batch_size)
                 if got is not None:
                     break
                 if self.ended:
@@ -271,7 +278,7 @@ class ReplayCore:
                 if left <= 0:
                     raise self.timed_out(timeout)
                 self.cond.wait(left)
-            self.limiter.sampled += self.batch_size
+            self.limiter.sampled += batch_size
             self.cond.notify_all()  # the inserter may be waiting for room in the band
             draw = self._draw(*got)
             if draw.rows is None:  # a device table gathered under the lock
@@ -279,54 +286,45 @@ class ReplayCore:
                     return self._batch(draw)
                 finally:
                     draw.staging.claimed = False
-            self.gathering += 1
+            self.gate.begin_gather()
         try:
             gather_rows(list(zip(draw.table.rows, draw.staging.fields)), draw.rows, split)
             return self._batch(draw)
         finally:
             with self.cond:
-                self.gathering -= 1
                 draw.staging.claimed = False  # the batch's tensors hold it now (or nobody does)
-                if self.evicting and not self.gathering:
-                    self.cond.notify_all()
+                self.gate.end_gather()
 
     def timed_out(self, timeout: float) -> RLinkTimeout:
         """The error of a sample that waited ``timeout`` seconds in vain, saying why."""
         return RLinkTimeout(f"sample timed out after {timeout:.3g}s: " + self._why_waiting(timeout))
 
     def _why_waiting(self, timeout: float | None) -> str:
-        held = self.table.held if self.table is not None else 0
+        held, batch_size = (self.table.held if self.table is not None else 0), self.settings.batch_size
         what = f"{held} steps held"
         if self.table is None:
             return what + " (no actor has sent a schema yet)"
         if held < self.limiter.min_size:
             return what + f", min_size is {self.limiter.min_size}"
-        if self.limiter.samples_per_insert is not None and not self.limiter.can_sample(self.batch_size, held):
+        if self.limiter.samples_per_insert is not None and not self.limiter.can_sample(batch_size, held):
             return what + " (the samples_per_insert rate limiter waits for inserts)"
-        return what + f" (not enough items for a batch of {self.batch_size})"
+        return what + f" (not enough items for a batch of {batch_size})"
 
-    def _staging(self, rows: int) -> _Staging:
+    def _staging(self, rows: int) -> Staging:
         """A free staging set for ``rows`` rows, claimed (lock held)."""
-        for staging in self._pool:
-            if staging.rows == rows and not staging.in_use():
-                staging.claimed = True
-                return staging
         assert self.table is not None
-        fields = not (self.table.on_device and self.cuda)  # a CUDA gather makes its own tensors
-        staging = _Staging(self.table, rows, self.batch_size, self.pin, fields)
-        staging.claimed = True
-        if len(self._pool) < self.pool_size:
-            self._pool.append(staging)
-        return staging
+        s = self.settings
+        fields = not (self.table.on_device and s.cuda)  # a CUDA gather makes its own tensors
+        return self.pool.take(self.table, rows, s.batch_size, s.pin, fields)
 
-    def _draw(self, ids: np.ndarray, weights: np.ndarray) -> _Draw:
+    def _draw(self, ids: np.ndarray, weights: np.ndarray) -> Draw:
         """Everything of the batch of ``ids`` but the host rows' bytes (lock held): its staging,
         metadata, and the storage rows to copy; a device table gathers here."""
         table = self.table
         assert table is not None
-        every = table.window_ids(ids) if self.sequence_length else ids
+        every = table.window_ids(ids) if self.settings.sequence_length else ids
         staging = self._staging(every.size)
-        draw = _Draw(table, staging, len(ids))
+        draw = Draw(table, staging, len(ids))
         if isinstance(table, DeviceTable):
             draw.tensors = table.gather_device(every, staging.fields, staging.slots)
         else:
@@ -339,9 +337,9 @@ class ReplayCore:
         staging.weight[:] = weights
         return draw
 
-    def _batch(self, draw: _Draw) -> Batch:
-        table, staging = draw.table, draw.staging
-        lead = (draw.items, table.window) if self.sequence_length else (draw.items,)
+    def _batch(self, draw: Draw) -> Batch:
+        table, staging, s = draw.table, draw.staging, self.settings
+        lead = (draw.items, table.window) if s.sequence_length else (draw.items,)
         if self.torch is None:  # a host table's staging handed out as numpy, JAX or TensorFlow arrays
             host = {spec.name: Host(typed(raw.reshape(-1), spec.dtype, (*lead, *spec.shape)), spec.dtype)
                     for spec, raw in zip(table.schema.fields, staging.fields)}  # fmt: skip
@@ -356,12 +354,12 @@ class ReplayCore:
         }
         m = torch.from_numpy(staging.meta).view(4, *lead)
         index, weight = torch.from_numpy(staging.index), torch.from_numpy(staging.weight)
-        if self.cuda:
+        if s.cuda:
             if not table.on_device:
-                fields = {k: v.to(self.device, non_blocking=True) for k, v in fields.items()}
-            m, index, weight = (x.to(self.device, non_blocking=True) for x in (m, index, weight))
+                fields = {k: v.to(s.device, non_blocking=True) for k, v in fields.items()}
+            m, index, weight = (x.to(s.device, non_blocking=True) for x in (m, index, weight))
             staging.copied = torch.cuda.Event()
-            staging.copied.record(torch.cuda.current_stream(self.device))
+            staging.copied.record(torch.cuda.current_stream(s.device))
         return Batch(fields, version=m[0], actor_id=m[1], seq=m[2], staleness=m[3], index=index, weight=weight)
 
     def update_priorities(self, index: Any, priorities: Any) -> None:
@@ -374,57 +372,22 @@ class ReplayCore:
     # --- pausing for a checkpoint ---------------------------------------------------------------
     def pause(self) -> None:
         """Stop inserts (they wait, and so do the actors) and wait for one in flight."""
-        with self.cond:
-            self.paused += 1
-            while self.inserting:
-                self.cond.wait()
+        self.gate.pause()
 
     def resume(self) -> None:
-        with self.cond:
-            self.paused -= 1
-            self.cond.notify_all()
+        """Let inserts go on after :meth:`pause`."""
+        self.gate.resume()
 
 
-class _Draw:
-    """A batch being made: its table, staging and item count; the storage rows still to copy
-    (host tables) or the gathered tensors (device tables)."""
+@dataclass
+class _Swap:
+    """A block table insert's plan, made under the lock: per chunk group, the ``(row, count)``
+    runs to copy into and the free block lent to the ring in the chunk's place (or None)."""
 
-    def __init__(self, table: ReplayTable, staging: _Staging, items: int):
-        self.table = table
-        self.staging = staging
-        self.items = items
-        self.rows: np.ndarray | None = None
-        self.tensors: list[Any] = []
-
-
-class _Staging:
-    """Host buffers for one batch; torch tensors made from them keep them referenced."""
-
-    def __init__(self, table: ReplayTable, rows: int, batch_size: int, pin: bool, fields: bool = True):
-        self.rows = rows
-        self.claimed = False  # handed to a sample that has not made its tensors yet
-        self.fields = [_empty((rows, spec.step_bytes), np.uint8, pin) for spec in table.schema.fields] if fields else []
-        self.slots = _empty((rows,), np.int64, pin)  # slot numbers, for a device gather's index
-        self.meta = _empty((4, rows), np.int64, pin)
-        self.index = _empty((batch_size,), np.int64, pin)
-        self.weight = _empty((batch_size,), np.float32, pin)
-        self.copied: Any = None  # the CUDA event of the copy to the device
-
-    def in_use(self) -> bool:
-        if self.claimed or (self.copied is not None and not self.copied.query()):
-            return True
-        # 4 = this object's slot, the tuple, the loop variable and getrefcount's argument.
-        return any(sys.getrefcount(a) > 4 for a in (*self.fields, self.slots, self.meta, self.index, self.weight))
-
-
-def _empty(shape: tuple[int, ...], dtype: Any, pin: bool) -> np.ndarray:
-    if pin:
-        import torch
-
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        pinned: np.ndarray = torch.empty(n, dtype=torch.uint8, pin_memory=True).numpy().view(dtype).reshape(shape)
-        return pinned
-    return aligned(shape, dtype)
+    table: BlockTable
+    groups: list[ChunkGroup]
+    plan: list[list[tuple[int, int]]]
+    lends: list[int | None]
 
 
 def _again(exc: BaseException) -> BaseException:

@@ -49,7 +49,7 @@ class SampleAhead:
         self.started = False
         self._threads: list[threading.Thread] = []
         # each batch ahead, each thread's and a couple the caller still holds keep their staging
-        core.pool_size = max(core.pool_size, depth + threads + 2)
+        core.pool.reserve(depth + threads + 2)
 
     def get(self, timeout: float) -> Batch:
         """The next batch; waits up to ``timeout``. Errors (closed, the inserter failed, too

@@ -22,11 +22,12 @@ def send_timeout(side: ActorSide) -> float:
     return min(side.config.frame_timeout, side.config.heartbeat_timeout)
 
 
-async def open_data_connection(side: ActorSide, attach: _wire.Attach) -> ControlConnection:
-    """Open the actor's data connection and send ``attach`` on it, its proof filled in."""
+async def open_data_connection(side: ActorSide, detail: bytes = b"") -> ControlConnection:
+    """Open the actor's data connection and send its Attach on it: the proof, and the plane's
+    own attach ``detail`` (opaque bytes the plane's learner side decodes)."""
     data, challenge = await side.open_data()
     proof = _auth.data_proof(side.session_key, challenge.nonce, side.welcome.session)
-    data.send(_wire.Attach(_wire.PROTOCOL_VERSION, side.welcome.session, proof, attach.shm, attach.arena, attach.cma))
+    data.send(_wire.Attach(_wire.PROTOCOL_VERSION, side.welcome.session, proof, detail))
     return data
 
 
@@ -48,6 +49,7 @@ class TcpPlane(Plane):
 
     name = "tcp"
     preference = 2
+    every_actor = True
 
     @classmethod
     def auto(cls, s: Situation) -> tuple[bool, str]:
@@ -55,7 +57,7 @@ class TcpPlane(Plane):
 
     @classmethod
     async def connect(cls, side: ActorSide) -> Attached:
-        data = await open_data_connection(side, _wire.Attach(0, 0, b""))
+        data = await open_data_connection(side)
         sender = TcpSender(data.sock, side.loop, send_timeout(side), side.config.tcp_congestion)
         return Attached(sender, side.welcome)
 

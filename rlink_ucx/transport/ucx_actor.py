@@ -119,17 +119,17 @@ class UcxActorPlane:
     @classmethod
     async def connect(cls, loop: asyncio.AbstractEventLoop, welcome: Welcome, session_key: bytes, incarnation: int,
                       config: Config, loopback: bool = False, control: socket.socket | None = None) -> UcxActorPlane:  # fmt: skip
-        if not welcome.ucx_address:
+        if not welcome.answer:
             raise ProtocolError("learner chose ucx but sent no worker address")
         devices = None
         if not loopback and control is not None:  # the interface our control channel left by
             devices = await loop.run_in_executor(None, ucx_probe.net_devices, control.getsockname()[0])
         if "ucxx._lib.arr" not in sys.modules:  # the first ucx actor here: import ucxx (~0.5 s) off the loop
             await loop.run_in_executor(None, load_ucxx)
-        shared = _take_worker(loop, bytes(welcome.ucx_address), config, loopback, devices)
+        shared = _take_worker(loop, bytes(welcome.answer), config, loopback, devices)
         u = shared.u
         try:
-            address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
+            address = u.UCXAddress.create_from_buffer(welcome.answer)
             endpoint = u.UCXEndpoint.create_from_worker_address(shared.worker, address, False)
             return cls(shared, endpoint, session_tags(session_key), loop, config, control)
         except u.UCXError as exc:  # the worker it names is gone (recycled, or its learner restarted)

@@ -58,7 +58,6 @@ class UcxPlane(Plane):
     preference = 0
     data_connection = False
     whole_fields = True  # UCX receives each field as one message into one buffer
-    hello_flag = "ucx"
 
     @classmethod
     def available(cls) -> bool:
@@ -208,7 +207,7 @@ class UcxOpening(Opening):
     session opens: the worker may be recycled meanwhile)."""
 
     def __init__(self, plane: type[Plane], reason: str, *, learner: UcxLearnerPlane, generation: Generation):
-        super().__init__(plane, reason, ucx_address=generation.address)
+        super().__init__(plane, reason, answer=generation.address)  # the worker's address is the answer
         self.learner, self.generation = learner, generation
 
     def attach(self, session: SessionSide, conn: ControlConnection | None,

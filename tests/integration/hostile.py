@@ -15,6 +15,13 @@ import numpy as np
 from rlink_ucx import __version__
 from rlink_ucx.bench.procfs import listening_sockets
 from rlink_ucx.transport import hostname
+from rlink_ucx.transport.plane import encode_blob
+from rlink_ucx.transport.shm_plane import AttachDetail
+
+
+def offers(*, ucx: bool, shm: bool) -> dict[str, bytes]:
+    """A Hello's offers: tcp, and ucx / shm where asked."""
+    return {"tcp": b"", **({"ucx": b""} if ucx else {}), **({"shm": b""} if shm else {})}
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import keys as _keys
 from rlink_ucx.wire import messages as _wire
@@ -40,7 +47,7 @@ class RawActor:
         self.send(self.control, _wire.Login(_wire.PROTOCOL_VERSION, nonce, mac))
         if self.token:
             assert isinstance(self.recv(self.control), _wire.Proof)
-        self.send(self.control, _wire.Hello(actor_id, 0, __version__, transport, ucx, False, hostname(), pid, shm))
+        self.send(self.control, _wire.Hello(actor_id, 0, __version__, transport, False, hostname(), pid, offers(ucx=ucx, shm=shm)))
         welcome = self.expect(_wire.Welcome)
         self.welcome = welcome
         return welcome
@@ -59,7 +66,8 @@ class RawActor:
         data = socket.create_connection((self.host, self.port), timeout=self.timeout)
         challenge = self.recv(data)
         proof = _auth.data_proof(self.session_key if key is None else key, challenge.nonce, self.welcome.session)
-        self.send(data, _wire.Attach(_wire.PROTOCOL_VERSION, self.welcome.session, proof, shm, arena, cma))
+        detail = encode_blob(AttachDetail(True, arena, cma)) if shm else b""
+        self.send(data, _wire.Attach(_wire.PROTOCOL_VERSION, self.welcome.session, proof, detail))
         self.data = data
         return data
 
@@ -198,7 +206,7 @@ def _send_ucx_messages(address: str, token: bytes, out: Any, messages: Any, fiel
         u, context, worker = make_worker(Config(), loopback=True)
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
-            worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
+            worker, u.UCXAddress.create_from_buffer(welcome.answer), False)  # fmt: skip
         sent = messages(welcome, accept, session_tags(actor.session_key))
         keep = [(array(bytearray(data)), tag) for data, tag in sent]
         requests = [endpoint.tag_send(data, u.UCXXTag(tag)) for data, tag in keep]
@@ -274,7 +282,7 @@ def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> N
         u, context, worker = make_worker(Config(), loopback=True)
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
-            worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
+            worker, u.UCXAddress.create_from_buffer(welcome.answer), False)  # fmt: skip
         header_tag, _ = session_tags(actor.session_key)
         step_bytes = 2 * HEADER_MESSAGE_BYTES
         keep = [array(bytearray(FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, seq, 0, step_bytes).pack()))

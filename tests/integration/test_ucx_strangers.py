@@ -54,7 +54,7 @@ def test_200_mib_of_tagged_junk_from_a_stranger_does_not_grow_the_learner_and_a_
         # The stranger knows the learner's worker address (from a session of its own that has
         # ended) but holds no live session, so no tag of any live one.
         raw = RawActor(learner.address, TOKEN)
-        worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).ucx_address
+        worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).answer
         raw.close()
         assert worker_address
         stop, out = SPAWN.Event(), SPAWN.Queue()
@@ -102,7 +102,7 @@ def test_junk_queued_behind_a_stalled_actors_next_header_is_thrown_away_too():
         try:
             assert out.get(timeout=60) == "stalled"
             raw = RawActor(learner.address, TOKEN)
-            worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).ucx_address
+            worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).answer
             raw.close()
             time.sleep(0.5)
             before = rss_bytes()

@@ -45,7 +45,6 @@ class _Carrier(Plane):
 
     name = "carrier"
     preference = -1
-    hello_flag = "carrier"
 
     @classmethod
     def auto(cls, s):
@@ -96,7 +95,7 @@ def test_one_register_line_makes_a_plane_choosable_by_name_and_by_auto(registry)
     # The actor lacks it: auto falls back to tcp, with the first reason a plane gave for declining.
     learner_only = Situation(frozenset({"tcp", "carrier"}), frozenset({"tcp"}))
     assert choose_plane("auto", "auto", learner_only) == ("tcp", "auto: no pigeons")
-    hello = _wire.Hello(1, 0, "0", "auto", False, False, "h", 1, False)
+    hello = _wire.Hello(1, 0, "0", "auto", False, "h", 1)
     assert plane.situation({"tcp": True, "carrier": True}, hello, same_host=False).actor == frozenset({"tcp"})
 
 
@@ -140,7 +139,7 @@ def _planes(wanted: str, loop: asyncio.AbstractEventLoop) -> LearnerPlanes:
 def test_the_learners_planes_offer_what_its_transport_allows_and_choose_per_hello(monkeypatch, loop):
     monkeypatch.setattr(ucx_plane, "ucx_available", lambda: False)
     monkeypatch.setattr(ucx_plane, "ucx_failure", lambda: None)
-    local = _wire.Hello(1, 0, "0", "auto", False, False, "h", 1, True)
+    local = _wire.Hello(1, 0, "0", "auto", False, "h", 1, {"shm": b""})
     planes = _planes("tcp", loop)
     assert planes.offers() == {"tcp": True, "ucx": False, "shm": False}
     assert planes.choose(local, same_host=True)[0] is planes["tcp"]
@@ -155,9 +154,9 @@ def test_the_learners_planes_offer_what_its_transport_allows_and_choose_per_hell
 def test_a_learner_whose_ucx_failed_says_so_instead_of_not_installed(monkeypatch, loop):
     monkeypatch.setattr(ucx_plane, "ucx_available", lambda: False)
     monkeypatch.setattr(ucx_plane, "ucx_failure", lambda: "bad UCX_TLS")
-    wants_ucx = _wire.Hello(1, 0, "0", "ucx", True, False, "h", 1, False)
+    wants_ucx = _wire.Hello(1, 0, "0", "ucx", False, "h", 1, {"ucx": b""})
     assert _planes("auto", loop).choose(wants_ucx, same_host=False) == (None, "ucx requested: the learner's ucx is off (bad UCX_TLS)")
-    remote = _wire.Hello(1, 0, "0", "auto", True, False, "h", 1, False)
+    remote = _wire.Hello(1, 0, "0", "auto", False, "h", 1, {"ucx": b""})
     chosen, reason = _planes("auto", loop).choose(remote, same_host=False)
     assert chosen is not None and chosen.name == "tcp" and reason == "auto: the learner's ucx is off (bad UCX_TLS)"
 

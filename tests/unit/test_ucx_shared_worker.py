@@ -18,7 +18,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not ucx_importable(), 
 def _connect(loop: asyncio.AbstractEventLoop, address: bytes):
     from rlink_ucx.transport.ucx_actor import UcxActorPlane
 
-    welcome = SimpleNamespace(ucx_address=address)
+    welcome = SimpleNamespace(answer=address)
     return loop.run_until_complete(UcxActorPlane.connect(loop, welcome, b"k" * 32, 0, Config(), loopback=True))
 
 

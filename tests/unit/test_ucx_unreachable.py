@@ -25,7 +25,7 @@ def test_an_unreachable_learner_worker_is_peer_lost(monkeypatch):
                            UCXAddress=SimpleNamespace(create_from_buffer=lambda b: b),
                            UCXEndpoint=SimpleNamespace(create_from_worker_address=unreachable))  # fmt: skip
     monkeypatch.setattr(ucx_actor, "make_worker", lambda config, loopback, devices: (fake, object(), object()))
-    welcome = SimpleNamespace(ucx_address=b"a worker that is gone")
+    welcome = SimpleNamespace(answer=b"a worker that is gone")
     loop = asyncio.new_event_loop()
     try:
         with pytest.raises(PeerLost, match="ucx worker is unreachable .*UCXXUnreachableError"):

@@ -62,4 +62,4 @@ class TcpPlane(Plane):
         return Attached(sender, side.welcome)
 
     def open(self, reason: str) -> Opening:
-        return TcpOpening(TcpPlane, reason, congestion=self.context.config.tcp_congestion)
+        return TcpOpening(type(self), reason, congestion=self.context.config.tcp_congestion)

@@ -209,3 +209,12 @@ def test_frame_memory_lends_the_arena_only_while_frames_are_kept_for_resending()
     assert memory.take(4096) is not None and arena._memory.populating == 2 * 4096 + 2 * 64 * 1024  # both blocks, and two frames
     assert memory.release() is arena and memory.arena is None
     arena.close()
+
+
+def test_a_plugin_module_that_does_not_import_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(plane, "_plugins_loaded", False)
+    monkeypatch.setenv(plane.PLUGINS_ENV, "tests.no_such_plane_module")
+    with pytest.raises(ConfigError, match="RLINK_PLANES names 'tests.no_such_plane_module', which does not import"):
+        get_plane("tcp")
+    assert plane._plugins_loaded  # tried once, not at every look
+    assert get_plane("tcp") is TcpPlane

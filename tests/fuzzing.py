@@ -26,10 +26,12 @@ from rlink_ucx.errors import AuthError, PeerLost, ProtocolError, SchemaMismatch
 from rlink_ucx.session.learner.attach import attach_data_connection
 from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.session.learner.session import LearnerSession
-from rlink_ucx.transport import hostname, shm, shm_records
+from rlink_ucx.transport import hostname
 from rlink_ucx.transport.control import ControlConnection
 from rlink_ucx.transport.plane import encode_blob
-from rlink_ucx.transport.shm_plane import AttachDetail, RingAnswer, ShmOpening, ShmPlane
+from rlink_ucx.transport.shm import channel as shm
+from rlink_ucx.transport.shm import records as shm_records
+from rlink_ucx.transport.shm.plane import AttachDetail, RingAnswer, ShmOpening, ShmPlane
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.frame import FRAME_HEADER, FRAME_HEADER_BYTES, FrameHeader

@@ -1,8 +1,9 @@
 """A data plane behind one interface, the registry that names the planes, and the one place
 where what a connection raises becomes rlink's error.
 
-A plane is one :class:`Plane` subclass (``TcpPlane`` in ``tcp_plane.py``, ``ShmPlane`` in
-``shm_plane.py``, ``UcxPlane`` in ``ucx_plane.py``), registered in ``transport/__init__.py``.
+A plane is one :class:`Plane` subclass (``TcpPlane`` in ``tcp/plane.py``, ``ShmPlane`` in
+``shm/plane.py``, ``UcxPlane`` in ``ucx/plane.py``), registered in ``transport/__init__.py``
+(or, for a plane defined outside rlink, in a module named by ``RLINK_PLANES``).
 Its class says what it is and what this process can offer (``available``), how it is chosen
 (``refusal`` when asked for by name, ``auto`` otherwise) and how an actor attaches to it
 (``connect``); an instance is the plane in one learner (``start``, ``prepare``, ``open`` a

@@ -16,7 +16,7 @@ from rlink_ucx import __version__
 from rlink_ucx.bench.procfs import listening_sockets
 from rlink_ucx.transport import hostname
 from rlink_ucx.transport.plane import encode_blob
-from rlink_ucx.transport.shm_plane import AttachDetail
+from rlink_ucx.transport.shm.plane import AttachDetail
 
 
 def offers(*, ucx: bool, shm: bool) -> dict[str, bytes]:
@@ -123,8 +123,7 @@ def cma_impostor_proc(address: str, token: bytes, pid: int, where: int, nbytes: 
         ready = actor.expect(_wire.Ready)
         accept = actor.propose([["x", "uint8", [nbytes]]])
         actor.expect(_wire.Credit)
-        from rlink_ucx.transport import shm
-
+        from rlink_ucx.transport.shm import channel as shm
         header = FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, nbytes).pack()
         data.sendall(shm.DIRECT_FRAME + header + shm.COUNTER.pack(1) + shm.EXTENT.pack(where, nbytes))
         out.put(("ready", bool(ready.cma)))
@@ -166,7 +165,7 @@ def ucx_stranger_proc(worker_address: bytes, total: int, size: int, out: Any) ->
     import secrets
 
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker
 
     u, context, worker = make_worker(Config(), loopback=True)
     _, array = load_ucxx()
@@ -195,7 +194,7 @@ def _send_ucx_messages(address: str, token: bytes, out: Any, messages: Any, fiel
     [(bytes, tag), ...], after proposing one field ``x`` (dtype and shape ``field``); report
     what the learner said."""
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker, session_tags
 
     actor = RawActor(address, token)
     try:
@@ -270,8 +269,8 @@ def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> N
     Its one field is larger than ``HEADER_MESSAGE_BYTES``, so the payload is a message of its own
     (a smaller field would travel inside the header's message)."""
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
-    from rlink_ucx.transport.ucx_setup import HEADER_MESSAGE_BYTES
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker, session_tags
+    from rlink_ucx.transport.ucx.setup import HEADER_MESSAGE_BYTES
 
     actor = RawActor(address, token)
     try:

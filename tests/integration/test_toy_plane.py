@@ -18,8 +18,8 @@ import pytest
 
 from rlink_ucx.errors import ProtocolError
 from rlink_ucx.transport.plane import PLUGINS_ENV, ActorSide, Attached, Opening, decode_blob, encode_blob, register
-from rlink_ucx.transport.tcp import TcpSender
-from rlink_ucx.transport.tcp_plane import TcpOpening, TcpPlane, open_data_connection, send_timeout
+from rlink_ucx.transport.tcp.plane import TcpOpening, TcpPlane, open_data_connection, send_timeout
+from rlink_ucx.transport.tcp.stream import TcpSender
 from tests.integration.procs import encoded_steps, stream_actor
 
 SPAWN = mp.get_context("spawn")

@@ -13,16 +13,17 @@ from typing import Any
 import pytest
 
 from rlink_ucx import Config, Learner, RLinkDataset
-from rlink_ucx.transport import interfaces, ucx_probe
+from rlink_ucx.transport import interfaces
+from rlink_ucx.transport.ucx import probe as ucx_probe
 from tests.conftest import ucx_importable
 from tests.integration.hostile import (
     RawActor,
     listening_sockets,
     paced_int_proc,
-    ucx_stalled_actor_proc,
-    ucx_stranger_proc,
     ucx_short_header_proc,
     ucx_short_payload_proc,
+    ucx_stalled_actor_proc,
+    ucx_stranger_proc,
     ucx_unannounced_payload_proc,
 )
 

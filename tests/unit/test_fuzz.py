@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from rlink_ucx import ProtocolError
 from rlink_ucx.transport.plane import decode_blob, encode_blob
-from rlink_ucx.transport.shm_plane import AttachDetail, RingAnswer
+from rlink_ucx.transport.shm.plane import AttachDetail, RingAnswer
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.frame import FRAME_HEADER, FRAME_HEADER_BYTES
 from rlink_ucx.wire.manifest import KEYED, Entry, Manifest

@@ -11,7 +11,7 @@ import pytest
 from rlink_ucx.config import Config
 from rlink_ucx.errors import ConfigError, PeerLost, ProtocolError, RLinkError
 from rlink_ucx.session.actor import reconnect
-from rlink_ucx.transport import TRANSPORTS, check_transport, plane, shm_memory, ucx_plane
+from rlink_ucx.transport import TRANSPORTS, check_transport, plane
 from rlink_ucx.transport.frame_memory import FrameMemory
 from rlink_ucx.transport.plane import (
     LearnerContext,
@@ -27,9 +27,11 @@ from rlink_ucx.transport.plane import (
     registered,
     require,
 )
-from rlink_ucx.transport.shm_plane import ShmPlane
-from rlink_ucx.transport.tcp_plane import TcpPlane
-from rlink_ucx.transport.ucx_plane import UcxPlane
+from rlink_ucx.transport.shm import memory as shm_memory
+from rlink_ucx.transport.shm.plane import ShmPlane
+from rlink_ucx.transport.tcp.plane import TcpPlane
+from rlink_ucx.transport.ucx import plane as ucx_plane
+from rlink_ucx.transport.ucx.plane import UcxPlane
 from rlink_ucx.wire import messages as _wire
 
 

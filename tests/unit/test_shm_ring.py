@@ -9,7 +9,9 @@ import numpy as np
 import pytest
 
 from rlink_ucx.errors import ProtocolError
-from rlink_ucx.transport import cma, pump, shm
+from rlink_ucx.transport import pump
+from rlink_ucx.transport.shm import channel as shm
+from rlink_ucx.transport.shm import cma
 from rlink_ucx.wire.frame import FRAME_HEADER_BYTES, announced_payload
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shm.available(), reason="no memfd (not Linux)")]

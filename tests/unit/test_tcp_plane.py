@@ -13,7 +13,7 @@ import pytest
 
 from rlink_ucx.transport import pump
 from rlink_ucx.transport.sockopts import LOOPBACK_CONGESTION, congestion_of
-from rlink_ucx.transport.tcp import RECV_LOW_WATER, TcpReceiver, TcpSender
+from rlink_ucx.transport.tcp.stream import RECV_LOW_WATER, TcpReceiver, TcpSender
 from rlink_ucx.wire.frame import FrameHeader
 
 pytestmark = pytest.mark.timeout(60)

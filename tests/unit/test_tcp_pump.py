@@ -14,7 +14,7 @@ import pytest
 
 from rlink_ucx.errors import ProtocolError
 from rlink_ucx.transport import pump
-from rlink_ucx.transport.tcp import _SCRATCH_BYTES, TcpReceiver
+from rlink_ucx.transport.tcp.stream import _SCRATCH_BYTES, TcpReceiver
 from rlink_ucx.wire.frame import FRAME_HEADER_BYTES, FrameHeader
 
 pytestmark = pytest.mark.timeout(60)

@@ -16,8 +16,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not ucx_importable(), 
 def test_an_unreachable_learner_worker_is_peer_lost(monkeypatch):
     from ucxx._lib import libucxx
 
-    from rlink_ucx.transport import ucx_actor
-
+    from rlink_ucx.transport.ucx import actor as ucx_actor
     def unreachable(worker, address, error_handling):
         raise libucxx.UCXUnreachableError("Destination is unreachable")
 

@@ -1,19 +1,19 @@
-"""The ``tcp`` plane behind the plane interface (``plane.py``): the sender and the receiver are
-in ``tcp.py``. Every learner offers it and every actor can use it: it is what ``auto`` falls
+"""The ``tcp`` plane behind the plane interface (``transport/plane.py``): the sender and the
+receiver are in ``stream.py``. Every learner offers it and every actor can use it: it is what ``auto`` falls
 back to."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..wire import auth as _auth
-from ..wire import messages as _wire
-from .plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation
-from .tcp import TcpReceiver, TcpSender
+from ...wire import auth as _auth
+from ...wire import messages as _wire
+from ..plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation
+from .stream import TcpReceiver, TcpSender
 
 if TYPE_CHECKING:
-    from .base import FrameReceiver
-    from .control import ControlConnection
+    from ..base import FrameReceiver
+    from ..control import ControlConnection
 
 
 def send_timeout(side: ActorSide) -> float:

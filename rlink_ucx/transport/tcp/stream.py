@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..wire.frame import FRAME_HEADER_BYTES, announced_payload
-from . import pump
-from .base import FrameSink
-from .sockopts import close_socket, set_congestion
+from ...wire.frame import FRAME_HEADER_BYTES, announced_payload
+from .. import pump
+from ..base import FrameSink
+from ..sockopts import close_socket, set_congestion
 
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting

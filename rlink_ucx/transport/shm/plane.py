@@ -1,5 +1,5 @@
-"""The ``shm`` plane behind the plane interface (``plane.py``): the ring, the sender and the
-receiver are in ``shm.py`` and ``shm_memory.py``.
+"""The ``shm`` plane behind the plane interface (``transport/plane.py``): the ring, the sender and
+the receiver are in ``channel.py`` and ``memory.py``.
 
 The learner makes one ring per session when it opens it and announces it in the Welcome; the
 actor maps it and attaches its data connection, the ring's doorbell. Whichever side cannot
@@ -17,17 +17,17 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..errors import ProtocolError, Rejected
-from ..wire import messages as _wire
+from ...errors import ProtocolError, Rejected
+from ...wire import messages as _wire
+from ..plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation, decode_blob, encode_blob
+from ..tcp.plane import TcpOpening, TcpPlane, open_data_connection, send_timeout, tcp_receiver
+from ..tcp.stream import TcpSender
 from . import cma, peer
-from .plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation, decode_blob, encode_blob
-from .shm import ARENA_NAME, ShmReceiver, ShmRing, ShmSender, available
-from .tcp import TcpSender
-from .tcp_plane import TcpOpening, TcpPlane, open_data_connection, send_timeout, tcp_receiver
+from .channel import ARENA_NAME, ShmReceiver, ShmRing, ShmSender, available
 
 if TYPE_CHECKING:
-    from .base import FrameReceiver
-    from .control import ControlConnection
+    from ..base import FrameReceiver
+    from ..control import ControlConnection
 
 log = logging.getLogger(__name__)
 

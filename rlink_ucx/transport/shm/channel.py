@@ -39,12 +39,14 @@ import threading
 import time
 from typing import Any
 
-from ..errors import ProtocolError
-from ..wire.frame import announced_payload
+from ...errors import ProtocolError
+from ...wire.frame import announced_payload
+from ..base import FrameSink
+from ..sockopts import close_socket
+from ..tcp.stream import SocketReceiver, tune_socket
 from . import cma
-from .base import FrameSink
-from .shm_memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
-from .shm_records import (
+from .memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
+from .records import (
     ARENA_FRAME,
     COUNTER,
     DIRECT_FRAME,
@@ -56,8 +58,6 @@ from .shm_records import (
     Records,
     Replies,
 )
-from .sockopts import close_socket
-from .tcp import SocketReceiver, tune_socket
 
 SMALL_FRAME = 64 * 1024  # an actor's frame up to this size is joined and copied into the ring at once
 

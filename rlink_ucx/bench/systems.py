@@ -107,6 +107,7 @@ def missing(system: System) -> str | None:
         return reason
     if system.transport == "shm":
         from ..transport.shm import channel as shm
+
         if not shm.available():
             return "no memfd shared memory here (Linux only)"
     for module in system.requires:

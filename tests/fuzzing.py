@@ -31,6 +31,7 @@ from rlink_ucx.transport.control import ControlConnection
 from rlink_ucx.transport.plane import encode_blob
 from rlink_ucx.transport.shm import channel as shm
 from rlink_ucx.transport.shm import records as shm_records
+from rlink_ucx.transport.shm.channel import ReadyAnswer
 from rlink_ucx.transport.shm.plane import AttachDetail, RingAnswer, ShmOpening, ShmPlane
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import messages as _wire
@@ -69,7 +70,7 @@ def valid_examples() -> list[Any]:
         _wire.Hello(7, 0, "0.1", "tcp", False, hostname(), os.getpid(), {"tcp": b"", "shm": b""}),
         _wire.Welcome(1, 7, 0, "shm", "why", bytes(32), 1 << 20, 1.0, 10.0, -1, encode_blob(RingAnswer(1, 3, bytes(16), 1 << 16))),
         _wire.Propose([["x", "float32", [4]], ["done", "bool", []]]), _wire.Accept(1, 100), _wire.Reject("no"),
-        _wire.Ready("tcp", False, False), _wire.Credit(10, 0), _wire.Revoke(5), _wire.Returned(0), _wire.Sync(10),
+        _wire.Ready("shm", encode_blob(ReadyAnswer(True, False))), _wire.Credit(10, 0), _wire.Revoke(5), _wire.Returned(0), _wire.Sync(10),
         _wire.Ack(10), _wire.Subscribe(-1), _wire.Version(1), _wire.Group(1, 0, 2, 1234, "p", "gloo", 10.0),
         _wire.Publish(1, manifest), _wire.Sealed(1, [1, 2]), _wire.Got(1), _wire.Pull(PV, 1, mac, 0),
         _wire.Heartbeat(), _wire.Bye("done"), _wire.Error("protocol", "x"),

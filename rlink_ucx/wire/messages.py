@@ -145,8 +145,7 @@ class Ready(_Msg, frozen=True):
     """The data plane of this session is attached and authenticated."""
 
     transport: str
-    arena: bool = False  # shm: the learner mapped the actor's arena (frames may point into it)
-    cma: bool = False  # shm: the learner read the probe: large payloads may be sent by address
+    answer: PlaneBlob = b""  # what the plane's learner side tells its actor side at the attach
 
 
 class Credit(_Msg, frozen=True):

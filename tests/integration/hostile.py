@@ -15,7 +15,8 @@ import numpy as np
 from rlink_ucx import __version__
 from rlink_ucx.bench.procfs import listening_sockets
 from rlink_ucx.transport import hostname
-from rlink_ucx.transport.plane import encode_blob
+from rlink_ucx.transport.plane import decode_blob, encode_blob
+from rlink_ucx.transport.shm.channel import ReadyAnswer
 from rlink_ucx.transport.shm.plane import AttachDetail
 
 
@@ -126,7 +127,7 @@ def cma_impostor_proc(address: str, token: bytes, pid: int, where: int, nbytes: 
         from rlink_ucx.transport.shm import channel as shm
         header = FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, nbytes).pack()
         data.sendall(shm.DIRECT_FRAME + header + shm.COUNTER.pack(1) + shm.EXTENT.pack(where, nbytes))
-        out.put(("ready", bool(ready.cma)))
+        out.put(("ready", bool(ready.answer) and decode_blob(ready.answer, ReadyAnswer, "ready").direct))
         time.sleep(3)  # keep the session open while the learner does (or does not) read
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out.put(("error", repr(exc)))

@@ -39,9 +39,12 @@ import threading
 import time
 from typing import Any
 
+import msgspec
+
 from ...errors import ProtocolError
 from ...wire.frame import announced_payload
 from ..base import FrameSink
+from ..plane import decode_blob
 from ..sockopts import close_socket
 from ..tcp.stream import SocketReceiver, tune_socket
 from . import cma
@@ -65,6 +68,14 @@ __all__ = ["ARENA_NAME", "DATA_OFFSET", "NONCE_BYTES", "RING_NAME", "Arena", "Sh
            "available"]
 # poll events that mean the actor shut its end (POLLRDHUP even with data still queued before it)
 _PEER_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+
+
+class ReadyAnswer(msgspec.Struct, array_like=True, frozen=True):
+    """The learner's Ready on this plane: it mapped the actor's arena (frames may point into
+    it), and it read the actor's memory probe (large payloads may be sent by address)."""
+
+    arena: bool
+    direct: bool
 
 
 class ShmSender:
@@ -94,10 +105,11 @@ class ShmSender:
         self._poll.register(sock, select.POLLIN)
         self._replies = Replies(sock)
 
-    def on_ready(self, *, arena: bool, direct: bool) -> None:
-        if not arena:
+    def on_ready(self, answer: bytes) -> None:
+        ready = decode_blob(answer, ReadyAnswer, "shm ready answer") if answer else ReadyAnswer(False, False)
+        if not ready.arena:
             self.arena = None  # the learner could not map it: frames go through the ring
-        self.direct = direct
+        self.direct = ready.direct
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from ..plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation,
 from ..tcp.plane import TcpOpening, TcpPlane, open_data_connection, send_timeout, tcp_receiver
 from ..tcp.stream import TcpSender
 from . import cma, peer
-from .channel import ARENA_NAME, ShmReceiver, ShmRing, ShmSender, available
+from .channel import ARENA_NAME, ReadyAnswer, ShmReceiver, ShmRing, ShmSender, available
 
 if TYPE_CHECKING:
     from ..base import FrameReceiver
@@ -169,7 +169,7 @@ class ShmOpening(Opening):
         receiver = ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}",
                                arena=arena, actor_pid=actor if direct else None)  # fmt: skip
         receiver.start()
-        return receiver, _wire.Ready(session.transport, arena is not None, direct)
+        return receiver, _wire.Ready(session.transport, encode_blob(ReadyAnswer(arena is not None, direct)))
 
 
 def _proven_actor(session: SessionSide, conn: ControlConnection) -> cma.Process | None:

@@ -139,7 +139,7 @@ class UcxActorPlane:
             _give_back(shared)
             raise
 
-    def on_ready(self, *, arena: bool, direct: bool) -> None:
+    def on_ready(self, answer: bytes) -> None:
         """Nothing to learn from the learner's Ready on this plane."""
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:

@@ -15,7 +15,7 @@ import numpy as np
 from rlink_ucx.bench.harness import Receiver, Sender, run_session
 from rlink_ucx.bench.measure import Recorder, Timing
 from rlink_ucx.bench.workloads import Workload, flat_bytes
-from rlink_ucx.transport.ucx_setup import SPINS_BEFORE_YIELD  # yield as rlink's plane does (no ucxx import here)
+from rlink_ucx.transport.ucx.setup import SPINS_BEFORE_YIELD  # yield as rlink's plane does (no ucxx import here)
 
 UCX_TAG = 0x5EED << 32
 
@@ -27,7 +27,7 @@ def _tag(sender: int, field: int) -> int:
 def _ucx_worker() -> tuple[Any, Any, Any, Any]:
     """A worker made exactly like rlink's ucx plane makes its own (same UCX options)."""
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker
 
     u, context, worker = make_worker(Config.from_env())
     return u, load_ucxx()[1], context, worker

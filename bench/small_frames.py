@@ -27,7 +27,7 @@ from rlink_ucx import Config
 from rlink_ucx.observe.ratelog import RateLimitedLog
 from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.store.ring import StepRing
-from rlink_ucx.transport.tcp import TcpReceiver
+from rlink_ucx.transport.tcp.stream import TcpReceiver
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.codec import Schema
 from rlink_ucx.wire.frame import FrameHeader

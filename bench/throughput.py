@@ -166,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
                         help='where the bytes rows\' steps and batches live: "cpu", or "cuda:0" (CUDA steps, batches on the GPU)')
     parser.add_argument("--json", help="write the rows as JSON here")
     args = parser.parse_args(argv)
-    from rlink_ucx.transport import shm
-
+    from rlink_ucx.transport.shm import channel as shm
     transports = [t for t in args.transports.split(",") if (t != "ucx" or installed("ucxx")) and (t != "shm" or shm.available())]
     rows = []
     print(f"{'workload':<22}{'system':<16}{'median':>12}{'min':>10}{'max':>10}{'vs raw':>9}")

@@ -1,7 +1,7 @@
 """Raw ucxx, device to device: the ceiling rlink's CUDA path is compared with.
 
 Two processes (spawn) on this host, each with a UCX worker made the way rlink's ``ucx`` plane
-makes its own (``rlink_ucx.transport.ucx.make_worker``: same UCX options, ucxx's low-level
+makes its own (``rlink_ucx.transport.ucx.learner.make_worker``: same UCX options, ucxx's low-level
 API). The sender ``tag_send``s one preallocated CUDA buffer over and over, keeping ``--window``
 sends in flight; the receiver keeps ``--window`` receives posted into CUDA buffers of its own
 and reposts each one as it completes. GB/s is measured at the receiver, after skipping the
@@ -130,7 +130,7 @@ def ucx_worker(host: bool) -> tuple[Any, Any, Any, Any]:
     if host:
         os.environ.setdefault("UCX_TLS", "tcp")  # the host-memory loop goes over TCP loopback
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker
 
     u, context, worker = make_worker(Config.from_env(), loopback=True)  # RLINK_* settings apply, as for rlink
     return u, load_ucxx()[1], context, worker

@@ -22,7 +22,9 @@ from .transport import TRANSPORT_HELP, TRANSPORTS
 
 
 def _info(args: argparse.Namespace) -> int:
-    from .transport import UCX_INSTALL, choose, shm, ucx_available, ucx_probe
+    from .transport import UCX_INSTALL, choose, ucx_available
+    from .transport.shm import channel as shm
+    from .transport.ucx import probe as ucx_probe
 
     ucx = ucx_available()
     transports = ucx_probe.transports() if ucx else {}

@@ -28,8 +28,7 @@ def ucx_importable() -> bool:
 
 
 def shm_possible() -> bool:
-    from rlink_ucx.transport import shm
-
+    from rlink_ucx.transport.shm import channel as shm
     return shm.available()
 
 

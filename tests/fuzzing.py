@@ -25,11 +25,15 @@ from rlink_ucx import Config
 from rlink_ucx.errors import AuthError, PeerLost, ProtocolError, SchemaMismatch
 from rlink_ucx.session.learner.attach import attach_data_connection
 from rlink_ucx.session.learner.outcome import Kind
-from rlink_ucx.transport.shm_plane import ShmOpening, ShmPlane
 from rlink_ucx.session.learner.server import LearnerServer
 from rlink_ucx.session.learner.session import LearnerSession
-from rlink_ucx.transport import hostname, shm, shm_records
+from rlink_ucx.transport import hostname
 from rlink_ucx.transport.control import ControlConnection
+from rlink_ucx.transport.plane import encode_blob
+from rlink_ucx.transport.shm import channel as shm
+from rlink_ucx.transport.shm import records as shm_records
+from rlink_ucx.transport.shm.channel import ReadyAnswer
+from rlink_ucx.transport.shm.plane import AttachDetail, RingAnswer, ShmOpening, ShmPlane
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.frame import FRAME_HEADER, FRAME_HEADER_BYTES, FrameHeader
@@ -63,11 +67,11 @@ def valid_examples() -> list[Any]:
     manifest = Manifest(1, [Entry("w", "float32", [4], 0)], 16, 1 << 20, [], KEYED)
     return [
         _wire.Challenge(PV, nonce, True), _wire.Login(PV, nonce, mac), _wire.Proof(mac),
-        _wire.Attach(PV, 1, mac, True, [os.getpid(), 3, bytes(16), 1 << 16], [1 << 20, bytes(16)]),
-        _wire.Hello(7, 0, "0.1", "tcp", False, False, hostname(), os.getpid(), False),
-        _wire.Welcome(1, 7, 0, "tcp", "why", bytes(32), None, 1 << 20, 1.0, 10.0, -1, None),
+        _wire.Attach(PV, 1, mac, encode_blob(AttachDetail(True, [os.getpid(), 3, bytes(16), 1 << 16], [1 << 20, bytes(16)]))),
+        _wire.Hello(7, 0, "0.1", "tcp", False, hostname(), os.getpid(), {"tcp": b"", "shm": b""}),
+        _wire.Welcome(1, 7, 0, "shm", "why", bytes(32), 1 << 20, 1.0, 10.0, -1, encode_blob(RingAnswer(1, 3, bytes(16), 1 << 16))),
         _wire.Propose([["x", "float32", [4]], ["done", "bool", []]]), _wire.Accept(1, 100), _wire.Reject("no"),
-        _wire.Ready("tcp", False, False), _wire.Credit(10, 0), _wire.Revoke(5), _wire.Returned(0), _wire.Sync(10),
+        _wire.Ready("shm", encode_blob(ReadyAnswer(True, False))), _wire.Credit(10, 0), _wire.Revoke(5), _wire.Returned(0), _wire.Sync(10),
         _wire.Ack(10), _wire.Subscribe(-1), _wire.Version(1), _wire.Group(1, 0, 2, 1234, "p", "gloo", 10.0),
         _wire.Publish(1, manifest), _wire.Sealed(1, [1, 2]), _wire.Got(1), _wire.Pull(PV, 1, mac, 0),
         _wire.Heartbeat(), _wire.Bye("done"), _wire.Error("protocol", "x"),
@@ -137,6 +141,20 @@ def hostile_body(rng: random.Random, cls: type | None = None) -> bytes:
     elif r < 0.28:
         return msgspec.msgpack.encode(hostile_value(rng))
     return msgspec.msgpack.encode([tag, *values])
+
+
+def hostile_blob(rng: random.Random, valid: Any) -> bytes:
+    """A plane's blob (offer, answer, attach detail) made from ``valid`` with hostile contents,
+    or now and then bytes that are no msgpack at all."""
+    if rng.random() < 0.1:
+        return _bytes(rng, rng.randrange(0, 64))
+    return msgspec.msgpack.encode(_perturb(rng, msgspec.msgpack.decode(encode_blob(valid))))
+
+
+def hostile_attach_detail(rng: random.Random) -> bytes:
+    """An Attach body, valid but for the shm plane's detail blob in it."""
+    detail = hostile_blob(rng, AttachDetail(True, [os.getpid(), 3, bytes(16), 1 << 16], [1 << 20, bytes(16)]))
+    return msgspec.msgpack.encode(_wire.Attach(PV, 1, bytes(32), detail))
 
 
 def mutate(rng: random.Random, data: bytes) -> bytes:
@@ -317,7 +335,7 @@ class Lab:
 
     async def _session(self, raw: bytes) -> str:
         ours, conn = self._pair()
-        hello = _wire.Hello(7, 0, "0", "tcp", False, False, "h", 1)
+        hello = _wire.Hello(7, 0, "0", "tcp", False, "h", 1)
         session = LearnerSession(self.server, next(self._ids), conn, hello, 7, "tcp", "fuzz", bytes(32))
         self.server.sessions[session.id] = session
         try:
@@ -345,7 +363,7 @@ class Lab:
         if not isinstance(msg, _wire.Attach):
             return "not an Attach"
         ring, _ = shm.ShmRing.create(1 << 16)
-        hello = _wire.Hello(7, 0, "0", "shm", False, False, hostname(), os.getpid(), True)
+        hello = _wire.Hello(7, 0, "0", "shm", False, hostname(), os.getpid(), {"shm": b""})
         session = LearnerSession(self.server, next(self._ids), _Silent(), hello, 7, "shm", "fuzz", os.urandom(32))
         session.opening = ShmOpening(ShmPlane, "fuzz", ring=ring)
         nonce = _auth.new_nonce()

@@ -56,7 +56,7 @@ from .scale_row import run_row
 
 
 def _transports(value: str) -> list[str]:
-    from ..transport import shm
+    from ..transport.shm import channel as shm
 
     if value == "auto":
         out = ["tcp"]

@@ -106,7 +106,7 @@ def missing(system: System) -> str | None:
     if system.harness is not None and (reason := peers.missing(system.harness)) is not None:
         return reason
     if system.transport == "shm":
-        from ..transport import shm
+        from ..transport.shm import channel as shm
 
         if not shm.available():
             return "no memfd shared memory here (Linux only)"

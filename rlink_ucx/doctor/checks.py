@@ -26,8 +26,9 @@ from ..errors import ConfigError
 from ..session import tokens
 from ..session.learner.admission import FDS_PER_ACTOR, FDS_SPARE, listen_backlog
 from ..session.tokens import resolve_token
-from ..transport import UCX_INSTALL, ucx_probe
-from ..transport.ucx_setup import UcxUnavailable, load_ucxx, make_worker
+from ..transport import UCX_INSTALL
+from ..transport.ucx import probe as ucx_probe
+from ..transport.ucx.setup import UcxUnavailable, load_ucxx, make_worker
 
 MiB = 1 << 20
 SMALL_SHM = 256 * MiB  # Docker's default /dev/shm is 64 MiB: NCCL and UCX's posix transport outgrow it

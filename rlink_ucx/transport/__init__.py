@@ -9,10 +9,10 @@ from __future__ import annotations
 import socket
 
 from .plane import AUTO, Situation, choose_plane, get_plane, plane_names, register
-from .shm_plane import ShmPlane
-from .tcp_plane import TcpPlane
-from .ucx_plane import UcxPlane, ucx_available, ucx_failed, ucx_failure
-from .ucx_setup import UCX_INSTALL
+from .shm.plane import ShmPlane
+from .tcp.plane import TcpPlane
+from .ucx.plane import UcxPlane, ucx_available, ucx_failed, ucx_failure
+from .ucx.setup import UCX_INSTALL
 
 register(TcpPlane)
 register(UcxPlane)

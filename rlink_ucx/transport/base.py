@@ -54,9 +54,10 @@ class FrameSender(Protocol):
         """Send one frame (blocking, bounded by ``frame_timeout``); returns when every buffer
         may be reused. Callers serialize sends with the connection's send lock."""
 
-    def on_ready(self, *, arena: bool, direct: bool) -> None:
-        """The learner's Ready: whether it mapped the actor's shared frame buffers (``arena``)
-        and may read the actor's memory directly (``direct``). Planes without either ignore it."""
+    def on_ready(self, answer: bytes) -> None:
+        """The learner's Ready: its plane's ``answer`` at the attach (opaque bytes the plane
+        decodes; on shm, whether the learner mapped the actor's frame buffers and may read its
+        memory directly). Planes with nothing to learn ignore it."""
 
     def close(self) -> None: ...
 

@@ -1,6 +1,6 @@
 """An actor's memory for frame buffers, kept for as long as the actor lives (across reconnects).
 
-On the shm plane it is the actor's arena (``shm_memory.Arena``), which the learner maps and
+On the shm plane it is the actor's arena (``shm.memory.Arena``), which the learner maps and
 reads frames from in place; elsewhere a reserve populated ahead of use (``_memory.Reserve``).
 The shm plane's direct-read probe (``cma.Probe``) lives here too: the learner reads it at each
 attach.
@@ -12,8 +12,8 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from .._memory import Reserve
-from . import cma
-from .shm_memory import Arena
+from .shm import cma
+from .shm.memory import Arena
 
 if TYPE_CHECKING:
     from ..config import Config

@@ -1,8 +1,9 @@
 """A data plane behind one interface, the registry that names the planes, and the one place
 where what a connection raises becomes rlink's error.
 
-A plane is one :class:`Plane` subclass (``TcpPlane`` in ``tcp_plane.py``, ``ShmPlane`` in
-``shm_plane.py``, ``UcxPlane`` in ``ucx_plane.py``), registered in ``transport/__init__.py``.
+A plane is one :class:`Plane` subclass (``TcpPlane`` in ``tcp/plane.py``, ``ShmPlane`` in
+``shm/plane.py``, ``UcxPlane`` in ``ucx/plane.py``), registered in ``transport/__init__.py``
+(or, for a plane defined outside rlink, in a module named by ``RLINK_PLANES``).
 Its class says what it is and what this process can offer (``available``), how it is chosen
 (``refusal`` when asked for by name, ``auto`` otherwise) and how an actor attaches to it
 (``connect``); an instance is the plane in one learner (``start``, ``prepare``, ``open`` a
@@ -14,12 +15,16 @@ Nothing above ``transport/`` compares plane names: it asks the plane.
 from __future__ import annotations
 
 import asyncio
+import importlib
+import os
 import socket
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol, TypeVar
 
-from ..errors import ConfigError, PeerLost, RLinkError
+import msgspec
+
+from ..errors import ConfigError, PeerLost, ProtocolError, RLinkError
 from .base import FrameSink
 
 if TYPE_CHECKING:
@@ -30,6 +35,24 @@ if TYPE_CHECKING:
     from .frame_memory import FrameMemory
 
 AUTO = "auto"
+_T = TypeVar("_T")
+
+
+def encode_blob(value: Any) -> bytes:
+    """A plane's offer, answer or attach detail as the opaque bytes the protocol carries
+    (msgpack; the wire caps their size)."""
+    return msgspec.msgpack.encode(value)
+
+
+def decode_blob(blob: bytes, kind: type[_T], what: str) -> _T:
+    """The plane's ``kind`` read back from ``blob``, validated by type; :class:`ProtocolError`
+    naming ``what`` for bytes that are not one (a peer's bad blob never reaches the plane)."""
+    try:
+        return msgspec.msgpack.decode(blob, type=kind)
+    except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+        raise ProtocolError(f"malformed {what}: {exc}") from exc
+    except RecursionError:
+        raise ProtocolError(f"malformed {what}: nested too deeply") from None
 
 
 def map_plane_error(exc: BaseException, what: str = "") -> RLinkError:
@@ -106,13 +129,12 @@ class LearnerContext:
 
 @dataclass
 class Opening:
-    """One session's plane between its Welcome and its attach: the Welcome fields the plane
-    fills (``ucx_address``, ``shm``) and what its attach needs."""
+    """One session's plane between its Welcome and its attach: the plane's ``answer`` that
+    the Welcome carries to the actor (opaque bytes the plane encodes) and what its attach needs."""
 
     plane: type[Plane]
     reason: str
-    ucx_address: bytes | None = None
-    shm: list[Any] | None = None
+    answer: bytes = b""
     congestion: str = "auto"  # ``Config.tcp_congestion`` for a data connection's socket
 
     def attach(self, session: SessionSide, conn: ControlConnection | None,
@@ -138,13 +160,20 @@ class Plane:
     # The receiver takes each field into one contiguous buffer: a frame that wraps in the
     # ring lands in a scratch buffer and is scattered on commit.
     whole_fields: ClassVar[bool] = False
-    hello_flag: ClassVar[str | None] = None  # the Hello field in which the actor offers it (None: always)
+    # Every actor can use it, whether or not its Hello offers it (the fallback plane).
+    every_actor: ClassVar[bool] = False
 
     # --- what this process offers, and the choice -------------------------------------------
     @classmethod
     def available(cls) -> bool:
         """Whether this process can offer the plane."""
         return True
+
+    @classmethod
+    def offer(cls) -> bytes | None:
+        """What an actor in this process offers of the plane in its Hello (opaque bytes the
+        plane's learner side reads); None: the actor cannot use it."""
+        return b"" if cls.available() else None
 
     @classmethod
     def offered(cls, wanted: str) -> bool:
@@ -205,6 +234,22 @@ class Plane:
 
 
 _REGISTRY: dict[str, type[Plane]] = {}
+# Modules (comma-separated) imported at the first look at the registry, each registering its
+# planes: how a plane defined outside rlink reaches every process of a job, spawned ones too.
+PLUGINS_ENV = "RLINK_PLANES"
+_plugins_loaded = False
+
+
+def _load_plugins() -> None:
+    global _plugins_loaded
+    if _plugins_loaded:
+        return
+    _plugins_loaded = True  # first: a plugin that looks at the registry must not load itself again
+    for module in filter(None, (m.strip() for m in os.environ.get(PLUGINS_ENV, "").split(","))):
+        try:
+            importlib.import_module(module)
+        except Exception as exc:
+            raise ConfigError(f"{PLUGINS_ENV} names {module!r}, which does not import: {exc}") from exc
 
 
 def register(plane: type[Plane]) -> type[Plane]:
@@ -217,20 +262,29 @@ def register(plane: type[Plane]) -> type[Plane]:
 
 def plane_names() -> tuple[str, ...]:
     """Every registered plane's name, in the order they were registered."""
+    _load_plugins()
     return tuple(_REGISTRY)
+
+
+def actor_offers() -> dict[str, bytes]:
+    """The Hello's offers of an actor in this process: every plane it can use, by name."""
+    return {p.name: offer for p in registered() if (offer := p.offer()) is not None}
 
 
 def registered() -> list[type[Plane]]:
     """Every registered plane, in auto's order of preference."""
+    _load_plugins()
     return sorted(_REGISTRY.values(), key=lambda p: p.preference)
 
 
 def find_plane(name: str) -> type[Plane] | None:
+    _load_plugins()
     return _REGISTRY.get(name)
 
 
 def get_plane(name: str) -> type[Plane]:
     """The plane named ``name``; ``ConfigError`` for a name no plane has."""
+    _load_plugins()
     plane = _REGISTRY.get(name)
     if plane is None:
         raise ConfigError(f"transport must be one of {(AUTO, *plane_names())}, got {name!r}")
@@ -268,7 +322,7 @@ def choose_plane(learner_wants: str, actor_wants: str, s: Situation) -> tuple[st
 
 def situation(learner_offers: dict[str, bool], hello: _wire.Hello, same_host: bool) -> Situation:
     """The choice's inputs from the learner's offers and the actor's Hello."""
-    actor = frozenset(p.name for p in registered() if p.hello_flag is None or getattr(hello, p.hello_flag, False))
+    actor = frozenset(p.name for p in registered() if p.every_actor or p.name in hello.offers)
     learner = frozenset(name for name, offered in learner_offers.items() if offered)
     return Situation(learner, actor, same_host)
 

@@ -30,11 +30,10 @@ from typing import Any
 
 from .sockopts import close_socket
 
-__all__ = ["PER_PUMP", "Pump", "enabled", "pump"]
+__all__ = ["PER_PUMP", "Pump", "pump"]
 
 log = logging.getLogger(__name__)
 
-enabled = True  # False: a thread per connection, as before (tests and A/B runs switch it)
 PER_PUMP = 16  # connections one pump reads at most
 
 _IN = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR

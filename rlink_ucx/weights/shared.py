@@ -3,7 +3,7 @@
 A broadcast over sockets copies every byte twice per actor (into the kernel, out of it) and the
 learner once more per actor. An actor on the learner's host can instead read the learner's
 snapshot buffer itself: one copy, made by the actor's own core, and nothing for the learner to
-send. The buffer is a sealed ``memfd`` (``transport/shm_memory.py``), named by
+send. The buffer is a sealed ``memfd`` (``transport/shm/memory.py``), named by
 ``(pid, fd, nonce, size)`` and opened through ``/proc/<pid>/fd/<fd>``, which only a process of
 the same user in the same PID namespace may open. The bytes are trusted only once every bucket
 matched its keyed tag under a Seal the actor verified, as for a broadcast: a buffer reused or
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import ProtocolError
-from ..transport.shm_memory import DATA_OFFSET, NONCE_BYTES, ShmRing, available, open_memfd
+from ..transport.shm.memory import DATA_OFFSET, NONCE_BYTES, ShmRing, available, open_memfd
 
 __all__ = ["NAME", "SharedBuffer", "available", "read_into"]
 

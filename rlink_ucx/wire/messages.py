@@ -20,6 +20,14 @@ class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
     pass
 
 
+# A plane's offer, answer or attach detail: bytes only that plane encodes and decodes (never
+# pickle), so the protocol names no plane. Capped here; the plane validates what it reads.
+PLANE_BLOB_BYTES = 64 * 1024
+PlaneBlob = Annotated[bytes, msgspec.Meta(max_length=PLANE_BLOB_BYTES)]
+PlaneName = Annotated[str, msgspec.Meta(max_length=64)]
+PlaneOffers = Annotated[dict[PlaneName, PlaneBlob], msgspec.Meta(max_length=32)]
+
+
 # --- handshake (bounded, pre-authentication) -----------------------------------------------
 class Challenge(_Msg, frozen=True):
     """Learner -> any new connection: protocol version, fresh nonce, whether a token is needed."""
@@ -49,9 +57,7 @@ class Attach(_Msg, frozen=True):
     proto: int
     session: int
     mac: bytes
-    shm: bool = False  # for an shm session: the actor mapped the shared ring (else: tcp on this connection)
-    arena: list[Any] | None = None  # shm: the actor's frame buffers [pid, memfd number, nonce, bytes]
-    cma: list[Any] | None = None  # shm: [address, nonce] for the learner to read back (transport/cma.py)
+    detail: PlaneBlob = b""  # the chosen plane's own attach detail, encoded and checked by that plane
 
 
 # --- session ----------------------------------------------------------------------------------
@@ -63,12 +69,11 @@ class Hello(_Msg, frozen=True):
     actor_id: ActorId | None
     incarnation: ActorId
     library: str
-    transport: str  # what the actor asks for: auto | tcp | ucx | shm
-    ucx: bool  # ucxx importable on the actor
+    transport: str  # what the actor asks for: auto or a plane's name
     cuda: bool
     host: str
     pid: int
-    shm: bool = False  # the actor can map a shared-memory ring (transport.shm.available)
+    offers: PlaneOffers = {}  # plane name -> that plane's offer (the planes this actor can use)
 
 
 class Welcome(_Msg, frozen=True):
@@ -78,12 +83,11 @@ class Welcome(_Msg, frozen=True):
     transport: str  # the data plane chosen for this actor
     reason: str  # why that plane was chosen
     ticket: bytes  # secret that proves a data connection belongs to this session
-    ucx_address: bytes | None
     max_frame_bytes: int
     heartbeat_interval: float
     heartbeat_timeout: float
     resume_seq: int  # this (actor, incarnation) already delivered every seq below this; -1: unknown
-    shm: list[Any] | None = None  # shm plane: [learner pid, memfd number, nonce, ring bytes]
+    answer: PlaneBlob = b""  # the chosen plane's answer to the actor (that plane encodes it)
 
 
 class Redirect(_Msg, frozen=True):
@@ -141,8 +145,7 @@ class Ready(_Msg, frozen=True):
     """The data plane of this session is attached and authenticated."""
 
     transport: str
-    arena: bool = False  # shm: the learner mapped the actor's arena (frames may point into it)
-    cma: bool = False  # shm: the learner read the probe: large payloads may be sent by address
+    answer: PlaneBlob = b""  # what the plane's learner side tells its actor side at the attach
 
 
 class Credit(_Msg, frozen=True):

@@ -20,7 +20,8 @@ import pytest
 from rlink_ucx import Actor, Config, Learner, RLinkDataset
 from rlink_ucx.store.gather import BatchAssembler
 from rlink_ucx.store.ring import StepRing
-from rlink_ucx.transport import cma, shm
+from rlink_ucx.transport.shm import channel as shm
+from rlink_ucx.transport.shm import cma
 from rlink_ucx.wire.codec import Schema
 from rlink_ucx.wire.frame import FrameHeader
 

@@ -38,7 +38,7 @@ def _one_connection(host: str, port: int, stage: str, rng: random.Random) -> str
             if stage == "authenticated":
                 control.sendall(fz.hostile_stream(rng, fz.HELLO_TYPES))
             else:
-                hello = _wire.Hello(None, 0, "0", "tcp", False, False, "fuzz-host", os.getpid(), False)
+                hello = _wire.Hello(None, 0, "0", "tcp", False, "fuzz-host", os.getpid())
                 control.sendall(_wire.encode(hello))
                 welcome = _wire.read_message(control, 1 << 20)
                 assert isinstance(welcome, _wire.Welcome), welcome

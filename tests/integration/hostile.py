@@ -15,6 +15,14 @@ import numpy as np
 from rlink_ucx import __version__
 from rlink_ucx.bench.procfs import listening_sockets
 from rlink_ucx.transport import hostname
+from rlink_ucx.transport.plane import decode_blob, encode_blob
+from rlink_ucx.transport.shm.channel import ReadyAnswer
+from rlink_ucx.transport.shm.plane import AttachDetail
+
+
+def offers(*, ucx: bool, shm: bool) -> dict[str, bytes]:
+    """A Hello's offers: tcp, and ucx / shm where asked."""
+    return {"tcp": b"", **({"ucx": b""} if ucx else {}), **({"shm": b""} if shm else {})}
 from rlink_ucx.wire import auth as _auth
 from rlink_ucx.wire import keys as _keys
 from rlink_ucx.wire import messages as _wire
@@ -40,7 +48,7 @@ class RawActor:
         self.send(self.control, _wire.Login(_wire.PROTOCOL_VERSION, nonce, mac))
         if self.token:
             assert isinstance(self.recv(self.control), _wire.Proof)
-        self.send(self.control, _wire.Hello(actor_id, 0, __version__, transport, ucx, False, hostname(), pid, shm))
+        self.send(self.control, _wire.Hello(actor_id, 0, __version__, transport, False, hostname(), pid, offers(ucx=ucx, shm=shm)))
         welcome = self.expect(_wire.Welcome)
         self.welcome = welcome
         return welcome
@@ -59,7 +67,8 @@ class RawActor:
         data = socket.create_connection((self.host, self.port), timeout=self.timeout)
         challenge = self.recv(data)
         proof = _auth.data_proof(self.session_key if key is None else key, challenge.nonce, self.welcome.session)
-        self.send(data, _wire.Attach(_wire.PROTOCOL_VERSION, self.welcome.session, proof, shm, arena, cma))
+        detail = encode_blob(AttachDetail(True, arena, cma)) if shm else b""
+        self.send(data, _wire.Attach(_wire.PROTOCOL_VERSION, self.welcome.session, proof, detail))
         self.data = data
         return data
 
@@ -115,11 +124,10 @@ def cma_impostor_proc(address: str, token: bytes, pid: int, where: int, nbytes: 
         ready = actor.expect(_wire.Ready)
         accept = actor.propose([["x", "uint8", [nbytes]]])
         actor.expect(_wire.Credit)
-        from rlink_ucx.transport import shm
-
+        from rlink_ucx.transport.shm import channel as shm
         header = FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, 0, 0, nbytes).pack()
         data.sendall(shm.DIRECT_FRAME + header + shm.COUNTER.pack(1) + shm.EXTENT.pack(where, nbytes))
-        out.put(("ready", bool(ready.cma)))
+        out.put(("ready", bool(ready.answer) and decode_blob(ready.answer, ReadyAnswer, "ready").direct))
         time.sleep(3)  # keep the session open while the learner does (or does not) read
     except Exception as exc:  # noqa: BLE001 - reported to the test
         out.put(("error", repr(exc)))
@@ -158,7 +166,7 @@ def ucx_stranger_proc(worker_address: bytes, total: int, size: int, out: Any) ->
     import secrets
 
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker
 
     u, context, worker = make_worker(Config(), loopback=True)
     _, array = load_ucxx()
@@ -187,7 +195,7 @@ def _send_ucx_messages(address: str, token: bytes, out: Any, messages: Any, fiel
     [(bytes, tag), ...], after proposing one field ``x`` (dtype and shape ``field``); report
     what the learner said."""
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker, session_tags
 
     actor = RawActor(address, token)
     try:
@@ -198,7 +206,7 @@ def _send_ucx_messages(address: str, token: bytes, out: Any, messages: Any, fiel
         u, context, worker = make_worker(Config(), loopback=True)
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
-            worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
+            worker, u.UCXAddress.create_from_buffer(welcome.answer), False)  # fmt: skip
         sent = messages(welcome, accept, session_tags(actor.session_key))
         keep = [(array(bytearray(data)), tag) for data, tag in sent]
         requests = [endpoint.tag_send(data, u.UCXXTag(tag)) for data, tag in keep]
@@ -262,8 +270,8 @@ def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> N
     Its one field is larger than ``HEADER_MESSAGE_BYTES``, so the payload is a message of its own
     (a smaller field would travel inside the header's message)."""
     from rlink_ucx import Config
-    from rlink_ucx.transport.ucx import load_ucxx, make_worker, session_tags
-    from rlink_ucx.transport.ucx_setup import HEADER_MESSAGE_BYTES
+    from rlink_ucx.transport.ucx.learner import load_ucxx, make_worker, session_tags
+    from rlink_ucx.transport.ucx.setup import HEADER_MESSAGE_BYTES
 
     actor = RawActor(address, token)
     try:
@@ -274,7 +282,7 @@ def ucx_stalled_actor_proc(address: str, token: bytes, out: Any, stop: Any) -> N
         u, context, worker = make_worker(Config(), loopback=True)
         _, array = load_ucxx()
         endpoint = u.UCXEndpoint.create_from_worker_address(
-            worker, u.UCXAddress.create_from_buffer(welcome.ucx_address), False)  # fmt: skip
+            worker, u.UCXAddress.create_from_buffer(welcome.answer), False)  # fmt: skip
         header_tag, _ = session_tags(actor.session_key)
         step_bytes = 2 * HEADER_MESSAGE_BYTES
         keep = [array(bytearray(FrameHeader(accept.schema_id, 1, welcome.actor_id, 0, seq, 0, step_bytes).pack()))

@@ -449,8 +449,7 @@ def unmappable_shm_actor(address: str, transport: str, actor: int, n: int, out) 
     """An actor that cannot open the learner's ring (as in another PID namespace): it streams
     over the same data connection instead, or fails to connect when shm was requested."""
     from rlink_ucx import Actor, ConnectError
-    from rlink_ucx.transport import shm
-
+    from rlink_ucx.transport.shm import channel as shm
     def unreachable(*args, **kwargs):
         raise PermissionError("/proc/<pid>/fd is not ours to open (simulated)")
 

@@ -68,8 +68,7 @@ def slow_actor(address: str, who: int, stop_path: str, result_path: str, trickle
     ``trickle``: every frame goes out but its last byte, which follows just under the
     learner's ``frame_timeout`` later (a patched sender; the actor is otherwise honest)."""
     from rlink_ucx import Actor, Config
-    from rlink_ucx.transport import tcp
-
+    from rlink_ucx.transport.tcp import stream as tcp
     if trickle:
         def send(self: tcp.TcpSender, header: bytes, payload: list[memoryview]) -> None:
             data = b"".join([header, *payload])

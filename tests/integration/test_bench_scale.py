@@ -20,8 +20,7 @@ def _env() -> dict[str, str]:
 
 @pytest.mark.timeout(150)
 def test_scale_bench_delivers_every_step_once_and_measures_the_learner(tmp_path):
-    from rlink_ucx.transport import shm
-
+    from rlink_ucx.transport.shm import channel as shm
     transports = "tcp,shm" if shm.available() else "tcp"
     out = tmp_path / "scale.json"
     args = ["-m", "rlink_ucx", "bench", "--suite", "scale", "--actors", "1,4", "--procs", "2", "--seconds", "2",

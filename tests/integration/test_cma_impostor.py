@@ -20,7 +20,7 @@ import pytest
 
 from rlink_ucx import Learner, RLinkDataset
 from rlink_ucx.errors import TimeoutError as RLinkTimeout
-from rlink_ucx.transport import cma
+from rlink_ucx.transport.shm import cma
 from tests.conftest import shm_possible
 from tests.integration.hostile import cma_impostor_proc, honest_direct_proc, secret_memory, victim_proc
 

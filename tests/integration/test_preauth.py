@@ -127,7 +127,7 @@ def test_a_socket_that_never_logs_in_is_dropped_at_the_preauth_timeout():
         slow.challenge = _wire.read_message(slow, 512)
         assert isinstance(_login(slow, TOKEN), _wire.Proof)
         time.sleep(1.5)
-        slow.sendall(_wire.encode(_wire.Hello(None, 1, "test", "tcp", False, False, "elsewhere", 1, False)))
+        slow.sendall(_wire.encode(_wire.Hello(None, 1, "test", "tcp", False, "elsewhere", 1)))
         welcome = _wire.read_message(slow, 1 << 16)
         slow.close()
         stats = learner.stats()

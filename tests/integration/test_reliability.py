@@ -20,7 +20,7 @@ import pytest
 
 from rlink_ucx import Actor, Config, Learner, RLinkDataset, Superseded
 from rlink_ucx.bench.procfs import listening_sockets
-from rlink_ucx.transport import cma
+from rlink_ucx.transport.shm import cma
 from rlink_ucx.wire import messages as _wire
 from tests.conftest import TRANSPORTS, shm_possible, ucx_importable
 from tests.integration.procs import (
@@ -378,7 +378,7 @@ def test_an_actor_killed_mid_frame_never_yields_a_torn_step_and_resources_return
 @pytest.mark.timeout(120)
 @pytest.mark.skipif(not shm_possible(), reason="no memfd (not Linux)")
 def test_large_shm_puts_read_from_the_actors_memory_arrive_once_and_a_killed_actor_tears_nothing():
-    n, elements = 12, cma.MIN_BYTES // 8  # 4 MiB steps: read by address (transport/cma.py)
+    n, elements = 12, cma.MIN_BYTES // 8  # 4 MiB steps: read by address (transport/shm/cma.py)
     with Learner("127.0.0.1:0", transport="shm") as learner:
         dataset = RLinkDataset(learner, batch_size=1)
         results = SPAWN.Queue()

@@ -1,5 +1,5 @@
 """Several ucx actors of one process send through one UCX worker of theirs (an endpoint each,
-``transport/ucx_actor.py``) to a real learner: every step arrives once, an actor that closes
+``transport/ucx/actor.py``) to a real learner: every step arrives once, an actor that closes
 leaves the others sending, and the last close releases the worker."""
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ def _actors_sharing_a_worker(address: str, results) -> None:
     """ACTORS ucx actors in this process: each puts HALF steps; the first two close; the others
     put HALF more. Report how many workers they held and whether they shared one."""
     from rlink_ucx import Actor
-    from rlink_ucx.transport import ucx_actor
-
+    from rlink_ucx.transport.ucx import actor as ucx_actor
     actors = [Actor(address, transport="ucx", actor_id=FIRST_ID + i) for i in range(ACTORS)]
     workers = {id(a._conn.sender.worker) for a in actors}  # type: ignore[union-attr]
     held = len(ucx_actor._workers)

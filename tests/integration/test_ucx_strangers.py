@@ -13,16 +13,17 @@ from typing import Any
 import pytest
 
 from rlink_ucx import Config, Learner, RLinkDataset
-from rlink_ucx.transport import interfaces, ucx_probe
+from rlink_ucx.transport import interfaces
+from rlink_ucx.transport.ucx import probe as ucx_probe
 from tests.conftest import ucx_importable
 from tests.integration.hostile import (
     RawActor,
     listening_sockets,
     paced_int_proc,
-    ucx_stalled_actor_proc,
-    ucx_stranger_proc,
     ucx_short_header_proc,
     ucx_short_payload_proc,
+    ucx_stalled_actor_proc,
+    ucx_stranger_proc,
     ucx_unannounced_payload_proc,
 )
 
@@ -54,7 +55,7 @@ def test_200_mib_of_tagged_junk_from_a_stranger_does_not_grow_the_learner_and_a_
         # The stranger knows the learner's worker address (from a session of its own that has
         # ended) but holds no live session, so no tag of any live one.
         raw = RawActor(learner.address, TOKEN)
-        worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).ucx_address
+        worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).answer
         raw.close()
         assert worker_address
         stop, out = SPAWN.Event(), SPAWN.Queue()
@@ -102,7 +103,7 @@ def test_junk_queued_behind_a_stalled_actors_next_header_is_thrown_away_too():
         try:
             assert out.get(timeout=60) == "stalled"
             raw = RawActor(learner.address, TOKEN)
-            worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).ucx_address
+            worker_address = raw.hello(pid=os.getpid(), transport="ucx", ucx=True).answer
             raw.close()
             time.sleep(0.5)
             before = rss_bytes()

@@ -183,7 +183,7 @@ def test_bytes_written_into_shared_memory_before_the_learner_tags_them_are_never
     accepts differs from what was published."""
     import os
 
-    from rlink_ucx.transport.shm_memory import DATA_OFFSET
+    from rlink_ucx.transport.shm.memory import DATA_OFFSET
     from rlink_ucx.weights import mac
 
     with Learner("127.0.0.1:0", token=TOKEN, transport="tcp", config=Config(weights_timeout=20)) as learner:

@@ -18,6 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from rlink_ucx import ProtocolError
+from rlink_ucx.transport.plane import decode_blob, encode_blob
+from rlink_ucx.transport.shm.plane import AttachDetail, RingAnswer
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.frame import FRAME_HEADER, FRAME_HEADER_BYTES
 from rlink_ucx.wire.manifest import KEYED, Entry, Manifest
@@ -193,7 +195,7 @@ def test_an_attach_with_hostile_fields_and_a_valid_proof_is_typed_and_bounded(la
 def test_an_attach_with_numbers_where_bytes_belong_allocates_nothing(lab):
     # bytes(n) of an int n allocates n zeroed bytes: an arena or probe "nonce" of 2**28 used to.
     for arena, probe in [([os.getpid(), 3, 2**28, 1 << 16], None), (None, [4096, 2**28]), ([os.getpid(), 3, b"", 2**28], [2**63, b"x" * 16])]:
-        body = msgspec.msgpack.encode(_wire.Attach(_wire.PROTOCOL_VERSION, 1, b"", True, arena, probe))
+        body = msgspec.msgpack.encode(_wire.Attach(_wire.PROTOCOL_VERSION, 1, b"", encode_blob(AttachDetail(True, arena, probe))))
         got = fz.bounded(lab.attach, body, peak=4 << 20, seconds=5)
         assert got == "attached (fuzz)", got  # the shm plane, nothing mapped or read directly
 
@@ -227,3 +229,43 @@ def test_shm_data_connection_records_parse_or_are_refused_bounded(rng):
 def test_a_schema_field_of_the_wrong_types_is_a_protocol_error(lab, field):
     body = msgspec.msgpack.encode(_wire.Propose([field]))
     assert fz.bounded(lab.session, fz.framed(body), peak=1 << 20, seconds=5) == "ProtocolError"
+
+
+@pytest.mark.timeout(120)
+@FUZZ
+@given(rng=st.randoms(use_true_random=False))
+def test_an_attach_with_a_hostile_plane_detail_is_typed_and_bounded(lab, rng):
+    got = fz.bounded(lab.attach, fz.hostile_attach_detail(rng), peak=4 << 20, seconds=5)
+    assert got == "ProtocolError" or got.startswith("attached"), got
+
+
+@FUZZ
+@given(rng=st.randoms(use_true_random=False))
+def test_a_hostile_ring_answer_is_a_protocol_error_or_a_ring_answer(rng):
+    blob = fz.hostile_blob(rng, RingAnswer(1, 3, bytes(16), 1 << 16))
+    try:
+        got = decode_blob(blob, RingAnswer, "shm ring answer")
+    except ProtocolError as exc:
+        assert "malformed shm ring answer" in str(exc)
+    else:
+        assert type(got.pid) is int and type(got.nonce) is bytes and type(got.size) is int
+
+
+def test_plane_blobs_and_offers_over_their_caps_are_refused_by_the_wire():
+    big = bytes(_wire.PLANE_BLOB_BYTES + 1)
+    for msg in (_wire.Attach(_wire.PROTOCOL_VERSION, 1, b"", big),
+                _wire.Hello(1, 0, "0", "tcp", False, "h", 1, {"tcp": big}),
+                _wire.Hello(1, 0, "0", "tcp", False, "h", 1, {f"p{i}": b"" for i in range(33)}),
+                _wire.Welcome(1, 2, 3, "shm", "why", b"t", 10, 1.0, 2.0, -1, big)):
+        with pytest.raises(ProtocolError, match="malformed control message"):
+            _wire.decode(msgspec.msgpack.encode(msg))
+    ok = _wire.Hello(1, 0, "0", "tcp", False, "h", 1, {"tcp": b"", "shm": b""})
+    assert _wire.decode(msgspec.msgpack.encode(ok)) == ok
+
+
+def test_an_attach_detail_round_trips_and_a_bad_one_is_a_protocol_error():
+    detail = AttachDetail(True, [1, 3, bytes(16), 4096], None)
+    assert decode_blob(encode_blob(detail), AttachDetail, "shm attach detail") == detail
+    for bad in (b"", b"\xc1", encode_blob(["yes", None, None]), encode_blob({"mapped": True})):
+        with pytest.raises(ProtocolError, match="malformed shm attach detail"):
+            decode_blob(bad, AttachDetail, "shm attach detail")

@@ -15,7 +15,7 @@ from rlink_ucx import Config, ProtocolError
 from rlink_ucx.observe.ratelog import RateLimitedLog
 from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.store.ring import StepRing
-from rlink_ucx.transport.tcp import TcpReceiver
+from rlink_ucx.transport.tcp.stream import TcpReceiver
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.codec import Schema
 from rlink_ucx.wire.frame import FRAME_HEADER_BYTES, FrameHeader, announced_payload
@@ -31,7 +31,7 @@ def _session(credit: int = 1000, chunk_steps: int = 8) -> tuple[LearnerSession, 
     server = types.SimpleNamespace(config=Config(), grant_credits=lambda: None, session_ended=lambda *a: None,
                                    credit_low=lambda: None, quiet_log=RateLimitedLog(logging.getLogger("test")),
                                    token=None, loop=None)  # fmt: skip
-    hello = _wire.Hello(7, 11, "0", "tcp", False, False, "h", 1)
+    hello = _wire.Hello(7, 11, "0", "tcp", False, "h", 1)
     control = types.SimpleNamespace(last_send=0.0, send=lambda msg: None, close=lambda: None)  # sends go nowhere
     session = LearnerSession(server, 1, control, hello, 7, "tcp", "test", b"t" * 32)  # type: ignore[arg-type]
     session.schema_id, session.ring, session.credit, session.low_water = 1, ring, credit, -1

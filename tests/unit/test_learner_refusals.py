@@ -8,7 +8,7 @@ import threading
 import pytest
 
 from rlink_ucx import ConfigError, Learner
-from rlink_ucx.transport import ucx_plane
+from rlink_ucx.transport.ucx import plane as ucx_plane
 
 
 @pytest.fixture

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from rlink_ucx.transport import cma, peer
+from rlink_ucx.transport.shm import cma, peer
 
 pytestmark = [pytest.mark.timeout(60),
               pytest.mark.skipif(not os.path.isdir("/proc/self/fd") or not cma.available(), reason="Linux only")]  # fmt: skip
@@ -91,8 +91,7 @@ def test_a_live_process_is_read():
 def test_sock_diag_and_the_proc_tables_find_the_same_peer_socket(monkeypatch):
     """sock_diag asks the kernel for one socket (microseconds); the /proc tables list every
     socket of the host (milliseconds per thousand). Both must name the peer's own socket."""
-    from rlink_ucx.transport import peer
-
+    from rlink_ucx.transport.shm import peer
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
     listener.listen(8)

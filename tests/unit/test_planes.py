@@ -11,7 +11,7 @@ import pytest
 from rlink_ucx.config import Config
 from rlink_ucx.errors import ConfigError, PeerLost, ProtocolError, RLinkError
 from rlink_ucx.session.actor import reconnect
-from rlink_ucx.transport import TRANSPORTS, check_transport, plane, shm_memory, ucx_plane
+from rlink_ucx.transport import TRANSPORTS, check_transport, plane
 from rlink_ucx.transport.frame_memory import FrameMemory
 from rlink_ucx.transport.plane import (
     LearnerContext,
@@ -27,9 +27,11 @@ from rlink_ucx.transport.plane import (
     registered,
     require,
 )
-from rlink_ucx.transport.shm_plane import ShmPlane
-from rlink_ucx.transport.tcp_plane import TcpPlane
-from rlink_ucx.transport.ucx_plane import UcxPlane
+from rlink_ucx.transport.shm import memory as shm_memory
+from rlink_ucx.transport.shm.plane import ShmPlane
+from rlink_ucx.transport.tcp.plane import TcpPlane
+from rlink_ucx.transport.ucx import plane as ucx_plane
+from rlink_ucx.transport.ucx.plane import UcxPlane
 from rlink_ucx.wire import messages as _wire
 
 
@@ -45,7 +47,6 @@ class _Carrier(Plane):
 
     name = "carrier"
     preference = -1
-    hello_flag = "carrier"
 
     @classmethod
     def auto(cls, s):
@@ -96,7 +97,7 @@ def test_one_register_line_makes_a_plane_choosable_by_name_and_by_auto(registry)
     # The actor lacks it: auto falls back to tcp, with the first reason a plane gave for declining.
     learner_only = Situation(frozenset({"tcp", "carrier"}), frozenset({"tcp"}))
     assert choose_plane("auto", "auto", learner_only) == ("tcp", "auto: no pigeons")
-    hello = _wire.Hello(1, 0, "0", "auto", False, False, "h", 1, False)
+    hello = _wire.Hello(1, 0, "0", "auto", False, "h", 1)
     assert plane.situation({"tcp": True, "carrier": True}, hello, same_host=False).actor == frozenset({"tcp"})
 
 
@@ -140,7 +141,7 @@ def _planes(wanted: str, loop: asyncio.AbstractEventLoop) -> LearnerPlanes:
 def test_the_learners_planes_offer_what_its_transport_allows_and_choose_per_hello(monkeypatch, loop):
     monkeypatch.setattr(ucx_plane, "ucx_available", lambda: False)
     monkeypatch.setattr(ucx_plane, "ucx_failure", lambda: None)
-    local = _wire.Hello(1, 0, "0", "auto", False, False, "h", 1, True)
+    local = _wire.Hello(1, 0, "0", "auto", False, "h", 1, {"shm": b""})
     planes = _planes("tcp", loop)
     assert planes.offers() == {"tcp": True, "ucx": False, "shm": False}
     assert planes.choose(local, same_host=True)[0] is planes["tcp"]
@@ -155,9 +156,9 @@ def test_the_learners_planes_offer_what_its_transport_allows_and_choose_per_hell
 def test_a_learner_whose_ucx_failed_says_so_instead_of_not_installed(monkeypatch, loop):
     monkeypatch.setattr(ucx_plane, "ucx_available", lambda: False)
     monkeypatch.setattr(ucx_plane, "ucx_failure", lambda: "bad UCX_TLS")
-    wants_ucx = _wire.Hello(1, 0, "0", "ucx", True, False, "h", 1, False)
+    wants_ucx = _wire.Hello(1, 0, "0", "ucx", False, "h", 1, {"ucx": b""})
     assert _planes("auto", loop).choose(wants_ucx, same_host=False) == (None, "ucx requested: the learner's ucx is off (bad UCX_TLS)")
-    remote = _wire.Hello(1, 0, "0", "auto", True, False, "h", 1, False)
+    remote = _wire.Hello(1, 0, "0", "auto", False, "h", 1, {"ucx": b""})
     chosen, reason = _planes("auto", loop).choose(remote, same_host=False)
     assert chosen is not None and chosen.name == "tcp" and reason == "auto: the learner's ucx is off (bad UCX_TLS)"
 
@@ -210,3 +211,12 @@ def test_frame_memory_lends_the_arena_only_while_frames_are_kept_for_resending()
     assert memory.take(4096) is not None and arena._memory.populating == 2 * 4096 + 2 * 64 * 1024  # both blocks, and two frames
     assert memory.release() is arena and memory.arena is None
     arena.close()
+
+
+def test_a_plugin_module_that_does_not_import_is_a_config_error(monkeypatch):
+    monkeypatch.setattr(plane, "_plugins_loaded", False)
+    monkeypatch.setenv(plane.PLUGINS_ENV, "tests.no_such_plane_module")
+    with pytest.raises(ConfigError, match="RLINK_PLANES names 'tests.no_such_plane_module', which does not import"):
+        get_plane("tcp")
+    assert plane._plugins_loaded  # tried once, not at every look
+    assert get_plane("tcp") is TcpPlane

@@ -27,7 +27,7 @@ def _session(ended: list) -> tuple[LearnerSession, _Control]:
     server = SimpleNamespace(session_ended=lambda s, err: ended.append((s.state, err)), token=None,
                              quiet_log=RateLimitedLog(logging.getLogger("test")))
     control = _Control()
-    hello = _wire.Hello(7, 0, "test", "tcp", False, False, "host", 1)
+    hello = _wire.Hello(7, 0, "test", "tcp", False, "host", 1)
     return LearnerSession(server, 1, control, hello, 7, "tcp", "test", b"t" * 32), control
 
 

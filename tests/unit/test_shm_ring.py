@@ -9,20 +9,13 @@ import numpy as np
 import pytest
 
 from rlink_ucx.errors import ProtocolError
-from rlink_ucx.transport import cma, pump, shm
+from rlink_ucx.transport.shm import channel as shm
+from rlink_ucx.transport.shm import cma
 from rlink_ucx.wire.frame import FRAME_HEADER_BYTES, announced_payload
 
 pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not shm.available(), reason="no memfd (not Linux)")]
 
 RING = 64 * 1024
-
-
-@pytest.fixture(autouse=True, params=["pump", "thread"])
-def reading(request, monkeypatch):
-    """Every test runs with the process's pumps reading the connection (the default) and
-    with a thread of its own per connection (``pump.enabled = False``)."""
-    monkeypatch.setattr(pump, "enabled", request.param == "pump")
-    return request.param
 
 
 class RecordingSink:
@@ -337,7 +330,7 @@ def _pairs(n: int):
 
 
 def test_four_connections_read_together_and_a_bad_one_fails_alone():
-    """Four actors' connections (on one pump, or a thread each): one sends a counter that
+    """Four actors' connections (on the pumps): one sends a counter that
     rewinds the ring and fails with a protocol error; the others go on, every frame bit-exact."""
     connections = _pairs(4)
     sinks = [RecordingSink() for _ in connections]
@@ -413,7 +406,7 @@ class EndingSink(RecordingSink):
 def test_a_receiver_closed_by_the_learner_ends_quietly_and_its_socket_is_closed(connection):
     """``close`` from another thread (the session ending): no failure is reported, the sink is
     told nothing more will land, and the socket is closed (by the pump, once it stopped
-    polling it, when the pump reads it)."""
+    polling it)."""
     sink = EndingSink()
     sender, receiver = _pair(connection, sink)
     sender.send(_header(10), [memoryview(b"0123456789")])

@@ -11,9 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from rlink_ucx.transport import pump
 from rlink_ucx.transport.sockopts import LOOPBACK_CONGESTION, congestion_of
-from rlink_ucx.transport.tcp import RECV_LOW_WATER, TcpReceiver, TcpSender
+from rlink_ucx.transport.tcp.stream import RECV_LOW_WATER, TcpReceiver, TcpSender
 from rlink_ucx.wire.frame import FrameHeader
 
 pytestmark = pytest.mark.timeout(60)
@@ -46,17 +45,14 @@ def _header(seq: int, nbytes: int) -> bytes:
     return FrameHeader(1, 1, 7, 0, seq, 0, nbytes).pack()
 
 
-@pytest.mark.parametrize("pumped", [True, False], ids=["pump", "thread"])
-def test_a_frame_tail_below_the_low_water_mark_arrives_with_nothing_after_it(connection, monkeypatch, pumped):
-    # Read by a pump (the default) and by a thread of its own (pump.enabled off). The
-    # receiver sleeps until RECV_LOW_WATER bytes are in while a frame streams in. Linux wakes a reader only at the low-water mark, even one that asks for less, so a mark above
+def test_a_frame_tail_below_the_low_water_mark_arrives_with_nothing_after_it(connection):
+    # The receiver sleeps until RECV_LOW_WATER bytes are in while a frame streams in. Linux wakes a reader only at the low-water mark, even one that asks for less, so a mark above
     # the frame's remaining bytes would hold the tail back until the actor sent more.
     client, accepted = connection
-    monkeypatch.setattr(pump, "enabled", pumped)
     sink = _Sink()
     receiver = TcpReceiver(accepted, sink)
     receiver.start()
-    assert receiver._pumped == pumped
+    assert receiver._pumped
     rng = np.random.default_rng(0)
     sizes = [RECV_LOW_WATER + 12_345, 100, 3 * RECV_LOW_WATER + 1]
     payloads = [rng.integers(0, 256, n, dtype=np.uint8).tobytes() for n in sizes]

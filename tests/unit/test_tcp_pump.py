@@ -14,7 +14,7 @@ import pytest
 
 from rlink_ucx.errors import ProtocolError
 from rlink_ucx.transport import pump
-from rlink_ucx.transport.tcp import _SCRATCH_BYTES, TcpReceiver
+from rlink_ucx.transport.tcp.stream import _SCRATCH_BYTES, TcpReceiver
 from rlink_ucx.wire.frame import FRAME_HEADER_BYTES, FrameHeader
 
 pytestmark = pytest.mark.timeout(60)
@@ -151,7 +151,7 @@ def _through_a_pump(connection, sink, chunks, pause=0.05):
     client, accepted = connection
     receiver = TcpReceiver(accepted, sink)
     receiver.start()
-    assert receiver._pumped  # the default: read by a pump, not a thread of its own
+    assert receiver._pumped
     for chunk in chunks:
         client.sendall(chunk)
         time.sleep(pause)
@@ -160,7 +160,6 @@ def _through_a_pump(connection, sink, chunks, pause=0.05):
 
 def test_a_pump_delivers_every_frame_whatever_the_pieces(connection, monkeypatch):
     # Random cuts, frames from a few bytes to several scratch buffers and low-water marks.
-    monkeypatch.setattr(pump, "enabled", True)
     sink = _Sink()
     sizes = [36, 3 * _SCRATCH_BYTES + 17, 1, 700_000, 99, 36]
     payloads = _payloads(sizes, seed=1)
@@ -192,7 +191,6 @@ def test_a_pump_delivers_every_frame_whatever_the_pieces(connection, monkeypatch
 )
 def test_a_connection_closing_mid_frame_is_reported_as_reset_and_between_frames_as_eof(connection, monkeypatch,
                                                                                        cut, error, message):  # fmt: skip
-    monkeypatch.setattr(pump, "enabled", True)
     sink = _Sink()
     wire = _wire(0, _payloads([1000])[0])
     client, receiver = _through_a_pump(connection, sink, [wire[:cut]])
@@ -210,7 +208,6 @@ def test_a_connection_closing_mid_frame_is_reported_as_reset_and_between_frames_
 
 
 def test_an_error_in_the_sink_ends_the_connection_and_reaches_the_session(connection, monkeypatch):
-    monkeypatch.setattr(pump, "enabled", True)
     sink = _Sink(refuse_seq=1)
     payloads = _payloads([40, 40, 40])
     client, receiver = _through_a_pump(connection, sink, [b"".join(_wire(i, p) for i, p in enumerate(payloads))])
@@ -225,7 +222,6 @@ def test_an_error_in_the_sink_ends_the_connection_and_reaches_the_session(connec
 def test_closing_a_pumped_receiver_mid_frame_tears_the_frame_quietly(connection, monkeypatch):
     # The session's heartbeat check closes a stalled frame's receiver: the pump stops reading
     # it, the frame is abandoned, and no failure is reported (the session closed it).
-    monkeypatch.setattr(pump, "enabled", True)
     sink = _Sink()
     wire = _wire(0, _payloads([5000])[0])
     client, receiver = _through_a_pump(connection, sink, [wire[:FRAME_HEADER_BYTES + 100]])
@@ -247,7 +243,6 @@ def _loopback() -> tuple[socket.socket, socket.socket]:
 
 def test_a_pump_whose_last_connection_ended_stops_its_thread_and_the_next_gets_a_new_one(monkeypatch):
     # A closed learner leaves no pump thread behind (and no epoll or pipe descriptors).
-    monkeypatch.setattr(pump, "enabled", True)
     monkeypatch.setattr(pump, "_pumps", [])  # a pump of its own, not one another test's sockets hold
     monkeypatch.setattr(TcpReceiver, "pump_spread", 1)  # both connections on one pump
     pairs = [_loopback() for _ in range(2)]
@@ -281,7 +276,6 @@ def test_a_pump_whose_last_connection_ended_stops_its_thread_and_the_next_gets_a
 def test_the_first_connections_get_a_pump_each_and_later_ones_share_the_least_busy(monkeypatch):
     # A pump does the kernel copy of every byte it reads: a few actors streaming large frames
     # must not queue behind one thread (shm's receivers share from the first).
-    monkeypatch.setattr(pump, "enabled", True)
     monkeypatch.setattr(pump, "_pumps", [])
     pairs = [_loopback() for _ in range(TcpReceiver.pump_spread + 3)]
     receivers = [TcpReceiver(learner_side, _Sink()) for _, learner_side in pairs]

@@ -2,7 +2,8 @@
 
 import pytest
 
-from rlink_ucx.transport import choose, ucx_probe
+from rlink_ucx.transport import choose
+from rlink_ucx.transport.ucx import probe as ucx_probe
 
 
 @pytest.mark.parametrize(

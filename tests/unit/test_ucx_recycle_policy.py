@@ -2,7 +2,7 @@
 
 import pytest
 
-from rlink_ucx.transport.ucx import recycle_due
+from rlink_ucx.transport.ucx.learner import recycle_due
 
 
 @pytest.mark.timeout(10)

@@ -8,8 +8,9 @@ import os
 import pytest
 
 from rlink_ucx import Config
-from rlink_ucx.transport import interfaces, ucx_probe
-from rlink_ucx.transport.ucx_setup import session_tags, ucx_options
+from rlink_ucx.transport import interfaces
+from rlink_ucx.transport.ucx import probe as ucx_probe
+from rlink_ucx.transport.ucx.setup import session_tags, ucx_options
 
 
 def test_tags_carry_64_secret_bits_each_and_a_shared_ticket_prefix_tells_nothing():
@@ -57,7 +58,7 @@ def test_net_devices_add_rdma_devices_to_the_interface(monkeypatch):
 
 
 def test_small_fields_ride_in_the_header_message_while_it_stays_eager():
-    from rlink_ucx.transport.ucx_setup import HEADER_MESSAGE_BYTES, inline_fields
+    from rlink_ucx.transport.ucx.setup import HEADER_MESSAGE_BYTES, inline_fields
     from rlink_ucx.wire.frame import FRAME_HEADER_BYTES
 
     # An Atari frame of 32 steps: t_ns, obs, action, reward, done.

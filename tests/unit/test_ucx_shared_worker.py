@@ -16,15 +16,15 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not ucx_importable(), 
 
 
 def _connect(loop: asyncio.AbstractEventLoop, address: bytes):
-    from rlink_ucx.transport.ucx_actor import UcxActorPlane
+    from rlink_ucx.transport.ucx.actor import UcxActorPlane
 
-    welcome = SimpleNamespace(ucx_address=address)
+    welcome = SimpleNamespace(answer=address)
     return loop.run_until_complete(UcxActorPlane.connect(loop, welcome, b"k" * 32, 0, Config(), loopback=True))
 
 
 def test_the_actors_of_a_loop_share_a_worker_per_learner_worker_and_the_last_close_releases_it():
-    from rlink_ucx.transport import ucx_actor
-    from rlink_ucx.transport.ucx_setup import make_worker
+    from rlink_ucx.transport.ucx import actor as ucx_actor
+    from rlink_ucx.transport.ucx.setup import make_worker
 
     learners = [make_worker(Config(), loopback=True)[2] for _ in range(2)]  # two learner workers
     first, second = (bytes(w.address.tobytes()) for w in learners)

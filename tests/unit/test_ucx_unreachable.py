@@ -16,8 +16,7 @@ pytestmark = [pytest.mark.timeout(60), pytest.mark.skipif(not ucx_importable(), 
 def test_an_unreachable_learner_worker_is_peer_lost(monkeypatch):
     from ucxx._lib import libucxx
 
-    from rlink_ucx.transport import ucx_actor
-
+    from rlink_ucx.transport.ucx import actor as ucx_actor
     def unreachable(worker, address, error_handling):
         raise libucxx.UCXUnreachableError("Destination is unreachable")
 
@@ -25,7 +24,7 @@ def test_an_unreachable_learner_worker_is_peer_lost(monkeypatch):
                            UCXAddress=SimpleNamespace(create_from_buffer=lambda b: b),
                            UCXEndpoint=SimpleNamespace(create_from_worker_address=unreachable))  # fmt: skip
     monkeypatch.setattr(ucx_actor, "make_worker", lambda config, loopback, devices: (fake, object(), object()))
-    welcome = SimpleNamespace(ucx_address=b"a worker that is gone")
+    welcome = SimpleNamespace(answer=b"a worker that is gone")
     loop = asyncio.new_event_loop()
     try:
         with pytest.raises(PeerLost, match="ucx worker is unreachable .*UCXXUnreachableError"):

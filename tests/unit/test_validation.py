@@ -34,7 +34,7 @@ def make_session(credit=100):
     server = types.SimpleNamespace(config=Config(), grant_credits=lambda: None, session_ended=lambda *a: None,
                                    quiet_log=RateLimitedLog(logging.getLogger("test")),
                                    token=None)
-    hello = _wire.Hello(7, 11, "0", "tcp", False, False, "h", 1)
+    hello = _wire.Hello(7, 11, "0", "tcp", False, "h", 1)
     session = LearnerSession(server, 1, _Control(), hello, 7, "tcp", "test", b"t" * 32)
     session.schema_id, session.ring, session.credit = 1, ring, credit
     return session, ring
@@ -85,7 +85,7 @@ def test_negotiation_absent_rejects_frames():
 
 
 def test_control_messages_roundtrip_and_reject_garbage():
-    msg = _wire.Welcome(1, 2, 3, "tcp", "why", b"t", None, 10, 1.0, 2.0, -1)
+    msg = _wire.Welcome(1, 2, 3, "tcp", "why", b"t", 10, 1.0, 2.0, -1)
     raw = _wire.encode(msg)
     (length,) = struct.unpack("<I", raw[:4])
     assert length == len(raw) - 4

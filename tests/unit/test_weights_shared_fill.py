@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from rlink_ucx import ProtocolError
-from rlink_ucx.transport.shm_memory import DATA_OFFSET
+from rlink_ucx.transport.shm.memory import DATA_OFFSET
 from rlink_ucx.weights import mac
 from rlink_ucx.weights import snapshot as snapshot_module
 from rlink_ucx.weights.shared import available

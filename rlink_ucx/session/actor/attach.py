@@ -94,7 +94,7 @@ class PlaneAttach:
         self._check_attach(msg)
         sender = self._state.sender
         if sender is not None:
-            sender.on_ready(arena=bool(msg.arena), direct=bool(msg.cma))
+            sender.on_ready(msg.answer)
 
     def _check_attach(self, ready: _wire.Ready) -> None:
         """A plane with a data connection is used only once the learner proved, with the

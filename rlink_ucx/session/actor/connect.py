@@ -12,9 +12,10 @@ from typing import Any
 
 from ..._version import __version__
 from ...errors import AuthError, ConnectError, PeerLost, ProtocolError, SchemaMismatch, Superseded, refusal
-from ...transport import hostname, shm, ucx_available
+from ...transport import hostname
 from ...transport.address import is_loopback
 from ...transport.control import ControlConnection
+from ...transport.plane import actor_offers
 from ...wire import auth as _auth
 from ...wire import messages as _wire
 from ...wire.codec import Schema
@@ -136,8 +137,8 @@ class Connector:
                     raise
                 raise AuthError(f"{exc} (with the token in {source}: left by an earlier learner on this port? "
                                 "pass token=... or set RLINK_TOKEN)") from exc  # fmt: skip
-        conn.send(_wire.Hello(s.actor_id, s.incarnation, __version__, s.transport_wanted, ucx_available(),
-                              cuda_visible(), hostname(), os.getpid(), shm.available()))  # fmt: skip
+        conn.send(_wire.Hello(s.actor_id, s.incarnation, __version__, s.transport_wanted, cuda_visible(), hostname(),
+                              os.getpid(), actor_offers()))  # fmt: skip
         welcome = await self._expect(conn, (_wire.Welcome, _wire.Redirect))
         if isinstance(welcome, _wire.Redirect):
             await self._follow(conn, welcome)

@@ -327,9 +327,9 @@ class LearnerServer:
         session.opening = opening
         resume = self.table.add(session)
         conn.send(_wire.Welcome(
-            session.id, actor_id, self.version, transport, reason, session.ticket, opening.ucx_address,
+            session.id, actor_id, self.version, transport, reason, session.ticket,
             self.config.max_frame_bytes, self.config.heartbeat_interval, self.config.heartbeat_timeout,
-            -1 if resume is None else resume, opening.shm,
+            -1 if resume is None else resume, opening.answer,
         ))  # fmt: skip
         self.quiet_log.info("connected", "actor %s (%s pid %s) connected; data plane %s (%s)", actor_id, hello.host,
                             hello.pid, transport, reason)  # fmt: skip

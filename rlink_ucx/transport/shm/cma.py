@@ -9,7 +9,7 @@ The kernel allows it only where the reader may ptrace the target: same user, and
 ``ptrace_scope`` >= 1 or a container's default seccomp profile usually not at all. rlink never
 widens that (no ``PR_SET_PTRACER``). The pid read from is never the peer's word alone: the
 kernel must show that process holding the actor's end of the data connection
-(``transport/peer.py``), and a :class:`Process` handle (a pidfd) taken before that check
+(``transport/shm/peer.py``), and a :class:`Process` handle (a pidfd) taken before that check
 tells when the process is gone, so a pid reused by another process is never read from and
 kept. Whether reading works is then probed per session: the actor shows a random nonce at an
 address in its memory (:class:`Probe`), and the learner reads it back (:func:`verify`) before

@@ -1,19 +1,19 @@
-"""The ``tcp`` plane behind the plane interface (``plane.py``): the sender and the receiver are
-in ``tcp.py``. Every learner offers it and every actor can use it: it is what ``auto`` falls
+"""The ``tcp`` plane behind the plane interface (``transport/plane.py``): the sender and the
+receiver are in ``stream.py``. Every learner offers it and every actor can use it: it is what ``auto`` falls
 back to."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ..wire import auth as _auth
-from ..wire import messages as _wire
-from .plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation
-from .tcp import TcpReceiver, TcpSender
+from ...wire import auth as _auth
+from ...wire import messages as _wire
+from ..plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation
+from .stream import TcpReceiver, TcpSender
 
 if TYPE_CHECKING:
-    from .base import FrameReceiver
-    from .control import ControlConnection
+    from ..base import FrameReceiver
+    from ..control import ControlConnection
 
 
 def send_timeout(side: ActorSide) -> float:
@@ -22,11 +22,12 @@ def send_timeout(side: ActorSide) -> float:
     return min(side.config.frame_timeout, side.config.heartbeat_timeout)
 
 
-async def open_data_connection(side: ActorSide, attach: _wire.Attach) -> ControlConnection:
-    """Open the actor's data connection and send ``attach`` on it, its proof filled in."""
+async def open_data_connection(side: ActorSide, detail: bytes = b"") -> ControlConnection:
+    """Open the actor's data connection and send its Attach on it: the proof, and the plane's
+    own attach ``detail`` (opaque bytes the plane's learner side decodes)."""
     data, challenge = await side.open_data()
     proof = _auth.data_proof(side.session_key, challenge.nonce, side.welcome.session)
-    data.send(_wire.Attach(_wire.PROTOCOL_VERSION, side.welcome.session, proof, attach.shm, attach.arena, attach.cma))
+    data.send(_wire.Attach(_wire.PROTOCOL_VERSION, side.welcome.session, proof, detail))
     return data
 
 
@@ -48,6 +49,7 @@ class TcpPlane(Plane):
 
     name = "tcp"
     preference = 2
+    every_actor = True
 
     @classmethod
     def auto(cls, s: Situation) -> tuple[bool, str]:
@@ -55,9 +57,9 @@ class TcpPlane(Plane):
 
     @classmethod
     async def connect(cls, side: ActorSide) -> Attached:
-        data = await open_data_connection(side, _wire.Attach(0, 0, b""))
+        data = await open_data_connection(side)
         sender = TcpSender(data.sock, side.loop, send_timeout(side), side.config.tcp_congestion)
         return Attached(sender, side.welcome)
 
     def open(self, reason: str) -> Opening:
-        return TcpOpening(TcpPlane, reason, congestion=self.context.config.tcp_congestion)
+        return TcpOpening(type(self), reason, congestion=self.context.config.tcp_congestion)

@@ -71,7 +71,7 @@ def net_devices(host: str) -> list[str] | None:
     """The network devices UCX should use for a control channel on ``host``: the interfaces
     that carry that address, plus every RDMA device (whose ports are not TCP listeners and
     are the reason to use UCX). None: no restriction (a wildcard address, or none found)."""
-    from . import interfaces
+    from .. import interfaces
 
     found = interfaces.holding(host)
     if found is None:

@@ -1,17 +1,17 @@
 """The learner's UCX workers, one generation at a time: a worker keeps the shared memory of
 every actor process it talked to, dead or alive, for as long as it lives, so the ``ucx`` plane
-(``ucx.py``) starts a fresh one after enough ended sessions and retires the old one once its
+(``learner.py``) starts a fresh one after enough ended sessions and retires the old one once its
 sessions are gone."""
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .ucx_setup import load_ucxx, make_worker
-from .ucx_unexpected import Sweeper
+from .setup import load_ucxx, make_worker
+from .unexpected import Sweeper
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ...config import Config
 
 
 def recycle_due(ended: int, live: int, after: int) -> bool:

@@ -1,8 +1,8 @@
 """The ``ucx`` plane's actor side: one endpoint to the learner's worker (its address comes over
 the authenticated control channel) on the UCX worker its I/O loop shares with the loop's other
 actors of the same learner worker; per frame, one message of the header and the small fields
-(``ucx_setup.inline_fields``), then one per other field, sent with the session's two tags, one
-frame at a time (docs/transports.md, "Why one frame in flight"). The learner's side is ``ucx.py``.
+(``setup.inline_fields``), then one per other field, sent with the session's two tags, one
+frame at a time (docs/transports.md, "Why one frame in flight"). The learner's side is ``learner.py``.
 
 The worker is shared because making one is the dearest part of connecting: a UCX context and
 worker cost ~6 ms of CPU (~50 ms of wall time in a storm of 256 actors on 2 cores), an endpoint
@@ -24,9 +24,9 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PeerLost, ProtocolError
-from . import ucx_probe
-from .ucx_setup import (
+from ...errors import PeerLost, ProtocolError
+from . import probe as ucx_probe
+from .setup import (
     HEADER_KIND,
     PAYLOAD_KIND,
     SPINS_BEFORE_YIELD,
@@ -36,11 +36,11 @@ from .ucx_setup import (
     session_tags,
     ucx_options,
 )
-from .ucx_unexpected import DISCARD, Sweeper
+from .unexpected import DISCARD, Sweeper
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from ..wire.messages import Welcome
+    from ...config import Config
+    from ...wire.messages import Welcome
 
 __all__ = ["UcxActorPlane"]
 
@@ -119,17 +119,17 @@ class UcxActorPlane:
     @classmethod
     async def connect(cls, loop: asyncio.AbstractEventLoop, welcome: Welcome, session_key: bytes, incarnation: int,
                       config: Config, loopback: bool = False, control: socket.socket | None = None) -> UcxActorPlane:  # fmt: skip
-        if not welcome.ucx_address:
+        if not welcome.answer:
             raise ProtocolError("learner chose ucx but sent no worker address")
         devices = None
         if not loopback and control is not None:  # the interface our control channel left by
             devices = await loop.run_in_executor(None, ucx_probe.net_devices, control.getsockname()[0])
         if "ucxx._lib.arr" not in sys.modules:  # the first ucx actor here: import ucxx (~0.5 s) off the loop
             await loop.run_in_executor(None, load_ucxx)
-        shared = _take_worker(loop, bytes(welcome.ucx_address), config, loopback, devices)
+        shared = _take_worker(loop, bytes(welcome.answer), config, loopback, devices)
         u = shared.u
         try:
-            address = u.UCXAddress.create_from_buffer(welcome.ucx_address)
+            address = u.UCXAddress.create_from_buffer(welcome.answer)
             endpoint = u.UCXEndpoint.create_from_worker_address(shared.worker, address, False)
             return cls(shared, endpoint, session_tags(session_key), loop, config, control)
         except u.UCXError as exc:  # the worker it names is gone (recycled, or its learner restarted)
@@ -139,7 +139,7 @@ class UcxActorPlane:
             _give_back(shared)
             raise
 
-    def on_ready(self, *, arena: bool, direct: bool) -> None:
+    def on_ready(self, answer: bytes) -> None:
         """Nothing to learn from the learner's Ready on this plane."""
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
@@ -147,7 +147,7 @@ class UcxActorPlane:
         inline = inline_fields(len(view) for view in payload)
         message = bytearray(header)  # UCX needs a writable, contiguous buffer
         for view, ride in zip(payload, inline):
-            if ride:  # small fields ride along (ucx_setup.inline_fields)
+            if ride:  # small fields ride along (setup.inline_fields)
                 message += view
         keep = [self.Array(message)]
         requests = [self.endpoint.tag_send(keep[0], tag_header)]

@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from .._memory import Reserve
+from ..._memory import Reserve
 from . import cma
 
 DATA_OFFSET = 4096  # the first page holds the nonce; the ring's bytes start page-aligned

@@ -15,10 +15,10 @@ import threading
 import time
 from collections.abc import Callable
 
-from ..wire.frame import FRAME_HEADER_BYTES, announced_payload
-from . import pump
-from .base import FrameSink
-from .sockopts import close_socket, set_congestion
+from ...wire.frame import FRAME_HEADER_BYTES, announced_payload
+from .. import pump
+from ..base import FrameSink
+from ..sockopts import close_socket, set_congestion
 
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting
@@ -80,7 +80,7 @@ class TcpSender:
         self.sock = sock
         self.timeout = timeout
 
-    def on_ready(self, *, arena: bool, direct: bool) -> None:
+    def on_ready(self, answer: bytes) -> None:
         """Nothing to learn from the learner's Ready on this plane."""
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
@@ -98,13 +98,11 @@ class TcpSender:
 
 class SocketReceiver:
     """One actor's data connection, read by the process's pumps (``pump.py``: ``pump_step``
-    handles what has arrived, never waiting for more), or, with ``pump.enabled`` off, with
-    blocking calls on a thread of its own (``_receive``, the frame loop).
+    handles what has arrived, never waiting for more).
 
     The session's ``begin``/``end`` are thread-safe; a stalled frame is caught by the session's
-    heartbeat check, which closes the socket and so unblocks the thread or wakes the pump.
-    Subclasses provide ``_receive`` and ``pump_step`` and may release what only the reading
-    thread used in ``_finished``.
+    heartbeat check, which closes the socket and so wakes the pump. Subclasses provide
+    ``pump_step`` and may release what only the pump's thread used in ``_finished``.
     """
 
     name = "tcp"
@@ -128,19 +126,8 @@ class SocketReceiver:
         return self.pump is not None
 
     def start(self) -> None:
-        if pump.enabled:
-            self.pump = pump.pump(self.pump_spread)
-            self.pump.add(self)
-        else:
-            threading.Thread(target=self._run, name=self._name, daemon=True).start()
-
-    def _run(self) -> None:
-        try:
-            self._receive()
-        except Exception as exc:  # noqa: BLE001 - every failure is reported to the session
-            self._failed(exc)
-        finally:
-            self._ended()
+        self.pump = pump.pump(self.pump_spread)
+        self.pump.add(self)
 
     def _failed(self, exc: Exception) -> None:
         """Reading stopped on ``exc``: close and tell the session (unless we were closed)."""
@@ -155,9 +142,6 @@ class SocketReceiver:
         self.sink.abandon()
         self._finished()
 
-    def _receive(self) -> None:
-        raise NotImplementedError
-
     def pump_step(self) -> None:
         raise NotImplementedError
 
@@ -168,7 +152,7 @@ class SocketReceiver:
         if self._closed:
             return
         self._closed = True
-        if not self._pumped:
+        if not self._pumped:  # never started
             close_socket(self.sock)
             return
         # The pump closes the socket once it has stopped watching it (closed here, its number
@@ -181,9 +165,8 @@ class SocketReceiver:
 
 
 class TcpReceiver(SocketReceiver):
-    """Reads one actor's frames with ``recvmsg_into`` straight into the sink's views: on a
-    pump (``pump_step``, the default) or with blocking calls on a thread of its own
-    (``_receive``); one Python call per socket read either way, not an event-loop round trip.
+    """Reads one actor's frames with ``recvmsg_into`` straight into the sink's views, on a
+    pump (``pump_step``): one Python call per socket read, not an event-loop round trip.
 
     While a frame's payload streams in, ``SO_RCVLOWAT`` keeps the reader asleep until
     ``RECV_LOW_WATER`` bytes have arrived (epoll honours it too): fewer wake-ups, which the
@@ -225,39 +208,6 @@ class TcpReceiver(SocketReceiver):
             self._low_water = n
         except OSError:  # not supported here: plain reads, which wake for any byte
             self._low_water_option = None
-
-    def _receive(self) -> None:
-        header = bytearray(FRAME_HEADER_BYTES)
-        view = memoryview(header)
-        got = 0  # bytes of the next header already read
-        while True:
-            if got < FRAME_HEADER_BYTES:  # (a streaming actor's header usually came with the last read)
-                self._wake_after(0)  # between frames nothing is owed: the actor may go quiet
-            while got < FRAME_HEADER_BYTES:
-                n = self.sock.recv_into(view[got:])
-                if n == 0:
-                    if got == 0:  # between frames: the control channel says why
-                        raise EOFError("actor closed the data connection")
-                    raise ConnectionResetError("actor closed the data connection mid-header")
-                got += n
-            self.frame_started = time.monotonic()
-            payload = [v for v in self.sink.begin(bytes(header)) if len(v)]
-            left = sum(len(v) for v in payload)
-            got = 0
-            while payload:
-                self._wake_after(left)
-                # Read the next frame's header in the same call as this payload's tail:
-                # one system call per frame fewer for a streaming actor.
-                n = self.sock.recvmsg_into([*payload, view])[0]
-                if n == 0:
-                    raise ConnectionResetError("actor closed the data connection mid-frame")
-                if n >= left:
-                    got, payload = n - left, []
-                else:
-                    payload = _advance(payload, n)
-                    left -= n
-            self.frame_started = None
-            self.sink.end_threadsafe()
 
     # --- read by a pump --------------------------------------------------------------------------
     def pump_step(self) -> None:

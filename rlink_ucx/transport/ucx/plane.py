@@ -1,5 +1,5 @@
-"""The ``ucx`` plane behind the plane interface (``plane.py``): the learner's worker is in
-``ucx.py``, the actor's in ``ucx_actor.py``. Both are imported only once the plane is used:
+"""The ``ucx`` plane behind the plane interface (``transport/plane.py``): the learner's worker is
+in ``learner.py``, the actor's in ``actor.py``. Both are imported only once the plane is used:
 importing ucxx loads UCX, mutates environment variables and probes the GPU driver.
 
 The learner starts its worker when the first actor that needs it connects (or at start, when
@@ -15,18 +15,18 @@ import importlib.util
 import logging
 from typing import TYPE_CHECKING
 
-from ..errors import ConfigError, ConnectError, PeerLost, Rejected
-from ..wire import messages as _wire
-from . import ucx_probe
-from .plane import ActorSide, Attached, LearnerContext, Opening, Plane, SessionSide, Situation
-from .ucx_setup import UCX_INSTALL
+from ...errors import ConfigError, ConnectError, PeerLost, Rejected
+from ...wire import messages as _wire
+from ..plane import ActorSide, Attached, LearnerContext, Opening, Plane, SessionSide, Situation
+from . import probe as ucx_probe
+from .setup import UCX_INSTALL
 
 if TYPE_CHECKING:
-    from .base import FrameReceiver
-    from .control import ControlConnection
-    from .ucx import UcxLearnerPlane
-    from .ucx_generation import Generation
-    from .ucx_setup import UcxUnavailable
+    from ..base import FrameReceiver
+    from ..control import ControlConnection
+    from .generation import Generation
+    from .learner import UcxLearnerPlane
+    from .setup import UcxUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +58,6 @@ class UcxPlane(Plane):
     preference = 0
     data_connection = False
     whole_fields = True  # UCX receives each field as one message into one buffer
-    hello_flag = "ucx"
 
     @classmethod
     def available(cls) -> bool:
@@ -111,8 +110,8 @@ class UcxPlane(Plane):
     # --- the actor's side ----------------------------------------------------------------------
     @classmethod
     async def connect(cls, side: ActorSide) -> Attached:
-        from .ucx_actor import UcxActorPlane
-        from .ucx_setup import UcxUnavailable
+        from .actor import UcxActorPlane
+        from .setup import UcxUnavailable
 
         try:
             sender = await UcxActorPlane.connect(side.loop, side.welcome, side.session_key, side.incarnation,
@@ -135,14 +134,14 @@ class UcxPlane(Plane):
             # Load ucxx now, before any session runs: loading its libraries holds the GIL long
             # enough to stall every session's heartbeats and credits if the first ucx actor
             # set it off.
-            from .ucx_setup import load_ucxx
+            from .setup import load_ucxx
 
             load_ucxx()
 
     async def start(self) -> None:
         if not self.is_offered:
             return
-        from .ucx_setup import UcxUnavailable
+        from .setup import UcxUnavailable
 
         try:
             await self._start_worker()
@@ -152,7 +151,7 @@ class UcxPlane(Plane):
     async def prepare(self) -> None:
         if self.worker is not None:
             return
-        from .ucx_setup import UcxUnavailable
+        from .setup import UcxUnavailable
 
         try:
             await self._start_worker()
@@ -163,7 +162,7 @@ class UcxPlane(Plane):
         """Start the worker off the event loop: it takes a good part of a second to come up, and
         the heartbeats and credits of running sessions must not wait for it."""
         if self._starting is None:
-            from .ucx import UcxLearnerPlane
+            from .learner import UcxLearnerPlane
 
             c = self.context  # UCX listens where the control channel does (c.host)
             self._starting = c.loop.run_in_executor(None, UcxLearnerPlane, c.loop, c.config, c.loopback, c.host)
@@ -208,7 +207,7 @@ class UcxOpening(Opening):
     session opens: the worker may be recycled meanwhile)."""
 
     def __init__(self, plane: type[Plane], reason: str, *, learner: UcxLearnerPlane, generation: Generation):
-        super().__init__(plane, reason, ucx_address=generation.address)
+        super().__init__(plane, reason, answer=generation.address)  # the worker's address is the answer
         self.learner, self.generation = learner, generation
 
     def attach(self, session: SessionSide, conn: ControlConnection | None,

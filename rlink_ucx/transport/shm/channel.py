@@ -39,12 +39,17 @@ import threading
 import time
 from typing import Any
 
-from ..errors import ProtocolError
-from ..wire.frame import announced_payload
+import msgspec
+
+from ...errors import ProtocolError
+from ...wire.frame import announced_payload
+from ..base import FrameSink
+from ..plane import decode_blob
+from ..sockopts import close_socket
+from ..tcp.stream import SocketReceiver, tune_socket
 from . import cma
-from .base import FrameSink
-from .shm_memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
-from .shm_records import (
+from .memory import ARENA_NAME, DATA_OFFSET, EXTENT, NONCE_BYTES, RING_NAME, Arena, ShmRing, available
+from .records import (
     ARENA_FRAME,
     COUNTER,
     DIRECT_FRAME,
@@ -56,8 +61,6 @@ from .shm_records import (
     Records,
     Replies,
 )
-from .sockopts import close_socket
-from .tcp import SocketReceiver, tune_socket
 
 SMALL_FRAME = 64 * 1024  # an actor's frame up to this size is joined and copied into the ring at once
 
@@ -65,6 +68,14 @@ __all__ = ["ARENA_NAME", "DATA_OFFSET", "NONCE_BYTES", "RING_NAME", "Arena", "Sh
            "available"]
 # poll events that mean the actor shut its end (POLLRDHUP even with data still queued before it)
 _PEER_GONE = getattr(select, "POLLRDHUP", 0) | select.POLLHUP | select.POLLERR
+
+
+class ReadyAnswer(msgspec.Struct, array_like=True, frozen=True):
+    """The learner's Ready on this plane: it mapped the actor's arena (frames may point into
+    it), and it read the actor's memory probe (large payloads may be sent by address)."""
+
+    arena: bool
+    direct: bool
 
 
 class ShmSender:
@@ -94,10 +105,11 @@ class ShmSender:
         self._poll.register(sock, select.POLLIN)
         self._replies = Replies(sock)
 
-    def on_ready(self, *, arena: bool, direct: bool) -> None:
-        if not arena:
+    def on_ready(self, answer: bytes) -> None:
+        ready = decode_blob(answer, ReadyAnswer, "shm ready answer") if answer else ReadyAnswer(False, False)
+        if not ready.arena:
             self.arena = None  # the learner could not map it: frames go through the ring
-        self.direct = direct
+        self.direct = ready.direct
 
     def send(self, header: bytes, payload: list[memoryview]) -> None:
         with self._lock:
@@ -211,7 +223,7 @@ class ShmSender:
 
 class ShmReceiver(SocketReceiver):
     """Learner side: copies frames out of the ring, or out of the actor's arena or memory, into
-    the sink's views (on a pump's thread, or one of its own: ``SocketReceiver``)."""
+    the sink's views, on a pump's thread (``SocketReceiver``)."""
 
     name = "shm"
 
@@ -228,10 +240,6 @@ class ShmReceiver(SocketReceiver):
         self._released = 0  # what we told the actor
         self._records = Records(sock)
         self._streaming: list[memoryview] = []  # a pumped frame's views still to fill, as its bytes come
-
-    def _read_into(self, views: list[memoryview]) -> None:
-        while views := self._copy_ready(views):
-            self._wait_for_bytes()
 
     def _copy_ready(self, views: list[memoryview]) -> list[memoryview]:
         """Copy what the actor has written into the front of ``views``; the views still to fill."""
@@ -269,17 +277,6 @@ class ShmReceiver(SocketReceiver):
         except (BrokenPipeError, ConnectionResetError):
             pass
 
-    def _wait_for_bytes(self) -> None:
-        if self._consumed != self._released and not self._records.buffered():
-            # Before blocking: the actor may be waiting for room. Not when the next record is
-            # already here (a frame's byte count comes right after its header): a reply per
-            # frame is a system call and a wake-up of the actor each.
-            self._release()
-        kind, body, _ = self._records.next()
-        if kind != WRITTEN:
-            raise ProtocolError("a new frame was announced before the last one's payload was written")
-        self._note_written(body)
-
     def _note_written(self, body: bytes) -> None:
         (written,) = COUNTER.unpack(body)
         if not self._written <= written <= self._consumed + self.ring.size:
@@ -313,7 +310,7 @@ class ShmReceiver(SocketReceiver):
             return False
         self._land_views(header, self.ring.views([(at, size)]))
         self._consumed += size
-        if self._consumed - self._released >= self.ring.size // 2:  # as _read_into does
+        if self._consumed - self._released >= self.ring.size // 2:  # as _copy_ready does
             self._release()
         return True
 
@@ -358,14 +355,6 @@ class ShmReceiver(SocketReceiver):
         poll.register(self.sock, _PEER_GONE)
         return any(events & _PEER_GONE for _, events in poll.poll(within * 1000))
 
-    def _receive(self) -> None:
-        while True:
-            try:
-                record = self._records.next()
-            except EOFError:  # between frames: the control channel says why
-                raise EOFError("actor closed the data connection") from None
-            self._handle(*record)
-
     def pump_step(self) -> None:
         """Handle the records that have arrived, without waiting for more (the pump's thread)."""
         if self._records.fill():
@@ -394,11 +383,9 @@ class ShmReceiver(SocketReceiver):
                 self._copy_from_arena(extents, payload)
             elif kind == DIRECT_FRAME:
                 self._copy_directly(extents, payload)
-            elif self._pumped:
+            else:
                 self._streaming = payload
                 return self._stream()
-            else:
-                self._read_into(payload)
         except EOFError:
             raise ConnectionResetError("actor closed the data connection mid-frame") from None
         self._frame_done()
@@ -408,7 +395,7 @@ class ShmReceiver(SocketReceiver):
         self.sink.end_threadsafe()
 
     def _finished(self) -> None:
-        self.ring.close()  # this thread was the only one copying out of them
+        self.ring.close()  # the pump's thread was the only one copying out of them
         if self.arena is not None:
             self.arena.close()
         if self.actor is not None:

@@ -1,5 +1,5 @@
-"""The ``shm`` plane behind the plane interface (``plane.py``): the ring, the sender and the
-receiver are in ``shm.py`` and ``shm_memory.py``.
+"""The ``shm`` plane behind the plane interface (``transport/plane.py``): the ring, the sender and
+the receiver are in ``channel.py`` and ``memory.py``.
 
 The learner makes one ring per session when it opens it and announces it in the Welcome; the
 actor maps it and attaches its data connection, the ring's doorbell. Whichever side cannot
@@ -17,19 +17,38 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from ..errors import Rejected
-from ..wire import messages as _wire
+from ...errors import ProtocolError, Rejected
+from ...wire import messages as _wire
+from ..plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation, decode_blob, encode_blob
+from ..tcp.plane import TcpOpening, TcpPlane, open_data_connection, send_timeout, tcp_receiver
+from ..tcp.stream import TcpSender
 from . import cma, peer
-from .plane import ActorSide, Attached, Opening, Plane, SessionSide, Situation
-from .shm import ARENA_NAME, ShmReceiver, ShmRing, ShmSender, available
-from .tcp import TcpSender
-from .tcp_plane import TcpOpening, TcpPlane, open_data_connection, send_timeout, tcp_receiver
+from .channel import ARENA_NAME, ReadyAnswer, ShmReceiver, ShmRing, ShmSender, available
 
 if TYPE_CHECKING:
-    from .base import FrameReceiver
-    from .control import ControlConnection
+    from ..base import FrameReceiver
+    from ..control import ControlConnection
 
 log = logging.getLogger(__name__)
+
+
+class RingAnswer(msgspec.Struct, array_like=True, frozen=True):
+    """The Welcome's answer on this plane: the learner's ring, a memfd in process ``pid``."""
+
+    pid: int
+    fd: int
+    nonce: bytes
+    size: int
+
+
+class AttachDetail(msgspec.Struct, array_like=True, frozen=True):
+    """The actor's Attach detail on this plane: whether it mapped the ring (else: tcp on the
+    data connection), its frame buffers [pid, memfd number, nonce, bytes] and its memory
+    probe [address, nonce] (``cma.py``), each checked where it is used."""
+
+    mapped: bool
+    arena: list[Any] | None = None
+    cma: list[Any] | None = None
 
 
 class ShmPlane(Plane):
@@ -37,7 +56,6 @@ class ShmPlane(Plane):
 
     name = "shm"
     preference = 1
-    hello_flag = "shm"
 
     @classmethod
     def available(cls) -> bool:
@@ -69,14 +87,14 @@ class ShmPlane(Plane):
     async def connect(cls, side: ActorSide) -> Attached:
         ring, welcome = cls._map_ring(side)
         if ring is None:  # tcp on the data connection instead
-            data = await open_data_connection(side, _wire.Attach(0, 0, b""))
+            data = await open_data_connection(side)
             sender = TcpSender(data.sock, side.loop, send_timeout(side), side.config.tcp_congestion)
             return Attached(sender, welcome)
         arena = side.memory.shared()
         probe = side.memory.cma_probe()
-        attach = _wire.Attach(0, 0, b"", True, arena.describe() if arena is not None else None,
+        detail = AttachDetail(True, arena.describe() if arena is not None else None,
                               probe.describe() if probe is not None else None)  # fmt: skip
-        data = await open_data_connection(side, attach)
+        data = await open_data_connection(side, encode_blob(detail))
         # The arena goes with the Attach; the learner's Ready says whether it mapped it.
         return Attached(ShmSender(data.sock, ring, send_timeout(side), arena), welcome)
 
@@ -86,9 +104,9 @@ class ShmPlane(Plane):
         reached from here, e.g. another PID namespace or user, unless shm was requested."""
         welcome = side.welcome
         try:
-            pid, fd, nonce, size = welcome.shm or [0, 0, b"", 0]
-            return ShmRing.open(int(pid), int(fd), bytes(nonce), int(size)), welcome
-        except (OSError, ValueError, TypeError) as exc:
+            ring = decode_blob(welcome.answer, RingAnswer, "shm ring answer")
+            return ShmRing.open(ring.pid, ring.fd, ring.nonce, ring.size), welcome
+        except (OSError, ValueError, TypeError, ProtocolError) as exc:
             if side.wanted == cls.name:
                 raise Rejected(f"shm requested but the learner's ring cannot be mapped here: {exc}") from exc
             reason = f"auto: the learner's shared-memory ring cannot be mapped here ({exc}); tcp instead"
@@ -105,16 +123,16 @@ class ShmPlane(Plane):
             why = f"auto: the shared-memory ring could not be created ({exc})"
             return TcpOpening(TcpPlane, why, congestion=self.context.config.tcp_congestion)
         assert ring.fd is not None
-        return ShmOpening(ShmPlane, reason, shm=[os.getpid(), ring.fd, nonce, ring.size],
-                          congestion=self.context.config.tcp_congestion, ring=ring)  # fmt: skip
+        answer = encode_blob(RingAnswer(os.getpid(), ring.fd, nonce, ring.size))
+        return ShmOpening(ShmPlane, reason, answer=answer, congestion=self.context.config.tcp_congestion, ring=ring)
 
 
 class ShmOpening(Opening):
     """An shm session's ring, from its Welcome until its data connection attaches."""
 
-    def __init__(self, plane: type[Plane], reason: str, *, ring: ShmRing, shm: list[Any] | None = None,
+    def __init__(self, plane: type[Plane], reason: str, *, ring: ShmRing, answer: bytes = b"",
                  congestion: str = "auto"):  # fmt: skip
-        super().__init__(plane, reason, shm=shm, congestion=congestion)
+        super().__init__(plane, reason, answer=answer, congestion=congestion)
         self.ring: ShmRing | None = ring
 
     def close(self) -> None:
@@ -125,8 +143,13 @@ class ShmOpening(Opening):
     def attach(self, session: SessionSide, conn: ControlConnection | None,
                msg: _wire.Attach | None) -> tuple[FrameReceiver, _wire.Ready]:  # fmt: skip
         assert conn is not None and msg is not None
+        try:  # a malformed detail ends the attach, the ring with it
+            detail = decode_blob(msg.detail, AttachDetail, "shm attach detail") if msg.detail else AttachDetail(False)
+        except ProtocolError:
+            self.close()
+            raise
         ring, self.ring = self.ring, None
-        if ring is None or not msg.shm:
+        if ring is None or not detail.mapped:
             if ring is not None:
                 ring.close()
             session.transport = TcpPlane.name
@@ -134,11 +157,11 @@ class ShmOpening(Opening):
             log.info("actor %s: %s", session.actor_id, session.transport_reason)
             return tcp_receiver(session, conn, self.congestion), _wire.Ready(session.transport)
         ring.release_fd()  # the actor mapped it before attaching
-        actor = _proven_actor(session, conn) if msg.arena is not None or msg.cma is not None else None
-        arena = _map_arena(session, msg.arena) if actor is not None else None
+        actor = _proven_actor(session, conn) if detail.arena is not None or detail.cma is not None else None
+        arena = _map_arena(session, detail.arena) if actor is not None else None
         if arena is not None:
             session.transport_reason += "; frames read in place from the actor's shared frame buffers"
-        direct = actor is not None and _probe_memory(session, msg.cma)
+        direct = actor is not None and _probe_memory(session, detail.cma)
         if direct:
             session.transport_reason += "; large payloads read straight from the actor's memory"
         elif actor is not None:
@@ -146,7 +169,7 @@ class ShmOpening(Opening):
         receiver = ShmReceiver(conn.sock, ring, session, name=f"rlink-shm-recv-{session.actor_id}",
                                arena=arena, actor_pid=actor if direct else None)  # fmt: skip
         receiver.start()
-        return receiver, _wire.Ready(session.transport, arena is not None, direct)
+        return receiver, _wire.Ready(session.transport, encode_blob(ReadyAnswer(arena is not None, direct)))
 
 
 def _proven_actor(session: SessionSide, conn: ControlConnection) -> cma.Process | None:

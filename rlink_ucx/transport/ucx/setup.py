@@ -7,11 +7,11 @@ import os
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import RLinkError
-from ..wire.frame import FRAME_HEADER_BYTES
+from ...errors import RLinkError
+from ...wire.frame import FRAME_HEADER_BYTES
 
 if TYPE_CHECKING:
-    from ..config import Config
+    from ...config import Config
 
 # How to get the ucx plane (pyproject.toml's extras): ucxx alone on CPU machines, ucxx and cupy on GPU ones.
 UCX_INSTALL = "pip install 'rlink-ucx[ucx]' (CPU) or 'rlink-ucx[cu12]' / 'rlink-ucx[cu13]' (CUDA 12 / 13)"

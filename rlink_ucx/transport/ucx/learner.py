@@ -16,14 +16,14 @@ ucxx API"). So:
   (they reconnect once);
 - each actor owns a worker with one endpoint to the learner's worker address (exchanged over
   the authenticated control channel) and sends the frame header followed by its small fields
-  as one message (``ucx_setup.inline_fields``), then each other field as a message of its own
-  (``ucx_actor.py``).
+  as one message (``setup.inline_fields``), then each other field as a message of its own
+  (``actor.py``).
 
 Each session has two tags (headers, payloads) of 64 secret bits each, derived from its
-key (``ucx_setup.session_tags``), so a process that did not authenticate cannot
-address a session's buffers; what it sends anyway is thrown away (``ucx_unexpected.py``)
+key (``setup.session_tags``), so a process that did not authenticate cannot
+address a session's buffers; what it sends anyway is thrown away (``unexpected.py``)
 rather than kept by UCX for a receive that never comes. UCX's TCP transport listens only on
-the interfaces of the control channel (``ucx_probe.net_devices``). Endpoint error handling
+the interfaces of the control channel (``probe.net_devices``). Endpoint error handling
 is off: it would restrict UCX to TCP and lose same-host shared memory (sysv/cma, several times
 a raw socket; docs/benchmarks.md); a dead peer is detected by the control channel instead.
 """
@@ -39,13 +39,13 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from ..errors import PeerLost, ProtocolError
-from ..wire.frame import FRAME_HEADER_BYTES
-from . import ucx_probe
-from .base import DataPlaneRetired
-from .ucx_actor import UcxActorPlane
-from .ucx_generation import Generation, recycle_due
-from .ucx_setup import (
+from ...errors import PeerLost, ProtocolError
+from ...wire.frame import FRAME_HEADER_BYTES
+from ..base import DataPlaneRetired
+from . import probe as ucx_probe
+from .actor import UcxActorPlane
+from .generation import Generation, recycle_due
+from .setup import (
     HEADER_KIND,
     HEADER_MESSAGE_BYTES,
     PAYLOAD_KIND,
@@ -57,11 +57,11 @@ from .ucx_setup import (
     session_tags,
     ucx_options,
 )
-from .ucx_unexpected import DISCARD, KEEP, TAKEN
+from .unexpected import DISCARD, KEEP, TAKEN
 
 if TYPE_CHECKING:
-    from ..config import Config
-    from .base import FrameSink
+    from ...config import Config
+    from ..base import FrameSink
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""The shm plane's records on its data connection (``shm.py``), both ways.
+"""The shm plane's records on its data connection (``channel.py``), both ways.
 
 Actor -> learner: a byte count of the ring, or a frame's header (its payload in the ring, in
 the actor's arena, or at addresses in its memory, with the extents). Learner -> actor: the
@@ -10,9 +10,9 @@ from __future__ import annotations
 import socket
 import struct
 
-from ..errors import ProtocolError
-from ..wire.frame import FRAME_HEADER_BYTES
-from .shm_memory import EXTENT
+from ...errors import ProtocolError
+from ...wire.frame import FRAME_HEADER_BYTES
+from .memory import EXTENT
 
 __all__ = ["ARENA_FRAME", "COUNTER", "DIRECT_FRAME", "FREED", "MAX_EXTENTS", "READ", "REPLY", "RING_FRAME", "WRITTEN",
            "Records", "Replies"]

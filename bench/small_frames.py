@@ -55,7 +55,7 @@ def _receiver(sock: socket.socket) -> tuple[TcpReceiver, StepRing]:
                                   token=None, loop=None)  # fmt: skip
     hello = _wire.Hello(ACTOR, INCARNATION, "0", "tcp", False, False, "bench", 1)
     session = LearnerSession(owner, 1, _Control(), hello, ACTOR, "tcp", "bench", b"b" * 32)  # type: ignore[arg-type]
-    session.schema_id, session.ring, session.credit, session.low_water = 1, ring, 1 << 60, -1
+    session.schema_id, session.ring, session.flow.credit, session.flow.low_water = 1, ring, 1 << 60, -1
     return TcpReceiver(sock, session), ring
 
 

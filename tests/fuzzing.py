@@ -387,7 +387,7 @@ class Lab:
         try:
             views = session.begin(raw)
         except ProtocolError:
-            if ring.used or session.credit != 50:
+            if ring.used or session.flow.credit != 50:
                 raise Finding("a refused header reserved ring space or credit") from None
             return "ProtocolError"
         h = FrameHeader.unpack(raw)

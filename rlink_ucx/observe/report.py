@@ -112,7 +112,7 @@ def describe_session(session: Any) -> dict[str, Any]:
         "duplicate_steps": session.stats.duplicate_steps,
         "lost_steps": session.stats.lost_steps,
         "protocol_errors": session.stats.protocol_errors,
-        "credit": session.credit,
+        "credit": session.flow.credit,
         "next_seq": session.next_seq,
         "subscribed": session.weights.subscribed,
         "weights_version": session.weights.acked,

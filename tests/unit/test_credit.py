@@ -9,6 +9,7 @@ import pytest
 
 from rlink_ucx import Config
 from rlink_ucx.session.learner.credit import CreditGranter
+from rlink_ucx.session.learner.flow import SessionFlow
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.transport.session_state import SessionState
 from rlink_ucx.wire.codec import Schema
@@ -22,7 +23,7 @@ class Session:
 
     def __init__(self, ring: StepRing, busy: bool = True):
         self.ring, self.receiver, self.state = ring, object(), SessionState.OPEN
-        self.credit, self.low_water, self.revoking, self.busy = 0, 0, False, busy
+        self.flow, self.busy = SessionFlow(), busy
         self.revokes = 0
 
     def idle(self, now: float) -> bool:
@@ -30,17 +31,17 @@ class Session:
 
     @property
     def low_on_credit(self) -> bool:
-        return self.credit <= self.low_water
+        return self.flow.low
 
     def grant(self, steps: int, low_water: int) -> None:
-        self.credit += steps
-        self.low_water = low_water
+        self.flow.credit += steps
+        self.flow.low_water = low_water
 
     def revoke_credit(self, keep: int) -> None:
-        if self.revoking or self.credit <= keep:
+        if self.flow.revoking or self.flow.credit <= keep:
             return
         self.revokes += 1
-        give, self.credit = self.credit - keep, keep  # the actor's Returned
+        give, self.flow.credit = self.flow.credit - keep, keep  # the actor's Returned
         self.ring.revoke(give)
 
 
@@ -59,13 +60,13 @@ def test_one_actor_gets_the_configured_window_and_many_share_half_the_ring():
     sessions = {0: Session(ring)}
     g = granter(sessions, ring)
     g.grant()
-    assert sessions[0].credit == (32 << 20) // 8  # actor_window_bytes, as before
+    assert sessions[0].flow.credit == (32 << 20) // 8  # actor_window_bytes, as before
     for i in range(1, 256):
         sessions[i] = Session(ring)
     for _ in range(3):
         g.grant()
     share = ring.capacity // (2 * 256)
-    credits = [s.credit for s in sessions.values()]
+    credits = [s.flow.credit for s in sessions.values()]
     assert all(c >= share * 3 // 4 for c in credits), min(credits)  # nobody starves
     assert max(credits) <= share  # the first actor gave back what it was promised alone
     assert sessions[0].revokes == 1
@@ -87,7 +88,7 @@ def test_late_actors_are_not_starved_by_busy_early_ones():
     window = g.window(ring, 16)
     assert window == ring.capacity // 32
     for i, s in sessions.items():
-        assert window * 3 // 4 <= s.credit <= window, (i, s.credit)
+        assert window * 3 // 4 <= s.flow.credit <= window, (i, s.flow.credit)
 
 
 def test_an_idle_actor_keeps_a_little_and_a_full_ring_grants_nothing():
@@ -96,22 +97,22 @@ def test_an_idle_actor_keeps_a_little_and_a_full_ring_grants_nothing():
     g = granter({0: idle, 1: busy}, ring)
     g.grant()
     window = g.window(ring, 2)
-    assert idle.credit == busy.credit == window
+    assert idle.flow.credit == busy.flow.credit == window
     seq = 0
-    while busy.credit:  # the busy actor sends frames the consumer never releases
-        n = min(busy.credit, ring.max_frame_steps)
+    while busy.flow.credit:  # the busy actor sends frames the consumer never releases
+        n = min(busy.flow.credit, ring.max_frame_steps)
         ring.reserve(n, actor_id=1, seq=seq, version=0)
-        busy.credit -= n
+        busy.flow.credit -= n
         seq += n
         g.grant()
     assert ring.grantable() == 0 and ring.used == ring.capacity - window
     g.grant()
-    assert (idle.credit, busy.credit) == (window, 0)  # nothing to give, nothing revoked
+    assert (idle.flow.credit, busy.flow.credit) == (window, 0)  # nothing to give, nothing revoked
     g.reclaim_idle(0.0)
     keep = min(window, ring.max_frame_steps)
-    assert idle.credit == keep and ring.grantable() == window - keep
+    assert idle.flow.credit == keep and ring.grantable() == window - keep
     g.grant()
-    assert busy.credit == window - keep  # what the idle actor gave back
+    assert busy.flow.credit == window - keep  # what the idle actor gave back
 
 
 @pytest.mark.parametrize("actors", [1, 3, 1024])
@@ -130,7 +131,7 @@ def one_actor_and_a_full_ring() -> tuple[StepRing, Session, CreditGranter, int]:
     g = granter({0: session}, ring)
     g.grant()
     ring.grant(ring.grantable())
-    return ring, session, g, session.credit
+    return ring, session, g, session.flow.credit
 
 
 def test_a_release_wakes_the_loop_only_while_an_actor_waits_for_room():
@@ -139,14 +140,14 @@ def test_a_release_wakes_the_loop_only_while_an_actor_waits_for_room():
     ring, session, g, window = one_actor_and_a_full_ring()
     g.space_freed()
     assert not g._pending  # nobody is low: a release wakes nothing
-    session.credit = 0  # it spent its window (its frames are in the ring)
+    session.flow.credit = 0  # it spent its window (its frames are in the ring)
     g.credit_low()
     assert g.starved and not g._pending  # no room to grant: waits for the consumer
     g.space_freed()
     assert g._pending  # the release schedules the grant
     ring.revoke(window)  # the consumer freed room
     g._grant_now()
-    assert session.credit == window and not g.starved  # granted, nobody waits any more
+    assert session.flow.credit == window and not g.starved  # granted, nobody waits any more
     g.space_freed()
     assert not g._pending
 
@@ -156,19 +157,19 @@ def test_a_low_actor_with_room_in_the_ring_is_granted_without_waiting_for_a_rele
     session = Session(ring)
     g = granter({0: session}, ring)
     g.grant()
-    ring.revoke(session.credit)  # its frames were consumed meanwhile
-    session.credit = 0
+    ring.revoke(session.flow.credit)  # its frames were consumed meanwhile
+    session.flow.credit = 0
     g.credit_low()
     assert g._pending  # room now: granted at once
     g._grant_now()
-    assert session.credit > 0 and not g.starved
+    assert session.flow.credit > 0 and not g.starved
 
 
 def test_room_freed_while_the_grant_looks_at_the_ring_is_not_lost():
     # The race a review found: the consumer frees room after grant() read the ring as full but
     # before it set the flag, so the release saw no flag; grant() must notice the room itself.
     ring, session, g, window = one_actor_and_a_full_ring()
-    session.credit = 0
+    session.flow.credit = 0
     real, raced = ring.grantable, []
 
     def racing() -> int:
@@ -183,7 +184,7 @@ def test_room_freed_while_the_grant_looks_at_the_ring_is_not_lost():
     g._grant_now()
     assert raced and g._pending  # the release it missed is made up for at once
     g._grant_now()
-    assert session.credit == window
+    assert session.flow.credit == window
 
 
 def test_a_storm_of_grant_requests_in_one_loop_pass_walks_the_sessions_once():
@@ -207,7 +208,7 @@ def test_a_storm_of_grant_requests_in_one_loop_pass_walks_the_sessions_once():
     g.loop.close()
     assert walks == [1024]
     window = g.window(ring, 1024)
-    assert all(s.credit == window for s in sessions.values())
+    assert all(s.flow.credit == window for s in sessions.values())
 
 
 def test_the_server_s_grant_requests_in_one_loop_pass_walk_the_sessions_once():

@@ -34,7 +34,7 @@ def check_begin(raw: bytes) -> None:
     try:
         views = session.begin(raw)
     except ProtocolError:
-        assert ring.used == 0 and session.credit == 50, "a rejected header reserved something"
+        assert ring.used == 0 and session.flow.credit == 50, "a rejected header reserved something"
         return
     h = _wire.FrameHeader.unpack(raw)
     assert h.schema_id == 1 and h.actor_id == 7 and h.incarnation == 11, "accepted a frame of another session"

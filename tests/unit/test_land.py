@@ -34,7 +34,7 @@ def _session(credit: int = 1000, chunk_steps: int = 8) -> tuple[LearnerSession, 
     hello = _wire.Hello(7, 11, "0", "tcp", False, "h", 1)
     control = types.SimpleNamespace(last_send=0.0, send=lambda msg: None, close=lambda: None)  # sends go nowhere
     session = LearnerSession(server, 1, control, hello, 7, "tcp", "test", b"t" * 32)  # type: ignore[arg-type]
-    session.schema_id, session.ring, session.credit, session.low_water = 1, ring, credit, -1
+    session.schema_id, session.ring, session.flow.credit, session.flow.low_water = 1, ring, credit, -1
     return session, ring
 
 
@@ -81,9 +81,9 @@ def test_a_landed_frame_is_what_begin_copy_end_would_have_put_in_the_ring():
     for name in want:
         np.testing.assert_array_equal(a[name], want[name])
         np.testing.assert_array_equal(b[name], want[name])
-    assert (landed.credit, landed.next_seq, landed.stats.frames, landed.stats.steps, landed.stats.bytes) == (
+    assert (landed.flow.credit, landed.next_seq, landed.stats.frames, landed.stats.steps, landed.stats.bytes) == (
         992, 8, 3, 8, 8 * STEP)
-    assert (begun.credit, begun.next_seq, begun.stats.frames, begun.stats.steps) == (992, 8, 3, 8)
+    assert (begun.flow.credit, begun.next_seq, begun.stats.frames, begun.stats.steps) == (992, 8, 3, 8)
     assert ring_a.stats.frames_in == ring_b.stats.frames_in == 3
 
 
@@ -128,14 +128,14 @@ def test_a_refused_frame_leaves_the_session_and_the_ring_as_they_were(overrides,
     header, payload = _frame(overrides.pop("first", 0), 2, **overrides)
     with pytest.raises(ProtocolError, match=match):
         session.land(memoryview(header), memoryview(payload))
-    assert (session.credit, session.next_seq, session.stats.frames, ring.used, ring.stats.frames_in) == (10, 0, 0, 0, 0)
+    assert (session.flow.credit, session.next_seq, session.stats.frames, ring.used, ring.stats.frames_in) == (10, 0, 0, 0, 0)
 
 
 def test_a_frame_beyond_the_credit_is_refused():
     session, ring = _session(credit=1)
     with pytest.raises(ProtocolError, match="exceeds the 1 steps of credit"):
         session.land(*map(memoryview, _frame(0, 2)))
-    assert (session.credit, ring.used) == (1, 0)
+    assert (session.flow.credit, ring.used) == (1, 0)
 
 
 def test_a_resent_frame_already_delivered_is_counted_as_duplicate_and_not_landed():

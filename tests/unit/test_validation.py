@@ -36,7 +36,7 @@ def make_session(credit=100):
                                    token=None)
     hello = _wire.Hello(7, 11, "0", "tcp", False, "h", 1)
     session = LearnerSession(server, 1, _Control(), hello, 7, "tcp", "test", b"t" * 32)
-    session.schema_id, session.ring, session.credit = 1, ring, credit
+    session.schema_id, session.ring, session.flow.credit = 1, ring, credit
     return session, ring
 
 
@@ -74,7 +74,7 @@ def test_bad_headers_are_rejected_before_allocation(raw, match):
     session, ring = make_session(credit=50)
     with pytest.raises(ProtocolError, match=match):
         session.begin(raw)
-    assert ring.used == 0 and session.credit == 50
+    assert ring.used == 0 and session.flow.credit == 50
 
 
 def test_negotiation_absent_rejects_frames():

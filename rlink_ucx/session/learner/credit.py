@@ -91,10 +91,11 @@ class CreditGranter:
         for session in active[self._rotation :] + active[: self._rotation]:
             # A mark set under a larger window would keep the session "low" for good, and every
             # batch the consumer frees would wake this loop for nothing.
-            session.low_water = min(session.low_water, low_water)
-            if session.revoking or (session.idle(now) and session.credit >= keep_idle):
+            flow = session.flow
+            flow.low_water = min(flow.low_water, low_water)
+            if flow.revoking or (session.idle(now) and flow.credit >= keep_idle):
                 continue  # idle, with a frame's worth: more would sit unused while others wait
-            want = window - session.credit
+            want = window - flow.credit
             if want < threshold:
                 continue
             room = ring.grantable()
@@ -102,7 +103,7 @@ class CreditGranter:
             if give <= 0:  # it, and the actors after it, wait for room
                 self.starved, room_seen = True, room
                 break
-            if give < threshold and session.credit > 0:
+            if give < threshold and flow.credit > 0:
                 if session.low_on_credit:  # too little room to be worth a grant: it waits
                     self.starved, room_seen = True, room
                 continue
@@ -120,7 +121,7 @@ class CreditGranter:
     @staticmethod
     def _revoke_excess(active: list[Any], window: int, threshold: int) -> None:
         for session in active:
-            if session.credit - window >= threshold:
+            if session.flow.credit - window >= threshold:
                 session.revoke_credit(keep=window)
 
     def reclaim_idle(self, now: float) -> None:

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 from ...config import Config
 from ...errors import PeerLost, ProtocolError, SchemaMismatch
 from ...observe.ratelog import RateLimitedLog
-from ...store.ring import Segment, StepRing
+from ...store.ring import StepRing
 from ...transport.base import DataPlaneRetired
 from ...transport.control import ControlConnection
 from ...transport.loop import call_soon_any_thread
@@ -24,13 +24,14 @@ from ...wire import keys as _keys
 from ...wire import messages as _wire
 from ...wire.codec import Schema
 from ...wire.frame import FrameHeader
+from .flow import SessionFlow
+from .landing import Landing
 
 if TYPE_CHECKING:
     from ...transport.base import FrameReceiver
     from ...transport.plane import Opening
 
 log = logging.getLogger(__name__)
-IDLE_SECONDS = 1.0  # an actor that sent no frame for this long is idle (its credit may be reclaimed)
 
 
 class Owner(Protocol):
@@ -86,26 +87,14 @@ class LearnerSession:
         self.opening: Opening | None = None  # what its plane holds until the session attaches
         self.schema_id: int | None = None
         self.ring: StepRing | None = None
-        self.credit = 0  # steps granted to this actor and not yet used
+        self.flow = SessionFlow()  # credit, revoke and flush accounting
         self.next_seq: int | None = 0  # None until the first frame of a stream resumed elsewhere
         self.resumed = False  # set by the server: next_seq is where an earlier session of this stream stopped
         self.last_heard = time.monotonic()
         self.state = SessionState.OPEN
         self.error: str | None = None
         self.stats = SessionStats()
-        self._frame: tuple[FrameHeader, Segment | None] | None = None  # None segment: a duplicate
-        self._landing: memoryview | None = None  # ucx frames that cross a ring chunk land here
-        self._scatter: list[list[memoryview]] | None = None  # ...and are copied here on commit
-        self.ack_wanted = 1 << 62  # a flush waits for this seq: acknowledge when reached
-        self.low_water = 0  # wake the loop for more credit once credit falls to this
-        self.last_frame = time.monotonic()  # when a frame last completed (idle actors give credit back)
-        self.revoking = False  # a Revoke is outstanding
-        # Since when the session owes revoked credit (None: it owes none): from the first Revoke
-        # until it has answered (Returned) and holds no more than ``owed_keep`` steps (frames it
-        # sent before it read the Revoke have landed), or the learner granted it more. Past
-        # revoke_deadline() the session is ended: credit it sits on is credit others wait for.
-        self.owed_since: float | None = None
-        self.owed_keep = 0
+        self._land = Landing()  # the frame in progress and its scratch buffer
         self.weights = Membership()  # its place in the weights fan-out: the publisher's to write
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
         self._lock = threading.Lock()
@@ -119,7 +108,7 @@ class LearnerSession:
             if isinstance(msg, _wire.Heartbeat):
                 continue
             if isinstance(msg, _wire.Sync):
-                self.ack_wanted = msg.seq
+                self.flow.ack_wanted = msg.seq
                 self._after_frame()
             elif isinstance(msg, _wire.Propose):
                 self._on_propose(msg)
@@ -150,35 +139,30 @@ class LearnerSession:
         self.server.grant_credits()
 
     def _on_returned(self, steps: int) -> None:
+        flow = self.flow
         with self._lock:
-            if not 0 <= steps <= self.credit:
-                raise ProtocolError(f"actor returned {steps} steps of credit but holds {self.credit}")
-            self.credit -= steps
-        self.revoking = False
-        self._owes()  # settled, unless frames it sent before reading the Revoke are still on their way
+            if not 0 <= steps <= flow.credit:
+                raise ProtocolError(f"actor returned {steps} steps of credit but holds {flow.credit}")
+            flow.credit -= steps
+        flow.revoking = False
+        flow.owes()  # settled, unless frames it sent before reading the Revoke are still on their way
         if self.ring is not None and steps:
             self.ring.revoke(steps)
         self.server.grant_credits()
 
     def idle(self, now: float) -> bool:
-        """No frame for ``IDLE_SECONDS``: its credit is better spent on actors still sending."""
-        return now - self.last_frame > IDLE_SECONDS
+        """No frame for ``flow.IDLE_SECONDS``: its credit is better spent on actors still sending."""
+        return self.flow.idle(now)
 
     def revoke_credit(self, keep: int) -> None:
         """Ask the actor to give back its credit beyond ``keep`` steps: more actors connected
         since it was granted, or it went idle, and others need the ring space."""
-        if self.revoking or self._owes() or self.state is not SessionState.OPEN or self.credit <= keep:
+        flow = self.flow
+        if flow.revoking or flow.owes() or self.state is not SessionState.OPEN or flow.credit <= keep:
             return  # one unmet Revoke at a time: its deadline runs (an honest actor has nothing more to return)
-        self.revoking = True
-        self.owed_since, self.owed_keep = time.monotonic(), keep
-        self.control.send(_wire.Revoke(self.credit - keep))
-
-    def _owes(self) -> bool:
-        """Still owes revoked credit: no Returned yet, or more than it was asked to keep (the
-        frames in flight when it answered have not all landed). Clears the debt once met."""
-        if self.owed_since is not None and not self.revoking and self.credit <= self.owed_keep:
-            self.owed_since = None
-        return self.owed_since is not None
+        flow.revoking = True
+        flow.owed_since, flow.owed_keep = time.monotonic(), keep
+        self.control.send(_wire.Revoke(flow.credit - keep))
 
     def revoke_deadline(self) -> float:
         """How long a session may owe revoked credit: ``heartbeat_timeout`` (within which a live
@@ -191,16 +175,17 @@ class LearnerSession:
         """End the session if it has owed revoked credit for longer than ``revoke_deadline``
         (heartbeat tick; ``late``: the learner's own pause, not the actor's fault). Returns
         whether it was ended."""
-        if not self._owes():
+        flow = self.flow
+        if not flow.owes():
             return False
-        assert self.owed_since is not None
-        self.owed_since = min(now, self.owed_since + late)
+        assert flow.owed_since is not None
+        flow.owed_since = min(now, flow.owed_since + late)
         deadline = self.revoke_deadline()
-        if now - self.owed_since <= deadline:
+        if now - flow.owed_since <= deadline:
             return False
-        answer = "no Returned" if self.revoking else "Returned, but the frames it owed did not come"
+        answer = "no Returned" if flow.revoking else "Returned, but the frames it owed did not come"
         reason = (f"kept revoked credit past {deadline:.3g}s (heartbeat_timeout + frame_timeout): holds "
-                  f"{self.credit} steps, was asked to keep {self.owed_keep} ({answer})")  # fmt: skip
+                  f"{flow.credit} steps, was asked to keep {flow.owed_keep} ({answer})")  # fmt: skip
         self.stats.protocol_errors += 1
         self.control.send(_wire.Error("protocol", reason))
         self.close(f"protocol error: {reason}", lost=True)  # logged; its credit goes back to the ring
@@ -226,13 +211,14 @@ class LearnerSession:
     @property
     def low_on_credit(self) -> bool:
         """At or below the low-water mark: the only state in which grant_credits gives more."""
-        return self.credit <= self.low_water
+        return self.flow.low
 
     def grant(self, steps: int, low_water: int) -> None:
+        flow = self.flow
         with self._lock:
-            self.credit += steps
-            self.low_water = low_water
-        self.owed_since = None  # never while a Revoke is outstanding: this is its entitlement now
+            flow.credit += steps
+            flow.low_water = low_water
+        flow.owed_since = None  # never while a Revoke is outstanding: this is its entitlement now
         self.control.send(_wire.Credit(steps, self.next_seq or 0))
 
     # --- FrameSink ------------------------------------------------------------------------------
@@ -260,8 +246,9 @@ class LearnerSession:
             raise ProtocolError(f"frame seq {h.seq} + {h.n_steps} steps is beyond 2**63")
         if h.payload_bytes != h.n_steps * ring.schema.step_bytes:  # cached by the schema
             raise ProtocolError(f"payload {h.payload_bytes} bytes does not match {h.n_steps} steps of the schema")
-        if h.n_steps > self.credit:
-            raise ProtocolError(f"frame of {h.n_steps} steps exceeds the {self.credit} steps of credit granted")
+        flow = self.flow
+        if h.n_steps > flow.credit:
+            raise ProtocolError(f"frame of {h.n_steps} steps exceeds the {flow.credit} steps of credit granted")
         resumed, self.resumed = self.resumed, False
         if self.next_seq is None:  # a stream this learner never saw starts wherever it is
             self.next_seq = h.seq
@@ -271,7 +258,7 @@ class LearnerSession:
             self.stats.lost_steps += h.seq - self.next_seq
             self.next_seq = h.seq
         if h.seq + h.n_steps <= self.next_seq:  # resent, but already delivered: drop it
-            self.credit -= h.n_steps
+            flow.credit -= h.n_steps
             ring.revoke(h.n_steps)
             return h, ring, False
         if h.seq != self.next_seq:
@@ -280,43 +267,24 @@ class LearnerSession:
 
     def _spend(self, n_steps: int) -> None:
         """A new frame took its place in the ring: it used ``n_steps`` of credit (lock held)."""
-        self.credit -= n_steps
-        self.stats.credit_exhausted += not self.credit
+        flow = self.flow
+        flow.credit -= n_steps
+        self.stats.credit_exhausted += not flow.credit
 
     def _begin(self, header: bytes) -> list[memoryview]:
         h, ring, new = self._admit(header)
         if not new:
-            self._frame = (h, None)
-            return self._scratch(h.payload_bytes, h.n_steps, ring)
+            self._land.frame = (h, None)
+            return self._land.scratch(h.payload_bytes, h.n_steps, ring)
         seg = ring.reserve(h.n_steps, self.actor_id, h.seq, h.version, h.put_time_us * 1e-6)
         self._spend(h.n_steps)
-        self._frame = (h, seg)
+        self._land.frame = (h, seg)
         views = ring.field_views(seg)
         if self.whole_fields and any(len(v) > 1 for v in views):
             # A frame that wraps or crosses a chunk lands in a scratch buffer and is scattered
             # into the ring on commit.
-            self._scatter = views
-            landing = self._landing_for(h.payload_bytes)
-            out, offset = [], 0
-            for field_views in views:
-                size = sum(len(v) for v in field_views)
-                out.append(landing[offset : offset + size])
-                offset += size
-            return out
+            return self._land.staged(views, h.payload_bytes)
         return [v for field_views in views for v in field_views]
-
-    def _scratch(self, size: int, n_steps: int, ring: StepRing) -> list[memoryview]:
-        """Views the payload of a duplicate frame is received into and forgotten."""
-        landing, out, offset = self._landing_for(size), [], 0
-        for spec in ring.schema.fields:
-            out.append(landing[offset : offset + n_steps * spec.step_bytes])
-            offset += n_steps * spec.step_bytes
-        return out
-
-    def _landing_for(self, size: int) -> memoryview:
-        if self._landing is None or len(self._landing) < size:
-            self._landing = memoryview(bytearray(size))
-        return self._landing
 
     def end_threadsafe(self) -> None:
         """The frame is complete (any thread): commit now; wake the I/O loop only when a flush
@@ -341,60 +309,49 @@ class LearnerSession:
     def _after_commit(self) -> None:
         # Credit can only be topped up where the ring has room; otherwise the consumer's next
         # release triggers the grant.
-        if (self.next_seq or 0) >= self.ack_wanted:
+        if (self.next_seq or 0) >= self.flow.ack_wanted:
             call_soon_any_thread(self.server.loop, self._after_frame)
         elif self.low_on_credit:
             self.server.credit_low()
 
     def _commit(self) -> None:
         with self._lock:
-            assert self._frame is not None and self.ring is not None
-            h, seg = self._frame
-            self._frame = None
+            land = self._land
+            assert land.frame is not None and self.ring is not None
+            h, seg = land.frame
+            land.frame = None
             if seg is None:
                 self.stats.duplicate_steps += h.n_steps
                 return
             if self.state is not SessionState.OPEN:  # replaced by a reconnect meanwhile: its resume point is fixed
-                self._scatter = None
+                land.scatter = None
                 self.ring.abandon(seg)
                 return
-            if self._scatter is not None:
-                self._scatter_landing()
+            if land.scatter is not None:
+                land.scatter_into_ring()
             self.ring.commit(seg)
             self._count_frame(h)
 
     def _count_frame(self, h: FrameHeader) -> None:
         """A new frame's steps are in the ring (lock held)."""
-        self.last_frame = self.last_heard = time.monotonic()
+        self.flow.last_frame = self.last_heard = time.monotonic()
         self.next_seq = h.seq + h.n_steps
         self.stats.frames += 1
         self.stats.steps += h.n_steps
         self.stats.bytes += h.payload_bytes
 
-    def _scatter_landing(self) -> None:
-        assert self._landing is not None and self._scatter is not None
-        offset = 0
-        for field_views in self._scatter:
-            for view in field_views:
-                view[:] = self._landing[offset : offset + len(view)]
-                offset += len(view)
-        self._scatter = None
-
     def _after_frame(self) -> None:
         if self.state is not SessionState.OPEN:
             return
-        if self.next_seq is not None and self.next_seq >= self.ack_wanted:
-            self.ack_wanted = 1 << 62
+        if self.next_seq is not None and self.next_seq >= self.flow.ack_wanted:
+            self.flow.ack_wanted = 1 << 62
             self.control.send(_wire.Ack(self.next_seq))
         self.server.grant_credits()
 
     def abandon(self) -> None:
         """The receiver guarantees nothing more is written: a frame in progress is torn."""
         with self._lock:
-            frame, self._frame = self._frame, None
-            # Drop the landing buffer (up to a frame's bytes) now: the session may sit in a
-            # reference cycle with its receiver until the garbage collector's next full pass.
-            self._scatter = self._landing = None
+            frame = self._land.drop()
         if frame is not None and frame[1] is not None and self.ring is not None:
             self.ring.abandon(frame[1])
             self.stats.torn_frames += 1
@@ -431,7 +388,7 @@ class LearnerSession:
             return
         with self._lock:  # after this, no frame commits: next_seq is where a reconnect resumes
             self.state = SessionState.LOST if lost else SessionState.MOVED if moved else SessionState.CLOSED
-            credit, self.credit = self.credit, 0
+            credit, self.flow.credit = self.flow.credit, 0
         self.error = reason if lost else None
         if self.ring is not None and credit:
             self.ring.revoke(credit)

@@ -136,8 +136,8 @@ def weights_actor(address: str, version: Any, stop: Any) -> None:
     with Actor(address, token=TOKEN, transport="tcp", subscribe=True, config=config) as actor:
         while not stop.is_set():
             try:
-                state, v = actor.get_remote_model(timeout=2, latest=False)
-                if int(state["w"][0]) != v:  # every value of version v is v
+                state, v = actor.get_remote_model(timeout=2, latest=False)  # ({}, 0): none here yet
+                if v and int(state["w"][0]) != v:  # every value of version v is v
                     raise SystemExit(f"version {v} arrived with {float(state['w'][0])}")
                 version.value = v
             except RLinkError:

@@ -27,8 +27,9 @@ FAST_STEPS = 400  # 20 s at 20 steps a second: a p99 of 390 steps is the 4th wor
 SLOW, FAST_ALONE, FAST_BESIDE = 3, 1, 2  # who sent a step
 
 
-def start(ns: str, call: str, token: str) -> subprocess.Popen:
-    os.environ["RLINK_TOKEN"] = token  # inherited by the process (run_in copies the environment)
+def start(ns: str, call: str) -> subprocess.Popen:
+    """``call`` of slowlink_procs in namespace ``ns``; RLINK_TOKEN comes with the environment
+    (run_in copies it; the test sets it with monkeypatch, so it never outlives the test)."""
     return run_in(ns, f"import tests.integration.slowlink_procs as p; p.{call}")
 
 
@@ -54,28 +55,28 @@ def p99_ms(steps: list, who: int) -> float:
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("slow", ["shaped", "trickle"])
-def test_a_slow_or_trickling_actor_delays_only_itself(two_hosts, tmp_path, slow):  # noqa: F811
+def test_a_slow_or_trickling_actor_delays_only_itself(two_hosts, tmp_path, slow, monkeypatch):  # noqa: F811
     ns_learner, ns_actor, _ = two_hosts
     if slow == "shaped":  # the actor's side of the link: 2 Mbit/s out of its namespace
         dev = "vb" + two_hosts[2][2:]
         subprocess.run(["ip", "netns", "exec", ns_actor, "tc", "qdisc", "add", "dev", dev, "root", "tbf",
                         "rate", "2mbit", "burst", "4kb", "latency", "500ms"], check=True, timeout=10)  # fmt: skip
-    token = "slow-" + uuid.uuid4().hex
+    monkeypatch.setenv("RLINK_TOKEN", "slow-" + uuid.uuid4().hex)
     addr_path, stop_learner, stop_slow = tmp_path / "address", tmp_path / "stop-learner", tmp_path / "stop-slow"
     learned = tmp_path / "learner.json"
-    learner = start(ns_learner, f"learner({str(addr_path)!r}, {str(stop_learner)!r}, {str(learned)!r})", token)
+    learner = start(ns_learner, f"learner({str(addr_path)!r}, {str(stop_learner)!r}, {str(learned)!r})")
     with killed_at_exit(learner):
         address = wait_for(addr_path, learner, 30)
         # The fast actor shares the learner's namespace (an unshaped path); alone first.
-        alone = start(ns_learner, f"fast_actor({address!r}, {FAST_ALONE}, {FAST_STEPS}, '/dev/null')", token)
+        alone = start(ns_learner, f"fast_actor({address!r}, {FAST_ALONE}, {FAST_STEPS}, '/dev/null')")
         with killed_at_exit(alone):
             exits_cleanly(alone, 90)
         slow_out = tmp_path / "slow.json"
         slow_proc = start(ns_actor, f"slow_actor({address!r}, {SLOW}, {str(stop_slow)!r}, {str(slow_out)!r}, "
-                                    f"{slow == 'trickle'})", token)  # fmt: skip
+                                    f"{slow == 'trickle'})")  # fmt: skip
         with killed_at_exit(slow_proc):
             time.sleep(3.0)  # its frames are on their way
-            beside = start(ns_learner, f"fast_actor({address!r}, {FAST_BESIDE}, {FAST_STEPS}, '/dev/null')", token)
+            beside = start(ns_learner, f"fast_actor({address!r}, {FAST_BESIDE}, {FAST_STEPS}, '/dev/null')")
             with killed_at_exit(beside):
                 exits_cleanly(beside, 90)
             assert slow_proc.poll() is None, slow_proc.communicate()[0][-3000:]

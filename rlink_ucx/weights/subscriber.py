@@ -129,7 +129,9 @@ class Subscriber:
 
         The connection's end is checked first, on every call: an actor that only reads weights
         learns that its learner closed (:class:`Closed`) or was lost past
-        ``Config.reconnect_timeout`` (:class:`PeerLost`) from this call."""
+        ``Config.reconnect_timeout`` (:class:`PeerLost`) from this call. Except for a version
+        above ``newer_than`` that arrived before the end: the learner's last publish (which its
+        ``publish(wait=True)`` saw delivered) is still handed out, and the next call raises."""
         with self._cv:
             wanted = self.conn.latest_version if latest else 0
             if newer_than is not None:
@@ -138,9 +140,11 @@ class Subscriber:
                 self._raise_if_ended()
                 return None
             while True:
-                self._raise_if_ended()
                 ready = self.ready
-                if ready is not None and ready.version >= wanted:
+                here = ready is not None and ready.version >= wanted
+                if not (here and newer_than is not None):
+                    self._raise_if_ended()
+                if here:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:

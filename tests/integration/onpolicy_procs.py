@@ -59,6 +59,23 @@ def weights_only_actor(address: str, results, reconnect_timeout: float) -> None:
             results.put(("ended", type(exc).__name__, time.monotonic() - started, calls))
 
 
+def last_version_reader(address: str, results, go) -> None:
+    """Reports the first version; once ``go`` is set (the learner has published version 2 with
+    ``wait=True`` and closed), what ``newer_than=1`` returns, then what ``newer_than=2`` raises."""
+    from rlink_ucx import Actor, RLinkError
+
+    with Actor(address, transport="tcp") as actor:
+        _, version = actor.get_remote_model(timeout=60, format="numpy")
+        results.put(("first", version))
+        go.wait(60)
+        for asked in (version, version + 1):
+            try:
+                state, got = actor.get_remote_model(timeout=10, format="numpy", newer_than=asked)
+                results.put(("got", got, float(state["w"].sum())))
+            except RLinkError as exc:
+                results.put(("raised", type(exc).__name__))
+
+
 def killable_learner(results) -> None:
     """A learner that publishes version 1, reports its address, and lives until killed."""
     from rlink_ucx import Learner

@@ -17,6 +17,7 @@ from tests.integration.onpolicy_procs import (
     T,
     early_weights_reader,
     killable_learner,
+    last_version_reader,
     lockstep_actor,
     rollout,
     weights_only_actor,
@@ -50,6 +51,24 @@ def test_newer_than_returns_the_next_version_and_a_weights_only_actor_learns_the
     # the learner closed: the actor's next read raises Closed (within seconds, not 60 s of version 2)
     _, kind, _, calls = expect(results, "ended", timeout=10)
     assert kind == "Closed" and calls >= 1, (kind, calls)
+    assert join_all([proc]) == [0]
+
+
+@pytest.mark.timeout(120)
+def test_the_last_version_published_before_close_is_still_handed_out_then_closed_is_raised():
+    # publish(wait=True) saw version 2 delivered, then the learner closed: an actor asking for a
+    # version newer than 1 afterwards gets version 2 (the job's last update), not Closed.
+    go = SPAWN.Event()
+    with Learner("127.0.0.1:0", transport="tcp") as learner:
+        learner.publish({"w": np.zeros(4, np.float32)})
+        results = SPAWN.Queue()
+        proc = SPAWN.Process(target=last_version_reader, args=(learner.address, results, go))
+        proc.start()
+        assert expect(results, "first") == ("first", 1)
+        assert learner.publish({"w": np.ones(4, np.float32)}, wait=True) == 2
+    go.set()
+    assert expect(results, "got", timeout=30) == ("got", 2, 4.0)
+    assert expect(results, "raised", timeout=30) == ("raised", "Closed")
     assert join_all([proc]) == [0]
 
 

@@ -90,6 +90,7 @@ class Connector:
         self._insecure = insecure
         self._token_for_ranks: bytes | None = None  # the generated token rank 0 took: the other ranks' too
         self._attempt: tuple[Any, float | None] = (None, None)  # the connect attempt's timeout scope
+        self.reader_task: asyncio.Task[None] | None = None  # the control reader of the newest session
         self._accepted = False  # this attempt's TCP connection is up
         self._answered = False  # and the learner's Challenge came on it
 
@@ -146,7 +147,8 @@ class Connector:
         s.welcome = welcome
         s.latest_version = welcome.version
         s.actor_id = welcome.actor_id
-        s.tasks.append(s.loop.create_task(self._reader.run()))
+        self.reader_task = s.loop.create_task(self._reader.run())
+        s.tasks.append(self.reader_task)
         await self._attach.attach(welcome)
         await s.ready
         if self._outbox.schema is not None:  # a reconnect: the new session needs the schema again

@@ -24,6 +24,7 @@ FINAL = (AuthError, Closed, Rejected, SchemaMismatch, Superseded)
 
 
 REFUSED_BACKOFF = 0.5  # seconds (times 0.5-1.5 of jitter) between attempts nobody answers
+GOODBYE_GRACE = 2.0  # seconds the control reader is given to read a Bye already sent
 
 
 def _refused(error: BaseException) -> bool:
@@ -51,6 +52,7 @@ class Reconnect:
         self._connector = connector
         self._outbox = outbox
         self._reconnecting = False  # a reconnect is under way (loop thread)
+        self._goodbye: Closed | None = None  # the learner's Bye, read after another channel broke
         self.count = 0  # reconnects that succeeded (loop thread)
 
     def fail(self, exc: RLinkError) -> None:
@@ -60,6 +62,8 @@ class Reconnect:
         if s.closing or s.error is not None:
             return
         if self._reconnecting:  # a reconnect attempt failed: let it notice at once
+            if isinstance(exc, Closed):  # a Bye: the learner is finishing, no attempt can succeed
+                self._goodbye = exc
             for fut in (s.ready, s.proposal):
                 if fut is not None and not fut.done():
                     fut.set_exception(exc)
@@ -104,9 +108,10 @@ class Reconnect:
         """Retry the learner with backoff and jitter until ``reconnect_timeout``; then resume
         the stream where the learner says it stopped (resending what it lacks)."""
         s = self._state
+        await self._hear_goodbye()
         self._teardown()
-        last = await self._retry_connect(time.monotonic() + s.config.reconnect_timeout, cause)
-        self._reconnecting = False
+        last = self._goodbye or await self._retry_connect(time.monotonic() + s.config.reconnect_timeout, cause)
+        self._reconnecting, self._goodbye = False, None
         if last is None:
             self.count += 1
             log.info("actor %s reconnected (resuming at seq %d)", s.actor_id, self._outbox.next_send_seq)
@@ -118,6 +123,16 @@ class Reconnect:
                 self._fail_for_good(last)
             else:
                 self._fail_for_good(PeerLost(f"learner unreachable for {s.config.reconnect_timeout:.3g}s: {last}"))
+
+    async def _hear_goodbye(self) -> None:
+        """A learner that finishes sends Bye on the control connection, then closes the data
+        plane and weights connections: the actor may notice one of those first, with the Bye
+        still unread. Give the control reader a moment to read it (it ends at once on a Bye or
+        on the connection's end), so that a goodbye is not taken for a crash and retried for
+        ``reconnect_timeout``."""
+        reader = self._connector.reader_task
+        if reader is not None and not reader.done():
+            await asyncio.wait({reader}, timeout=GOODBYE_GRACE)
 
     async def _retry_connect(self, deadline: float, cause: RLinkError | None) -> RLinkError | None:
         """Attempt ``connect`` until one succeeds (None), a final error, or ``deadline`` (the

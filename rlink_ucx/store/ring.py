@@ -40,6 +40,10 @@ from .space import RingSpace
 __all__ = ["Piece", "RingStats", "SegState", "Segment", "StepRing"]
 
 _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
+# How long a take waits for a frame that began arriving this recently and stands before the
+# batch's other steps in ring order: the batch is then whole ring positions (lent without a
+# copy when it is one chunk). A frame arriving for longer (a slow link, a trickler) is passed.
+IN_ORDER_GRACE = 0.002  # seconds
 _MAX_CHUNKS = 256
 
 
@@ -74,6 +78,7 @@ class StepRing:
         self._lent: list[list[np.ndarray]] = []  # chunks handed out as batches
         self._space = RingSpace(self.capacity)
         self._ready_segs: collections.deque[Segment] = collections.deque()  # READY, in the order they completed
+        self._placed_segs: collections.deque[Segment] = collections.deque()  # live ones, in the order they were placed
         self._granted = 0  # credit handed out but not yet used by a frame
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -127,8 +132,11 @@ class StepRing:
     # --- producer side (I/O thread) --------------------------------------------------------
     def reserve(self, n: int, actor_id: int, seq: int, version: int, put_at: float = 0.0) -> Segment:
         """Claim room for a frame of ``n`` steps; the caller must hold ``n`` credit."""
+        placed_at = time.monotonic()
         with self._lock:
-            return self._reserve_locked(n, actor_id, seq, version, put_at)
+            seg = self._reserve_locked(n, actor_id, seq, version, put_at)
+            seg.placed_at = placed_at
+            return seg
 
     def _reserve_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float) -> Segment:
         if not 0 < n <= self.max_frame_steps:
@@ -140,6 +148,7 @@ class StepRing:
             raise ProtocolError("frame exceeds the credit granted to this actor")
         start, runs = space.claim(n)
         seg = Segment(start, n, actor_id, seq, version, put_at=put_at, runs=runs)
+        self._placed_segs.append(seg)
         self.stats.peak_used = max(self.stats.peak_used, space.used)
         self._granted = max(0, self._granted - n)
         return seg
@@ -328,7 +337,17 @@ class StepRing:
                     raise Closed("the learner is closed")
                 ready = self._ready_front(count)
                 if ready >= count:
-                    break
+                    young = self._young_frame_ahead(count)
+                    if young <= 0:
+                        break
+                    self._waiting_for = count  # every commit wakes this wait now: it ends with the frame
+                    try:
+                        self._ready.wait(min(young, max(0.0, deadline - time.monotonic())))
+                    finally:
+                        self._waiting_for = 0
+                    if time.monotonic() >= deadline:
+                        break
+                    continue
                 if finished is not None and finished():
                     if not ready or not partial:
                         raise Closed(f"every actor has finished; {ready} steps remain, fewer than {count}")
@@ -348,12 +367,49 @@ class StepRing:
             self.stats.steps_out += count
             return self._claim(count), self._takes
 
+    def _in_place_order(self, need: int) -> list[Segment] | None:
+        """The frames holding the first ``need`` untaken steps in the order they were placed,
+        if every one of them is READY; else None (lock held)."""
+        placed = self._placed_segs
+        while placed and (placed[0].state is SegState.DEAD or placed[0].consumed >= placed[0].n):
+            placed.popleft()
+        out, total = [], 0
+        for seg in placed:
+            if seg.state is SegState.DEAD or seg.consumed >= seg.n:
+                continue
+            if seg.state is not SegState.READY:
+                return None
+            out.append(seg)
+            total += seg.n - seg.consumed
+            if total >= need:
+                return out
+        return None
+
+    def _young_frame_ahead(self, need: int) -> float:
+        """Seconds left of the grace of a frame still arriving among the first ``need`` untaken
+        steps in ring order, if it began within ``IN_ORDER_GRACE``; else 0 (lock held)."""
+        total = 0
+        for seg in self._placed_segs:
+            if seg.state is SegState.DEAD or seg.consumed >= seg.n:
+                continue
+            if seg.state is SegState.PENDING:
+                return seg.placed_at + IN_ORDER_GRACE - time.monotonic()
+            total += seg.n - seg.consumed
+            if total >= need:
+                break
+        return 0.0
+
     def _claim(self, need: int) -> list[Piece]:
-        """The next ``need`` READY steps, in the order their frames completed (lock held)."""
+        """The next ``need`` READY steps (lock held): in the order their frames were placed when
+        those are all READY (consecutive ring positions: a batch that is one chunk is lent
+        without a copy), else in the order the frames completed (one still arriving holds
+        back no other). An actor's frames come in its order either way: it has one open at a time."""
         pieces = []
         self._takes += 1
         take, finished = self._takes, []
-        segs, chunk_steps = self._ready_segs, self.chunk_steps
+        chunk_steps = self.chunk_steps
+        in_order = self._in_place_order(need)
+        segs = collections.deque(in_order) if in_order is not None else self._ready_segs
         while need and segs:
             seg = segs[0]
             k = min(need, seg.n - seg.consumed)
@@ -372,6 +428,9 @@ class StepRing:
                     finished.append(seg)
             if seg.consumed == seg.n:
                 segs.popleft()
+        ready = self._ready_segs
+        while ready and ready[0].consumed >= ready[0].n:
+            ready.popleft()
         if finished:
             self._space.finished(take, finished)
         return pieces

@@ -27,6 +27,7 @@ class Segment:
     consumed: int = 0
     taken_by: int = 0  # the last take() that consumed steps of it
     released: bool = False  # its space was given back (taken and copied out, torn or dropped)
+    placed_at: float = 0.0  # time.monotonic() when its header came and it took its place (0: landed whole)
     ready_at: float = 0.0  # time.monotonic() when it became READY (for the latency metric)
     put_at: float = 0.0  # the actor's wall clock when its first step was put (seconds; 0: unknown)
     # Its (ring position, steps) runs in step order when it lies in several (around frames

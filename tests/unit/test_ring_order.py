@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import itertools
 import random
+import threading
+import time
 
 import numpy as np
 import pytest
 
 from rlink_ucx import ProtocolError, TimeoutError
 from rlink_ucx.store.extents import FreeExtents
+from rlink_ucx.store import ring as ring_module
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire.codec import Schema
 from tests.unit.test_land import _frame, _session
@@ -52,6 +55,41 @@ def test_steps_of_a_complete_frame_are_handed_out_past_one_still_arriving():
     fill(ring, slow, 100)
     assert take_values(ring, 4) == [(1, i, 100 + i) for i in range(4)]
     assert ring.used == 0
+
+
+def test_frames_completed_out_of_order_are_taken_in_ring_order_and_a_whole_chunk_is_lent():
+    # Four actors' frames arrive interleaved (as a pump reads four connections): once all are
+    # complete, the batch is their ring positions in order, one whole chunk, lent without a copy.
+    ring = StepRing(SCHEMA, 8 * 8 * 4, max_frame_steps=2, chunk_steps=8)
+    segs = [ring.reserve(2, actor_id=a, seq=0, version=0) for a in range(4)]
+    for a in (1, 0, 3, 2):
+        fill(ring, segs[a], 100 * a)
+    pieces, take = ring.take(8, timeout=1)
+    assert [(p.actor_id, p.start, p.count) for p in pieces] == [(0, 0, 2), (1, 2, 2), (2, 4, 2), (3, 6, 2)]
+    lent = ring.lend_chunk(pieces)
+    assert lent is not None and lent[0].view(np.int64).tolist() == [0, 1, 100, 101, 200, 201, 300, 301]
+    ring.release(take)
+
+
+def test_a_take_waits_for_a_frame_that_just_began_ahead_of_it_but_not_for_one_arriving_for_long(monkeypatch):
+    monkeypatch.setattr(ring_module, "IN_ORDER_GRACE", 5.0)  # long, so that the test does not race the clock
+    ring = StepRing(SCHEMA, 64 * 8, max_frame_steps=2, chunk_steps=4)
+    first = ring.reserve(2, actor_id=1, seq=0, version=0)
+    second = ring.reserve(2, actor_id=2, seq=0, version=0)
+    fill(ring, second, 200)
+    threading.Timer(0.05, fill, (ring, first, 100)).start()
+    started = time.monotonic()
+    assert take_values(ring, 2) == [(1, 0, 100), (1, 1, 101)]  # waited for the young frame ahead
+    assert 0.04 < time.monotonic() - started < 4.0
+    assert take_values(ring, 2) == [(2, 0, 200), (2, 1, 201)]
+    # A frame arriving for longer than the grace is passed at once (a slow link, a trickler).
+    slow = ring.reserve(2, actor_id=3, seq=0, version=0)
+    fast = ring.reserve(2, actor_id=4, seq=0, version=0)
+    slow.placed_at -= 10.0
+    fill(ring, fast, 400)
+    started = time.monotonic()
+    assert take_values(ring, 2) == [(4, 0, 400), (4, 1, 401)]
+    assert time.monotonic() - started < 1.0
 
 
 def test_others_cycle_the_ring_many_times_around_a_held_frame_and_wrap_in_pieces():

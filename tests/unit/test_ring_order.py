@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from rlink_ucx import ProtocolError, TimeoutError
-from rlink_ucx.store.extents import FreeExtents
 from rlink_ucx.store import ring as ring_module
+from rlink_ucx.store.extents import FreeExtents
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire.codec import Schema
 from tests.unit.test_land import _frame, _session

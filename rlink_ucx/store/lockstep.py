@@ -92,9 +92,7 @@ def _claim_fronts(ring: StepRing, started: float) -> tuple[list[Piece], int]:
             seg.taken_by = take
             if seg.consumed == seg.n:
                 finished.append(seg)
-        segs = ring._ready_segs
-        while segs and segs[0].consumed >= segs[0].n:
-            segs.popleft()
+        ring.frames.prune()
         if finished:
             ring._space.finished(take, finished)
         ring.stats.wait_seconds += time.monotonic() - started
@@ -106,7 +104,7 @@ def _claim_fronts(ring: StepRing, started: float) -> tuple[list[Piece], int]:
 def _fronts_of(ring: StepRing) -> dict[int, Segment]:
     """Each actor's first ready segment with a step not taken yet (lock held)."""
     fronts: dict[int, Segment] = {}
-    for seg in ring._ready_segs:
+    for seg in ring.frames.completed:
         if seg.consumed < seg.n and seg.actor_id not in fronts:
             fronts[seg.actor_id] = seg
     return fronts

@@ -21,7 +21,6 @@ Memory is bounded by construction: the learner only grants credits while
 
 from __future__ import annotations
 
-import collections
 import itertools
 import sys
 import threading
@@ -34,16 +33,13 @@ from .._memory import Reserve
 from ..errors import Closed, ProtocolError
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema
+from .ready import ReadyFrames
 from .segments import Piece, RingStats, Segment, SegState
 from .space import RingSpace
 
 __all__ = ["Piece", "RingStats", "SegState", "Segment", "StepRing"]
 
 _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
-# How long a take waits for a frame that began arriving this recently and stands before the
-# batch's other steps in ring order: the batch is then whole ring positions (lent without a
-# copy when it is one chunk). A frame arriving for longer (a slow link, a trickler) is passed.
-IN_ORDER_GRACE = 0.002  # seconds
 _MAX_CHUNKS = 256
 
 
@@ -77,8 +73,7 @@ class StepRing:
         self._pool: list[list[np.ndarray]] = []  # spare chunks, ready to swap in
         self._lent: list[list[np.ndarray]] = []  # chunks handed out as batches
         self._space = RingSpace(self.capacity)
-        self._ready_segs: collections.deque[Segment] = collections.deque()  # READY, in the order they completed
-        self._placed_segs: collections.deque[Segment] = collections.deque()  # live ones, in the order they were placed
+        self.frames = ReadyFrames()  # which complete frames a take gets, in what order
         self._granted = 0  # credit handed out but not yet used by a frame
         self._lock = threading.Lock()
         self._ready = threading.Condition(self._lock)
@@ -148,7 +143,7 @@ class StepRing:
             raise ProtocolError("frame exceeds the credit granted to this actor")
         start, runs = space.claim(n)
         seg = Segment(start, n, actor_id, seq, version, put_at=put_at, runs=runs)
-        self._placed_segs.append(seg)
+        self.frames.placed(seg)
         self.stats.peak_used = max(self.stats.peak_used, space.used)
         self._granted = max(0, self._granted - n)
         return seg
@@ -281,7 +276,7 @@ class StepRing:
             return 0  # abandoned meanwhile: its space is another frame's already
         seg.state = SegState.READY
         seg.ready_at = ready_at
-        self._ready_segs.append(seg)
+        self.frames.complete(seg)
         stats = self.stats
         stats.steps_in += seg.n
         stats.frames_in += 1
@@ -289,7 +284,7 @@ class StepRing:
         freed = self._drop(seg) if seg.version < self.min_version else 0
         # Wake the consumer only once its batch can be complete: one wake-up per batch,
         # not per frame (each costs a thread switch and a GIL hand-off).
-        if self._waiting_for and self._ready_front(self._waiting_for) >= self._waiting_for:
+        if self._waiting_for and self.frames.count(self._waiting_for) >= self._waiting_for:
             self._ready.notify_all()
         return freed
 
@@ -302,7 +297,7 @@ class StepRing:
         return self._space.give_after_takes(seg)
 
     def _drop_stale(self) -> int:
-        old = [s for s in self._ready_segs if s.consumed < s.n and s.version < self.min_version]
+        old = [s for s in self.frames.completed if s.consumed < s.n and s.version < self.min_version]
         return sum(self._drop(seg) for seg in old)
 
     def abandon(self, seg: Segment) -> None:
@@ -335,81 +330,39 @@ class StepRing:
             while True:
                 if self._closed:
                     raise Closed("the learner is closed")
-                ready = self._ready_front(count)
-                if ready >= count:
-                    young = self._young_frame_ahead(count)
-                    if young <= 0:
-                        break
-                    self._waiting_for = count  # every commit wakes this wait now: it ends with the frame
-                    try:
-                        self._ready.wait(min(young, max(0.0, deadline - time.monotonic())))
-                    finally:
-                        self._waiting_for = 0
-                    if time.monotonic() >= deadline:
-                        break
-                    continue
-                if finished is not None and finished():
+                ready = self.frames.count(count)
+                young = self.frames.young_ahead(count) if ready >= count else 0.0  # ready.py: the grace
+                if ready >= count and young <= 0:
+                    break
+                if ready < count and finished is not None and finished():
                     if not ready or not partial:
                         raise Closed(f"every actor has finished; {ready} steps remain, fewer than {count}")
                     count = ready
                     break
                 left = deadline - time.monotonic()
+                if left <= 0 < young:
+                    break
                 if left <= 0:
                     raise RLinkTimeout(f"{ready} of {count} steps ready")  # the caller says how long it waited
-                self._waiting_for = count
+                self._waiting_for = count  # with enough ready, every commit wakes it: the young frame's too
                 try:
                     # With a finished test, look again now and then: an actor that crashed is
                     # given up on by the clock, not by an event.
-                    self._ready.wait(left if finished is None else min(left, 0.5))
+                    self._ready.wait(min(left, young or (left if finished is None else 0.5)))
                 finally:
                     self._waiting_for = 0
             self.stats.wait_seconds += time.monotonic() - started
             self.stats.steps_out += count
             return self._claim(count), self._takes
 
-    def _in_place_order(self, need: int) -> list[Segment] | None:
-        """The frames holding the first ``need`` untaken steps in the order they were placed,
-        if every one of them is READY; else None (lock held)."""
-        placed = self._placed_segs
-        while placed and (placed[0].state is SegState.DEAD or placed[0].consumed >= placed[0].n):
-            placed.popleft()
-        out, total = [], 0
-        for seg in placed:
-            if seg.state is SegState.DEAD or seg.consumed >= seg.n:
-                continue
-            if seg.state is not SegState.READY:
-                return None
-            out.append(seg)
-            total += seg.n - seg.consumed
-            if total >= need:
-                return out
-        return None
-
-    def _young_frame_ahead(self, need: int) -> float:
-        """Seconds left of the grace of a frame still arriving among the first ``need`` untaken
-        steps in ring order, if it began within ``IN_ORDER_GRACE``; else 0 (lock held)."""
-        total = 0
-        for seg in self._placed_segs:
-            if seg.state is SegState.DEAD or seg.consumed >= seg.n:
-                continue
-            if seg.state is SegState.PENDING:
-                return seg.placed_at + IN_ORDER_GRACE - time.monotonic()
-            total += seg.n - seg.consumed
-            if total >= need:
-                break
-        return 0.0
-
     def _claim(self, need: int) -> list[Piece]:
-        """The next ``need`` READY steps (lock held): in the order their frames were placed when
-        those are all READY (consecutive ring positions: a batch that is one chunk is lent
-        without a copy), else in the order the frames completed (one still arriving holds
-        back no other). An actor's frames come in its order either way: it has one open at a time."""
+        """The next ``need`` READY steps, in ring order or in completion order (``ready.py``);
+        lock held."""
         pieces = []
         self._takes += 1
         take, finished = self._takes, []
         chunk_steps = self.chunk_steps
-        in_order = self._in_place_order(need)
-        segs = collections.deque(in_order) if in_order is not None else self._ready_segs
+        segs = self.frames.order_for(need)
         while need and segs:
             seg = segs[0]
             k = min(need, seg.n - seg.consumed)
@@ -428,9 +381,7 @@ class StepRing:
                     finished.append(seg)
             if seg.consumed == seg.n:
                 segs.popleft()
-        ready = self._ready_segs
-        while ready and ready[0].consumed >= ready[0].n:
-            ready.popleft()
+        self.frames.prune()
         if finished:
             self._space.finished(take, finished)
         return pieces
@@ -443,19 +394,9 @@ class StepRing:
         if freed:
             self._space_freed()
 
-    def _ready_front(self, enough: int | None = None) -> int:
-        """Steps ready to take in order, counted up to ``enough`` (all when None): a backlog
-        of many small frames (hundreds of actors) is not walked whole on every take."""
-        total = 0
-        for seg in self._ready_segs:
-            total += seg.n - seg.consumed
-            if enough is not None and total >= enough:
-                break
-        return total
-
     def ready_steps(self) -> int:
         with self._lock:
-            return self._ready_front()
+            return self.frames.count()
 
     def wait_ready(self, count: int, timeout: float, finished: Callable[[], bool] | None = None) -> tuple[int, int]:
         """Wait until ``count`` steps are ready at the front, ``timeout`` passes or ``finished()``
@@ -463,7 +404,7 @@ class StepRing:
         first of them (of the next step to arrive when none is)."""
         deadline = time.monotonic() + timeout
         with self._ready:
-            while not self._closed and self._ready_front(count) < count and not (finished is not None and finished()):
+            while not self._closed and self.frames.count(count) < count and not (finished is not None and finished()):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
@@ -474,11 +415,11 @@ class StepRing:
                     self._waiting_for = 0
             if self._closed:
                 raise Closed("the learner is closed")
-            first = next((s for s in self._ready_segs if s.consumed < s.n), None)
+            first = self.frames.first_untaken()
             if first is None:
                 return 0, self._space.head if self._space.used else 0
             chunk, offset, _ = self._seg_chunks(first, first.consumed, 1)[0]
-            return self._ready_front(), chunk * self.chunk_steps + offset
+            return self.frames.count(), chunk * self.chunk_steps + offset
 
     def release(self, take_id: int) -> None:
         """The copies of take ``take_id`` (and earlier) are done: their space may be reused."""

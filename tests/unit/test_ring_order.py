@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx import ProtocolError, TimeoutError
-from rlink_ucx.store import ring as ring_module
+from rlink_ucx.store import ready as ready_module
 from rlink_ucx.store.extents import FreeExtents
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.wire.codec import Schema
@@ -72,7 +72,7 @@ def test_frames_completed_out_of_order_are_taken_in_ring_order_and_a_whole_chunk
 
 
 def test_a_take_waits_for_a_frame_that_just_began_ahead_of_it_but_not_for_one_arriving_for_long(monkeypatch):
-    monkeypatch.setattr(ring_module, "IN_ORDER_GRACE", 5.0)  # long, so that the test does not race the clock
+    monkeypatch.setattr(ready_module, "IN_ORDER_GRACE", 5.0)  # long, so that the test does not race the clock
     ring = StepRing(SCHEMA, 64 * 8, max_frame_steps=2, chunk_steps=4)
     first = ring.reserve(2, actor_id=1, seq=0, version=0)
     second = ring.reserve(2, actor_id=2, seq=0, version=0)

@@ -4,11 +4,10 @@ A background thread receives each version into a buffer nobody else is reading: 
 learner's shared memory when it shares the learner's host, else over a *weights stream* of its
 own (a connection to the learner's port), on which both sides prove the session's weights key
 over fresh nonces before anything else is read. The learner sends each later version on that
-stream as it copies it; the
-thread tags each bucket as it arrives. Only a complete version whose every bucket matched its
-keyed tag, under a Seal this actor's key verifies, is exposed: ``get_remote_model`` never sees a
-half-written or altered one, and costs no network round trip when nothing changed. The actor
-listens nowhere.
+stream as it copies it; the thread tags each bucket as it arrives. Only a complete version whose
+every bucket matched its keyed tag, under a Seal this actor's key verifies, is exposed:
+``get_remote_model`` never sees a half-written or altered one, and costs no network round trip
+when nothing changed. The actor listens nowhere.
 """
 
 from __future__ import annotations

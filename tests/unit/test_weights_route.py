@@ -12,11 +12,11 @@ import pytest
 
 from rlink_ucx import Config
 from rlink_ucx.transport.session_state import SessionState
-from rlink_ucx.wire import messages as _wire
 from rlink_ucx.weights.membership import Membership
 from rlink_ucx.weights.publisher import Publisher, _Stream
 from rlink_ucx.weights.route import Route, delivery
 from rlink_ucx.weights.snapshot import BufferPool, snapshot
+from rlink_ucx.wire import messages as _wire
 
 IN_SHARED_MEMORY = SimpleNamespace(shared=[1, 3, b"n" * 16, 64])
 OUTSIDE = SimpleNamespace(shared=None)  # a CUDA version: not in shared memory

@@ -26,7 +26,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tensors", type=int, default=25)
     parser.add_argument("--device", default="cpu", help='where the published state dict lives, e.g. "cuda:0"')
     parser.add_argument("--no-shared-memory", action="store_true",
-                        help="the actors join a gloo broadcast instead of reading the learner's shared memory")
+                        help="the actors take versions on their weights streams instead of reading the learner's "
+                             "shared memory")
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args(argv)
     out = fanout.run(args.size_mb, args.subscribers, args.reps, args.tensors, args.device, not args.no_shared_memory)

@@ -15,7 +15,7 @@ from rlink_ucx.bench.workloads import Workload, flat_bytes
 
 
 def _gloo_group(store: Any, rank: int, timeout: float) -> Any:
-    from rlink_ucx.weights.group import new_group
+    from rlink_ucx.bench.process_group import new_group
 
     return new_group(store, "bench/", rank, 2, backend="gloo", hostname="127.0.0.1", timeout=timeout)
 
@@ -24,7 +24,7 @@ class GlooSender(Sender):
     """One ``send`` per field (tag = field index), as flat uint8 tensors; all waited for."""
 
     def __init__(self, info: Any, workload: Workload, index: int, timeout: float):
-        from rlink_ucx.weights.group import connect_store
+        from rlink_ucx.bench.process_group import connect_store
 
         super().__init__(info, workload, index, timeout)
         self.group = _gloo_group(connect_store("127.0.0.1", info, timeout), 1, timeout)
@@ -49,7 +49,7 @@ class GlooReceiver(Receiver):
 
         import torch
 
-        from rlink_ucx.weights.group import serve_store
+        from rlink_ucx.bench.process_group import serve_store
 
         self.store, self.port = serve_store("127.0.0.1", timeout)
         self.chunk = workload.chunk

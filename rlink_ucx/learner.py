@@ -286,7 +286,7 @@ class Learner:
 
         The tensors are copied first, so training may modify them as soon as this returns; the
         fan-out (the learner's shared memory for actors on its host, each other actor's own
-        authenticated weights connection) runs in the background. With ``wait=True``, also wait
+        authenticated weights stream) runs in the background. With ``wait=True``, also wait
         (up to ``timeout``, default ``Config.weights_timeout``) until every live subscriber has
         the version; a slow actor delays only itself, and gets the newest version when it can.
         """

@@ -73,7 +73,7 @@ def _no_stale_token_files():
 
 @pytest.fixture
 def weights_over_connections(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Weights go to actors over their weights connections, the path of actors on other hosts:
+    """Weights go to actors over their weights streams, the path of actors on other hosts:
     actors on the learner's host would read its shared memory instead (test_weights_shared.py).
     For test files about that path: ``pytestmark = pytest.mark.usefixtures("weights_over_connections")``."""
     from rlink_ucx.weights import snapshot

@@ -72,12 +72,9 @@ def valid_examples() -> list[Any]:
         _wire.Welcome(1, 7, 0, "shm", "why", bytes(32), 1 << 20, 1.0, 10.0, -1, encode_blob(RingAnswer(1, 3, bytes(16), 1 << 16))),
         _wire.Propose([["x", "float32", [4]], ["done", "bool", []]]), _wire.Accept(1, 100), _wire.Reject("no"),
         _wire.Ready("shm", encode_blob(ReadyAnswer(True, False))), _wire.Credit(10, 0), _wire.Revoke(5), _wire.Returned(0), _wire.Sync(10),
-        _wire.Ack(10), _wire.Subscribe(-1), _wire.Version(1), _wire.Group(1, 0, 2, 1234, "p", "gloo", 10.0),
-        _wire.Publish(1, manifest), _wire.Sealed(1, [1, 2]), _wire.Got(1), _wire.Pull(PV, 1, mac, 0),
-        _wire.Heartbeat(), _wire.Bye("done"), _wire.Error("protocol", "x"),
-        _wire.KeyedSubscribe(-1, nonce, True), _wire.KeyedPull(PV, 1, mac, 0, nonce), _wire.WeightsKey(1, nonce),
-        _wire.Seal(1, [bytes(16)], mac), _wire.StoreRequest(1, 1, "get", ["rlink/1/0/0"], [], 0, 10.0),
-        _wire.StoreReply(1, True, [b"addr"], 0, ""), _wire.AttachProof(mac),
+        _wire.Ack(10), _wire.Subscribe(nonce, True), _wire.Version(1), _wire.Publish(manifest), _wire.Got(1),
+        _wire.OpenStream(PV, 1, mac, 0, nonce), _wire.Heartbeat(), _wire.Bye("done"), _wire.Error("protocol", "x"),
+        _wire.WeightsKey(1, nonce), _wire.Seal(1, [bytes(16)], mac), _wire.AttachProof(mac),
         _wire.Mapped(manifest, [os.getpid(), 3, bytes(16), 16]),
         _wire.Redirect(1, "127.0.0.1", 9, 7), _wire.RankHello(1, 2, "127.0.0.1", 9), _wire.RankWelcome(2),
         _wire.RankActors([1, 2, 3]), _wire.StatsRequest(), _wire.StatsReply({"rank": 0, "actors": [], "ranks": {1: {}}}),
@@ -182,7 +179,7 @@ def framed(body: bytes) -> bytes:
 
 
 # What each stage of a connection expects (the rest is refused at once, but tried too).
-PREAUTH_TYPES = (_wire.Login, _wire.Attach, _wire.Pull)
+PREAUTH_TYPES = (_wire.Login, _wire.Attach, _wire.OpenStream)
 HELLO_TYPES = (_wire.Hello,)
 SESSION_TYPES = (_wire.Sync, _wire.Propose, _wire.Returned, _wire.Got, _wire.Subscribe, _wire.Bye, _wire.Heartbeat)
 
@@ -312,7 +309,7 @@ class Lab:
                 return outcome(exc)
             if result.session is not None:
                 result.session.close("fuzzing", lost=False)
-            if result.kind in (Kind.SESSION, Kind.STATS, Kind.PULL):  # stats: answered by the caller's run
+            if result.kind in (Kind.SESSION, Kind.STATS, Kind.STREAM):  # stats: answered by the caller's run
                 return result.kind.value
             return "attached"
         finally:

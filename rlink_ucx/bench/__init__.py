@@ -6,8 +6,9 @@ The peer harnesses (raw ucxx, pyzmq, torch-gloo, Ray, Reverb) and the standalone
 in ``bench/`` of a source checkout, outside the wheel (peers.py says how the suite finds them).
 
 It uses the public API (``rlink_ucx.__all__``, ``RLinkDataset``) and only these internals:
-``rlink_ucx.weights.group`` (the fan-out's plain gloo broadcast) and ``rlink_ucx.transport.shm.channel``
-(``available``: whether the shm rows can run here). The replay suite (replay.py) also feeds
+``rlink_ucx.transport.shm.channel`` (``available``: whether the shm rows can run here). Its own
+``process_group`` builds the plain torch.distributed groups of the gloo baselines (the fan-out's
+plain broadcast, ``bench/peer_gloo.py``). The replay suite (replay.py) also feeds
 ``rlink_ucx.store.ring.StepRing`` by hand and reads ``ReplayDataset._core`` (the table and sum
 tree it fills and times).
 """

@@ -6,7 +6,8 @@
 - ``rlink-publish``: a Learner and N subscribed actor processes; ``publish(state, wait=True)``
   returns once every actor has the version, verified. Time: that call, snapshot included. The
   actors share the learner's host, so they read each version from its shared memory; with
-  ``--no-shared-memory`` they join a gloo broadcast instead, as actors on other hosts do.
+  ``--no-shared-memory`` they take each version on a weights stream of their own instead, as
+  actors on other hosts do.
 
 With ``--device cuda:0`` the state dict lives on the GPU. The plain root then copies its flat
 tensor to the host and broadcasts that (what gloo needs; NCCL refuses two ranks on one GPU), and
@@ -40,7 +41,7 @@ def _plain_receiver(port: int, rank: int, world: int, numel: int, reps: int, res
     import torch
     import torch.distributed as dist
 
-    from ..weights.group import connect_store, new_group
+    from .process_group import connect_store, new_group
 
     group = new_group(connect_store("127.0.0.1", port, 60), "plain/", rank, world, backend="gloo",
                       hostname="127.0.0.1", timeout=60)  # fmt: skip
@@ -56,7 +57,7 @@ class PlainBroadcast:
     def __init__(self, numel: int, subscribers: int, reps: int, device: str = "cpu"):
         import torch
 
-        from ..weights.group import new_group, serve_store
+        from .process_group import new_group, serve_store
 
         store, port = serve_store("127.0.0.1", 60)
         ctx = mp.get_context("spawn")

@@ -136,7 +136,7 @@ def summarize(args: argparse.Namespace, outcome: str, stats: dict[str, Any], wal
         "staleness_mean": round(stats["staleness"]["mean"], 3),
         "staleness_max": stats["staleness"]["max"],
         "bytes_moved": stats["total"]["bytes"],
-        "weights": {k: stats["weights"][k] for k in ("published", "fanouts", "streams", "pulls_served", "fanout_failures")},
+        "weights": {k: stats["weights"][k] for k in ("published", "fanouts", "streams", "streamed", "fanout_failures")},
         "actors_started": args.actors,
         "actors_reported": len(actor_reports),
         "lost_actors": [{"actor_id": a["actor_id"], "pid": a["pid"], "error": a["error"], "env_steps": a["steps"] * args.unroll}

@@ -297,7 +297,7 @@ def merge_ranks(per_rank: list[dict[str, Any]]) -> dict[str, Any]:
     version and what was published as rank 0 has them (every rank publishes the same)."""
     steps = [r["total"]["steps"] for r in per_rank]
     lag = sum(r["staleness"]["mean"] * n for r, n in zip(per_rank, steps)) / max(1, sum(steps))
-    weights = {k: sum(r["weights"][k] for r in per_rank) for k in ("fanouts", "streams", "pulls_served", "fanout_failures")}
+    weights = {k: sum(r["weights"][k] for r in per_rank) for k in ("fanouts", "streams", "streamed", "fanout_failures")}
     return {
         "total": {"steps": sum(steps), "bytes": sum(r["total"]["bytes"] for r in per_rank)},
         "version": per_rank[0]["version"],

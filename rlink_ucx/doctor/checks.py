@@ -216,10 +216,12 @@ def check_nccl() -> Check:
             version = None
     data = {"nccl": nccl, "gloo": gloo, "nccl_version": version}
     found = [name for name, there in ((f"NCCL {version or ''}".strip(), nccl), ("gloo", gloo)) if there]
-    # Informational: weights travel on rlink's own authenticated connections, not in a
+    # Informational, for the user's own training job: rlink's weights reach each actor on its
+    # authenticated weights stream or through sealed shared memory, never through a
     # torch.distributed group (whose listeners would take anyone's connections).
-    return Check("nccl", "ok", f"torch.distributed backends: {', '.join(found) or 'none'} (rlink's weights "
-                 "need neither)", "", data)  # fmt: skip
+    return Check("nccl", "ok", f"torch.distributed backends: {', '.join(found) or 'none'} (for your own "
+                 "training; rlink's weights use neither: authenticated weights streams and shared memory)",
+                 "", data)  # fmt: skip
 
 
 def check_shm(config: Config, actors: int, path: str = "/dev/shm") -> Check:

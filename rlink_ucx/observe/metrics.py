@@ -59,7 +59,7 @@ def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
         "ready_steps": ring.ready_steps() if ring else 0,
         "version": server.version,
         "weights": {k: weights.get(k) or 0 for k in
-                    ("published", "fanouts", "fanout_failures", "pulls_served", "pull_bytes", "last_fanout_seconds")},
+                    ("published", "fanouts", "fanout_failures", "streamed", "streamed_bytes", "last_fanout_seconds")},
         "staleness": cumulative(STALENESS_BOUNDS, dict(server.staleness.counts)),
     }  # fmt: skip
     if timings is not None:
@@ -97,8 +97,8 @@ _COUNTERS = (  # (name, help, key in sample()["total"] or sample())
     ("rlink_weights_fanouts", "Weight fan-outs finished.", "weights.fanouts"),
     ("rlink_weights_fanout_failures", "Versions not every subscribed actor confirmed within weights_timeout.",
      "weights.fanout_failures"),
-    ("rlink_weights_pulls_served", "Versions sent on actors' weights connections.", "weights.pulls_served"),
-    ("rlink_weights_pull_bytes", "Bytes of weights sent on actors' weights connections.", "weights.pull_bytes"),
+    ("rlink_weights_streamed", "Versions sent on actors' weights streams.", "weights.streamed"),
+    ("rlink_weights_streamed_bytes", "Bytes of weights sent on actors' weights streams.", "weights.streamed_bytes"),
 )  # fmt: skip
 _GAUGES = (
     ("rlink_connected_actors", "Actors connected now.", "connected_actors"),

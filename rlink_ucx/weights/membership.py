@@ -1,14 +1,14 @@
 """One actor session's place in the weights fan-out.
 
 The publisher owns it: it writes every field under its condition lock (the I/O loop on a
-Subscribe or a Got, the fan-out thread, and each weights connection's thread all do), so a
+Subscribe or a Got, the fan-out thread, and each weights stream's thread all do), so a
 version counter is never read-modify-written by two threads at once. Others only read it
 (``stats()`` rows, on the I/O loop).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -17,6 +17,7 @@ class Membership:
 
     subscribed: bool = False  # wants every published version
     shared: bool = False  # on the learner's host: reads versions from its shared memory
-    cuda_device: int | None = None  # where it receives weights (unused: versions reach actors in host memory)
+    # Its subscription's key (``wire.keys.subscription_key``), set with ``shared``; never printed.
+    key: bytes | None = field(default=None, repr=False)
     sent: int = 0  # newest version announced or sent to it
     acked: int = 0  # newest version it confirmed complete and verified

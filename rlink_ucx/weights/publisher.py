@@ -5,18 +5,18 @@ pending ones are skipped: actors only want the newest) then reaches every subscr
 
 - actors on this host read it from our shared memory (``shared.py``), told where over their
   control connection;
-- every other actor holds a *weights connection* of its own, opened by the actor and proven
-  with the session's key over fresh nonces before the learner sends or keeps anything on it
-  (the pull handshake, ``wire/keys.py``). One thread per such connection sends each version's
-  buckets as soon as they are copied, so the copy of later buckets overlaps the sending of
-  earlier ones, and a slow actor delays only itself. An actor on shared memory gets one
-  version on such a connection (its first, or one it could not read) and the learner closes it.
+- every other actor holds a *weights stream* of its own: a connection to the learner's port,
+  opened by the actor and proven with the session's key over fresh nonces before the learner
+  sends or keeps anything on it (``OpenStream``, ``wire/keys.py``). One thread per stream sends
+  each version's buckets as soon as they are copied, so the copy of later buckets overlaps the
+  sending of earlier ones, and a slow actor delays only itself. An actor on shared memory gets
+  one version on such a stream (its first, or one it could not read) and the learner ends it.
 
-No port but the learner's own listener is ever opened for the fan-out, and that listener keeps
-nothing for a peer that has not proven the token (earlier releases built torch.distributed gloo
-or NCCL groups, whose listeners accepted, and kept, every stranger's connection). Every bucket
-carries a tag keyed with the version's secret, which reaches each actor wrapped under its own
-key. Every step is bounded by ``Config.weights_timeout``.
+Which of these each actor gets for each version is decided in one place, ``route.delivery``.
+No port but the learner's own listener is opened for the fan-out, and that listener keeps
+nothing for a peer that has not proven the token. Every bucket carries a tag keyed with the
+version's secret, which reaches each actor wrapped under its own key. Every step is bounded by
+``Config.weights_timeout``.
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 from .membership import Membership
+from .route import Route, delivery
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
 
 
@@ -71,19 +72,19 @@ class Owner(Protocol):
 
 
 @dataclass
-class _Pull:
-    key: bytes  # this pull's key (fresh by both nonces)
-    proof: bytes  # the learner's proof, sent first on the pull connection
+class _Opening:
+    key: bytes  # the stream's key (fresh by both nonces)
+    proof: bytes  # the learner's proof, sent first on the stream
 
 
 @dataclass
 class _Stream:
-    """An actor's proven weights connection, owned by its sending thread."""
+    """An actor's proven weights stream, owned by its sending thread."""
 
     session: Member
     sock: socket.socket
-    key: bytes  # the pull's key: wraps each version's secret and keys its Seal
-    sent: int  # newest version the actor has (or was sent on this connection)
+    key: bytes  # the stream's key: wraps each version's secret and keys its Seal
+    sent: int  # newest version the actor has (or was sent on this stream)
     thread: threading.Thread | None = None
     ended: bool = field(default=False)
 
@@ -106,12 +107,11 @@ class Publisher:
         self._burned = 0  # newest version whose publish failed after its fan-out could start
         self._thread: threading.Thread | None = None
         self._closed = False
-        self._streams: dict[int, _Stream] = {}  # session id -> its weights connection
-        self._subscription_keys: dict[int, bytes] = {}  # session id -> its subscription's key
-        self._pulls: dict[int, _Pull] = {}  # session id -> the pull just verified, until served
+        self._streams: dict[int, _Stream] = {}  # session id -> its weights stream
+        self._openings: dict[int, _Opening] = {}  # session id -> the stream just proven, until served
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "shared": 0, "streams": 0,
-            "pulls_served": 0, "pull_bytes": 0, "last_fanout_seconds": None, "last_error": None,
+            "streamed": 0, "streamed_bytes": 0, "last_fanout_seconds": None, "last_error": None,
         }  # fmt: skip
 
     # --- training thread ----------------------------------------------------------------------
@@ -159,7 +159,7 @@ class Publisher:
 
     def wait(self, version: int, timeout: float | None) -> bool:
         """Until ``version`` (or newer) is fanned out and every live subscriber has it; False
-        when ``timeout`` passed first (a slow or frozen actor: it will pull later)."""
+        when ``timeout`` passed first (a slow or frozen actor: it gets the newest version later)."""
         deadline = time.monotonic() + (self.config.weights_timeout if timeout is None else timeout)
         with self._cv:
             while not self._closed:
@@ -192,55 +192,49 @@ class Publisher:
             self._cv.notify_all()
 
     def on_subscribe(self, session: Member, msg: _wire.Subscribe) -> None:
-        nonce = getattr(msg, "nonce", b"")
-        if not isinstance(msg, _wire.KeyedSubscribe) or len(nonce) != _auth.NONCE_BYTES:
-            raise ProtocolError("weights subscription without a key nonce (an actor of an older rlink?)")
-        self._subscription_keys[session.id] = _keys.subscription_key(session.key, nonce)
+        if len(msg.nonce) != _auth.NONCE_BYTES:
+            raise ProtocolError("weights subscription without a fresh key nonce")
+        key = _keys.subscription_key(session.key, msg.nonce)
         # An actor that can open our memfds reads versions from them: on this host only (the
-        # name says so; the actor falls back to pulls where the memfd still cannot be opened).
+        # name says so; the actor falls back to its weights stream where the memfd still cannot
+        # be opened).
         shared = bool(msg.shared) and self._pool.shared and session.hello.host == hostname()
         with self._cv:
             member = session.weights
-            member.subscribed, member.shared = True, shared
-            member.cuda_device = msg.cuda_device if msg.cuda_device >= 0 else None
-            # The actor pulls the current version right away (on shared memory: until it
-            # acknowledges it, versions are not mapped for it).
+            member.subscribed, member.shared, member.key = True, shared, key
+            # The actor opens its weights stream for the current version right away (on shared
+            # memory: until it acknowledges it, versions are not mapped for it).
             member.sent = self.server.version
             self._cv.notify_all()
 
-    def on_store(self, session: Member, msg: _wire.StoreRequest) -> None:
-        """A rendezvous request: this learner builds no process group, so none is answered."""
-        raise ProtocolError("this learner builds no fan-out group: there is no rendezvous to ask")
-
-    def verify_pull(self, msg: _wire.Pull, nonce: bytes) -> Member:
-        """Check a pull connection's proof (on the loop, right before :meth:`serve_pull`)."""
+    def verify_stream(self, msg: _wire.OpenStream, nonce: bytes) -> Member:
+        """Check a weights stream's opening proof (on the loop, right before :meth:`serve_stream`)."""
         session: Member | None = self.server.sessions.get(msg.session)
         if session is None or session.state is not SessionState.OPEN:
-            raise AuthError("weights pull for an unknown session")
-        actor_nonce = getattr(msg, "nonce", b"")
-        if not isinstance(msg, _wire.KeyedPull) or len(actor_nonce) != _auth.NONCE_BYTES:
-            raise AuthError("weights pull without a fresh nonce (an actor of an older rlink?)")
+            raise AuthError("weights stream for an unknown session")
+        if len(msg.nonce) != _auth.NONCE_BYTES:
+            raise AuthError("weights stream without a fresh nonce")
         key = session.key
-        _auth.verify(_keys.pull_proof(key, "actor", nonce, actor_nonce, session.id), msg.mac, "weights pull")
-        self._pulls[session.id] = _Pull(_keys.pull_key(key, nonce, actor_nonce),
-                                        _keys.pull_proof(key, "learner", nonce, actor_nonce, session.id))  # fmt: skip
+        _auth.verify(_keys.stream_proof(key, "actor", nonce, msg.nonce, session.id), msg.mac, "weights stream")
+        self._openings[session.id] = _Opening(_keys.stream_key(key, nonce, msg.nonce),
+                                              _keys.stream_proof(key, "learner", nonce, msg.nonce, session.id))  # fmt: skip
         return session
 
-    async def serve_pull(self, conn: Any, session: Member, have: int) -> None:
-        """Answer a proven pull with the learner's proof, then hand the connection to a thread
-        of its own (:meth:`_serve_stream`): the newest version newer than ``have`` goes out on
-        it (or Version if there is none and the actor reads shared memory), and, for an actor
-        that does not share our memory, every later version too."""
-        pull = self._pulls.pop(session.id, None)  # before any await: verify_pull just set it
-        if pull is None:
-            raise AuthError("weights pull without a verified proof")
-        await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Proof(pull.proof)))
+    async def serve_stream(self, conn: Any, session: Member, have: int) -> None:
+        """Answer a proven stream with the learner's proof, then hand the connection to a thread
+        of its own (:meth:`_stream_versions`): the newest version newer than ``have`` goes out
+        on it (or Version if there is none and the actor reads shared memory), and every later
+        version too where :func:`~.route.delivery` routes it by stream."""
+        opening = self._openings.pop(session.id, None)  # before any await: verify_stream just set it
+        if opening is None:
+            raise AuthError("weights stream without a verified proof")
+        await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Proof(opening.proof)))
         conn.handed_off = True  # the stream's thread owns the socket from here on
         sock = conn.sock
         sock.setblocking(True)
         sock.settimeout(self.config.weights_timeout)  # bounds every send (one bucket)
         set_congestion(sock, self.config.tcp_congestion)  # whole models go out on it
-        stream = _Stream(session, sock, pull.key, have)
+        stream = _Stream(session, sock, opening.key, have)
         with self._cv:
             if self._closed:
                 sock.close()
@@ -250,17 +244,17 @@ class Publisher:
             self.stats["streams"] = len(self._streams)
         if old is not None:  # a reconnected stream replaces the old one: its thread ends
             _shut(old)
-        stream.thread = threading.Thread(target=self._serve_stream, args=(stream,), daemon=True,
+        stream.thread = threading.Thread(target=self._stream_versions, args=(stream,), daemon=True,
                                          name=f"rlink-weights-{session.id}")  # fmt: skip
         stream.thread.start()
 
-    # --- weights connection threads -----------------------------------------------------------
-    def _serve_stream(self, stream: _Stream) -> None:
+    # --- weights stream threads ---------------------------------------------------------------
+    def _stream_versions(self, stream: _Stream) -> None:
         try:
             while True:
                 snap = self._newer(stream)
                 if snap is None:
-                    if not self._keeps(stream) and not self._closed:  # a single pull, nothing newer
+                    if not self._keeps(stream) and not self._closed:  # a one-version stream, nothing newer
                         stream.sock.sendall(_wire.encode(_wire.Version(self.server.version)))
                     return
                 self._push(stream, snap)
@@ -268,7 +262,7 @@ class Publisher:
                     return
         except (OSError, RLinkError) as exc:
             if not stream.ended and not self._closed:
-                log.info("weights connection of session %d ended: %s", stream.session.id, exc)
+                log.info("weights stream of session %d ended: %s", stream.session.id, exc)
         finally:
             _shut(stream)
             stream.sock.close()
@@ -278,15 +272,14 @@ class Publisher:
                 self.stats["streams"] = len(self._streams)
 
     def _keeps(self, stream: _Stream) -> bool:
-        """Whether the connection stays open for later versions (else it serves one pull): not
-        for an actor that reads versions from our shared memory (CUDA versions are not there)."""
+        """Whether the stream stays open for later versions (else it carries one): where
+        :func:`~.route.delivery` routes the newest version to its actor by stream."""
         s = stream.session
-        newest = self.pending or self.latest
-        in_shared_memory = newest is None or newest.shared is not None
-        # Not ``s.weights.subscribed``: only a subscriber pulls, and its Subscribe (on the control
-        # connection) may be read after its first pull (on a connection of its own); a pull
-        # served as a single one there left the actor to open a second connection.
-        return s.state is SessionState.OPEN and not (s.weights.shared and in_shared_memory)
+        # Not ``s.weights.subscribed``: only a subscriber opens a stream, and its Subscribe (on
+        # the control connection) may be read after its stream opened (on a connection of its
+        # own); a stream ended after one version there left the actor to open a second one.
+        with self._cv:
+            return s.state is SessionState.OPEN and delivery(s.weights, self.pending or self.latest) is Route.STREAM
 
     def _newer(self, stream: _Stream) -> Snapshot | None:
         """The newest version newer than the stream's (waiting for one while the stream is
@@ -302,12 +295,12 @@ class Publisher:
         return None
 
     def _push(self, stream: _Stream, snap: Snapshot) -> None:
-        """Send one version: Publish, its key wrapped for this connection, each bucket as soon
+        """Send one version: Publish, its key wrapped for this stream, each bucket as soon
         as it is copied, and the Seal once every bucket is tagged."""
         timeout = self.config.weights_timeout
         source = self._host_copy(snap)  # a CUDA version: once sealed, in host memory
         send = stream.sock.sendall
-        send(_wire.encode(_wire.Publish(0, source.manifest)) + _wire.encode(self._weights_key(stream.key, source)))
+        send(_wire.encode(_wire.Publish(source.manifest)) + _wire.encode(self._weights_key(stream.key, source)))
         for i, (a, b) in enumerate(source.manifest.buckets()):
             source.wait_ready(i + 1, timeout)
             send(memoryview(source.flat[a:b]))
@@ -317,8 +310,8 @@ class Publisher:
         with self._cv:
             member = stream.session.weights
             member.sent = max(member.sent, source.version)
-            self.stats["pulls_served"] += 1
-            self.stats["pull_bytes"] += source.manifest.total_bytes
+            self.stats["streamed"] += 1
+            self.stats["streamed_bytes"] += source.manifest.total_bytes
 
     # --- fan-out thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -345,20 +338,17 @@ class Publisher:
 
     def _fan_out(self, snap: Snapshot) -> None:
         timeout = self.config.weights_timeout
-        for gone in [i for i in list(self._subscription_keys) if i not in self.server.sessions]:
-            self._subscription_keys.pop(gone, None)
         sessions = [s for s in list(self.server.sessions.values()) if s.state is SessionState.OPEN]
         with self._cv:
             subscribed = [s for s in sessions if s.weights.subscribed]
-            # Actors on this host that are caught up read a host snapshot from our shared memory;
-            # those with a weights connection get the version on it from its own thread.
-            sharing = [s for s in subscribed if s.weights.shared and snap.shared is not None
-                       and s.weights.acked >= s.weights.sent and s.id in self._subscription_keys]  # fmt: skip
+            # Those routed to our shared memory read the version there; those with a weights
+            # stream get it on the stream, from its own thread.
+            sharing = [s for s in subscribed if delivery(s.weights, snap) is Route.SHARED]
             streaming = [s for s in subscribed if s.id in self._streams and s not in sharing]
             for s in sharing:
                 s.weights.sent = snap.version
+            keys = {s.id: key for s in sharing if (key := s.weights.key) is not None}  # SHARED: always set
         others = [s for s in sessions if s not in sharing and s not in streaming]
-        keys = {s.id: self._subscription_keys[s.id] for s in sharing}
         if sharing:  # every bucket copied: they read while the tags are computed
             snap.wait_ready(len(snap.manifest.buckets()), timeout)
             self._map(sharing, snap, keys)
@@ -366,13 +356,13 @@ class Publisher:
         for s in sharing:  # once every tag is computed
             self._send([s], self._seal(keys[s.id], snap)[1])
         self.stats["shared"] += len(sharing)
-        # Once complete: the others pull it; those with a weights connection have it on its way
-        # there (so ``get_remote_model(latest=True)`` knows of it, and one whose connection
+        # Once complete: the others open a weights stream for it; those with one have it on its
+        # way there (so ``get_remote_model(latest=True)`` knows of it, and one whose stream
         # broke, or that refused what came on it, opens a new one).
         self._send(others + streaming, _wire.Version(snap.version))
         members = sharing + streaming
         # Wait (bounded) until the members verified it: "published" means received, and an
-        # actor on shared memory that does not confirm in time pulls the next version.
+        # actor on shared memory that does not confirm in time catches up by stream next time.
         deadline = time.monotonic() + timeout
         with self._cv:
             while any(s.state is SessionState.OPEN and s.weights.acked < snap.version for s in members):
@@ -405,10 +395,10 @@ class Publisher:
                     return
 
     def _host_copy(self, snap: Snapshot) -> Snapshot:
-        """A host copy of a CUDA snapshot, for the weights connections: the one its tags were
+        """A host copy of a CUDA snapshot, for the weights streams: the one its tags were
         computed on (``snapshot.fill``), made here only for a snapshot sealed without it. It waits
         until the snapshot is sealed: the fan-out starts while ``publish`` is still copying, and a
-        copy taken earlier would send (and cache, for every later pull) a half-written model."""
+        copy taken earlier would send (and cache, for every later stream) a half-written model."""
         if snap.device == "cpu":
             return snap
         snap.wait_ready(len(snap.manifest.buckets()) + 1, self.config.weights_timeout)
@@ -444,7 +434,7 @@ class Publisher:
 
 
 def _shut(stream: _Stream) -> None:
-    """End a weights connection from any thread: its thread's send or wait returns at once."""
+    """End a weights stream from any thread: its thread's send or wait returns at once."""
     stream.ended = True
     try:
         stream.sock.shutdown(socket.SHUT_RDWR)

@@ -1,13 +1,14 @@
 """Same-host fan-out: snapshots in sealed shared memory that actors on the host read directly.
 
-A broadcast over sockets copies every byte twice per actor (into the kernel, out of it) and the
-learner once more per actor. An actor on the learner's host can instead read the learner's
-snapshot buffer itself: one copy, made by the actor's own core, and nothing for the learner to
-send. The buffer is a sealed ``memfd`` (``transport/shm/memory.py``), named by
+A weights stream over a socket copies every byte twice per actor (into the kernel, out of it),
+and the learner sends each actor its own copy. An actor on the learner's host can instead read
+the learner's snapshot buffer itself: one copy, made by the actor's own core, and nothing for the
+learner to send. The buffer is a sealed ``memfd`` (``transport/shm/memory.py``), named by
 ``(pid, fd, nonce, size)`` and opened through ``/proc/<pid>/fd/<fd>``, which only a process of
 the same user in the same PID namespace may open. The bytes are trusted only once every bucket
-matched its keyed tag under a Seal the actor verified, as for a broadcast: a buffer reused or
-changed while it was read fails its tags, and the actor pulls the version instead.
+matched its keyed tag under a Seal the actor verified, as on a weights stream: a buffer reused
+or changed while it was read fails its tags, and the actor gets the version on a weights stream
+instead.
 """
 
 from __future__ import annotations

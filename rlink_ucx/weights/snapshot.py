@@ -1,10 +1,10 @@
 """Model weights as one flat, versioned byte buffer with a keyed tag per bucket: no pickle, ever.
 
 A state dict is laid out tensor after tensor (64-byte aligned) in one ``uint8`` buffer. The
-:class:`Manifest` says where each tensor lives; every *bucket* (a fixed-size byte range; the
-fan-out moves one bucket per collective) gets a tag keyed with the version's own secret
-(``mac.py``). A receiver validates the manifest before allocating anything, and checks every
-bucket's tag before exposing the version.
+:class:`Manifest` says where each tensor lives; every *bucket* (a fixed-size byte range; a
+weights stream sends each one as soon as it is copied) gets a tag keyed with the version's own
+secret (``mac.py``). A receiver validates the manifest before allocating anything, and checks
+every bucket's tag before exposing the version.
 """
 
 from __future__ import annotations
@@ -119,14 +119,6 @@ class Snapshot:
     @property
     def version(self) -> int:
         return self.manifest.version
-
-    def bucket(self, start: int, stop: int) -> Any:
-        """A torch view of one bucket, for a collective."""
-        import torch
-
-        if isinstance(self.flat, np.ndarray):
-            return torch.from_numpy(self.flat[start:stop])
-        return self.flat[start:stop]
 
     def wait_ready(self, buckets: int, timeout: float) -> None:
         """Until the first ``buckets`` buckets are copied (``len(buckets())`` + 1: sealed)."""
@@ -278,7 +270,7 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
             if on_device and snap.flat.device.type == "cuda":
                 import torch
 
-                # The fan-out thread's collective runs on its own stream: the copy must be done.
+                # Other threads read the buckets (the host copy, the tags): the copy must be done.
                 torch.cuda.current_stream(snap.flat.device).synchronize()
             with snap._cv:
                 snap.ready = released = n
@@ -293,7 +285,7 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
             at = stop
             release_upto(e.offset + at)
     release_upto(snap.manifest.total_bytes)
-    if on_device:  # tagged from the host copy the weights connections send (_tag_on_host)
+    if on_device:  # tagged from the host copy the weights streams send (_tag_on_host)
         _tag_on_host(snap)
         return
     tags = snap.key.tags(snap.flat, buckets, snap.version)
@@ -305,7 +297,7 @@ def fill(snap: Snapshot, srcs: list[Any]) -> None:
 
 def _tag_on_host(snap: Snapshot) -> None:
     """Seal a device snapshot with tags computed on one host copy of its bytes, kept as
-    ``snap.host``: every actor receives a version in host memory (the weights connections
+    ``snap.host``: every actor receives a version in host memory (the weights streams
     send that copy), and OpenSSL's GMAC runs on the CPU."""
     flat = host_bytes(snap.flat, 0, snap.manifest.total_bytes)
     tags = snap.key.tags(flat, snap.manifest.buckets(), snap.version)

@@ -1,13 +1,13 @@
 """The actor's side of the weight fan-out: keeps the newest version ready, double-buffered.
 
 A background thread receives each version into a buffer nobody else is reading: from the
-learner's shared memory when it shares the learner's host, else over a *weights connection* of
-its own, on which both sides prove the session's weights key over fresh nonces before anything
-else is read. The learner sends each later version on that connection as it copies it; the
-thread tags each bucket as it arrives. Only a complete version whose every bucket matched its
-keyed tag, under a Seal this actor's key verifies, is exposed: ``get_remote_model`` never sees a
-half-written or altered one, and costs no network round trip when nothing changed. The actor
-listens nowhere.
+learner's shared memory when it shares the learner's host, else over a *weights stream* of its
+own (a connection to the learner's port), on which both sides prove the session's weights key
+over fresh nonces before anything else is read. The learner sends each later version on that
+stream as it copies it; the thread tags each bucket as it arrives. Only a complete version whose
+every bucket matched its keyed tag, under a Seal this actor's key verifies, is exposed:
+``get_remote_model`` never sees a half-written or altered one, and costs no network round trip
+when nothing changed. The actor listens nowhere.
 """
 
 from __future__ import annotations
@@ -61,7 +61,7 @@ class Link(Protocol):
 
     @property
     def welcome(self) -> _wire.Welcome | None:
-        """Session id and ticket: a pull proves them."""
+        """Session id and ticket: opening a weights stream proves them."""
         ...
 
     @property
@@ -75,7 +75,7 @@ class Link(Protocol):
         ...
 
 
-_PULL = object()  # event: pull now, whatever the announced version
+_OPEN = object()  # event: open a weights stream now, whatever the announced version
 
 
 class Subscriber:
@@ -89,20 +89,19 @@ class Subscriber:
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._closed = False
-        self._stream: _Connection | None = None  # our weights connection, once opened
+        self._stream: _Connection | None = None  # our weights stream, once opened
         self._tagger: concurrent.futures.ThreadPoolExecutor | None = None  # tags buckets while the next arrive
         self.rejected: RLinkError | None = None  # the last version refused as altered or unproven
-        self.stats: dict[str, Any] = {"connections": 0, "shared_reads": 0, "pulls": 0, "failures": 0, "rejected": 0,
-                                      "last_error": None}  # fmt: skip
+        self.stats: dict[str, Any] = {"connections": 0, "shared_reads": 0, "streamed": 0, "failures": 0,
+                                      "rejected": 0, "last_error": None}  # fmt: skip
         conn.weights_listener = self.deliver
-        self._device = -1  # versions land in host memory: no CUDA device to name
         self._nonce = _auth.new_nonce()  # makes this subscription's key fresh (wire/keys.py)
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
         shared = config.weights_shared_memory and shared_available()  # the learner decides if we share its host
-        conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, shared)  # repeated after a reconnect
+        conn.subscription = _wire.Subscribe(self._nonce, shared)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
-        self._events.put(_PULL)
+        self._events.put(_OPEN)
 
     @property
     def have(self) -> int:
@@ -191,7 +190,7 @@ class Subscriber:
                     msg = self._events.get(timeout=0.25) if self._stream is None else self._events.get_nowait()
                 except queue.Empty:
                     continue
-                if msg is _PULL or (isinstance(msg, _wire.Version) and msg.version > self.have):
+                if msg is _OPEN or (isinstance(msg, _wire.Version) and msg.version > self.have):
                     if self._stream is None:  # an open one brings every version by itself
                         self._open()
                 elif isinstance(msg, _wire.Mapped):
@@ -204,7 +203,7 @@ class Subscriber:
                     log.warning("actor %s: weights update failed: %s", self.conn.actor_id, exc)
                     if self.conn.latest_version > self.have:
                         time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken learner
-                        self._events.put(_PULL)
+                        self._events.put(_OPEN)
         self._drop_stream()
 
     def _drop_stream(self) -> None:
@@ -241,7 +240,7 @@ class Subscriber:
         return VersionKey(_keys.wrap(key, version, wrapped.wrapped))
 
     def _open(self) -> None:
-        """Open our weights connection: both sides prove the session's weights key over fresh
+        """Open our weights stream: both sides prove the session's weights key over fresh
         nonces first. The learner then sends the newest version newer than ours on it (or, to
         an actor on shared memory with nothing newer, Version and closes it)."""
         welcome = self.conn.welcome
@@ -254,30 +253,30 @@ class Subscriber:
             if not isinstance(challenge, _wire.Challenge):
                 raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
             nonce = _auth.new_nonce()
-            mac = _keys.pull_proof(session_key, "actor", challenge.nonce, nonce, welcome.session)
-            sock.sendall(_wire.encode(_wire.KeyedPull(_wire.PROTOCOL_VERSION, welcome.session, mac, self.have, nonce)))
+            mac = _keys.stream_proof(session_key, "actor", challenge.nonce, nonce, welcome.session)
+            sock.sendall(_wire.encode(_wire.OpenStream(_wire.PROTOCOL_VERSION, welcome.session, mac, self.have, nonce)))
             proof = _wire.read_message(sock, self.config.max_control_bytes)
             if isinstance(proof, _wire.Error):
-                raise refusal(proof.kind, f"learner refused the pull: {proof.text}")
-            expected = _keys.pull_proof(session_key, "learner", challenge.nonce, nonce, welcome.session)
+                raise refusal(proof.kind, f"learner refused the weights stream: {proof.text}")
+            expected = _keys.stream_proof(session_key, "learner", challenge.nonce, nonce, welcome.session)
             if not isinstance(proof, _wire.Proof) or not hmac.compare_digest(expected, proof.mac):
-                raise self._refuse(AuthError("the peer answering a weights pull did not prove the session's key "
+                raise self._refuse(AuthError("the peer answering a weights stream did not prove the session's key "
                                              "(not the learner?)"))  # fmt: skip
         except BaseException:
             sock.close()
             raise
-        self._stream = _Connection(sock, _keys.pull_key(session_key, challenge.nonce, nonce))
+        self._stream = _Connection(sock, _keys.stream_key(session_key, challenge.nonce, nonce))
         self.stats["connections"] += 1
 
     def _take(self, stream: _Connection) -> None:
-        """Read what the learner sent on our weights connection: one version (tagging each
+        """Read what the learner sent on our weights stream: one version (tagging each
         bucket as it arrives), or Version (nothing newer), or its end."""
         sock = stream.sock
         try:
             if not sock.recv(1, socket.MSG_PEEK):  # the learner closed it between versions
                 self._drop_stream()
                 if self.conn.latest_version > self.have:
-                    self._events.put(_PULL)
+                    self._events.put(_OPEN)
                 return
         except OSError:
             self._drop_stream()
@@ -306,20 +305,21 @@ class Subscriber:
             check_tags(list(seal.tags), snap.tags, version)
         except ProtocolError as exc:
             raise self._refuse(exc) from None
-        self.stats["pulls"] += 1
+        self.stats["streamed"] += 1
         self._expose(snap)
 
     def _read(self, sock: socket.socket, kind: Any) -> Any:
         msg = _wire.read_message(sock, self.config.max_control_bytes)
         if isinstance(msg, _wire.Error):
-            raise refusal(msg.kind, f"learner refused the weights pull: {msg.text}")
+            raise refusal(msg.kind, f"learner refused the weights stream: {msg.text}")
         if not isinstance(msg, kind):
-            raise ProtocolError(f"weights pull: unexpected {type(msg).__name__}")
+            raise ProtocolError(f"weights stream: unexpected {type(msg).__name__}")
         return msg
 
     def _next(self, kind: type, version: int) -> Any:
-        """The next weights message, which must be a ``kind`` for ``version`` (the learner sends
-        a member Publish, WeightsKey, and after the buckets Seal, in that order)."""
+        """The next weights message on the control connection, which must be a ``kind`` for
+        ``version`` (the learner sends Mapped, WeightsKey, and once it tagged the buckets Seal,
+        in that order)."""
         try:
             msg = self._events.get(timeout=self.config.weights_timeout)
         except queue.Empty:
@@ -352,9 +352,10 @@ class Subscriber:
         except OSError as exc:
             # Not readable from here after all (another PID namespace or user under the same host
             # name): stop asking for it; this version, and every later one, comes another way.
-            self.conn.subscription = _wire.KeyedSubscribe(self._device, self._nonce, False)
+            self.conn.subscription = _wire.Subscribe(self._nonce, False)
             self.io.soon(self._send, self.conn.subscription)
-            raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); pulling instead") from exc
+            raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); "
+                             "taking versions on a weights stream instead") from exc
         # The Seal comes once the learner computed its tags, meanwhile.
         self._seal_and_expose("shared_reads", Snapshot(manifest, flat, "cpu", key=key, tags=tags), subscription_key,
                               wrapped)  # fmt: skip
@@ -387,7 +388,7 @@ class Subscriber:
 
 
 class _Connection:
-    """Our weights connection and its key (the pull's, fresh by both nonces)."""
+    """Our weights stream's connection and its key (fresh by both nonces)."""
 
     __slots__ = ("key", "sock")
 

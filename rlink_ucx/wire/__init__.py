@@ -4,5 +4,5 @@
 - ``messages``: the typed control messages (msgspec, length-prefixed; never pickle);
 - ``frame``: the fixed binary header in front of every data frame;
 - ``manifest``: where each tensor of a model version lies in its flat buffer;
-- ``auth``: the HMAC proofs of the handshake, the data-plane attach and the weights pull.
+- ``auth``: the HMAC proofs of the handshake, the data-plane attach and the opening of a weights stream.
 """

@@ -1,12 +1,12 @@
 """Keys and proofs of the weights path, derived from the shared token (never sent).
 
 A session's weights key comes from the token and the session's ticket; every key actually used
-also takes a nonce the actor chose just then (its subscription, or one weights pull), so nothing
-recorded from an earlier session or pull verifies again. Each model version has a random key of
-its own (the bucket tags are keyed with it, ``weights/mac.py``); it reaches an actor only
-wrapped under that actor's key, inside a :class:`~rlink_ucx.wire.messages.Seal` whose MAC binds
-it to the version, the manifest and the tags. An eavesdropper, or a process that can inject into
-the torch.distributed links, holds none of these keys.
+also takes a nonce the actor chose just then (its subscription, or the opening of one weights
+stream), so nothing recorded from an earlier session or stream verifies again. Each model version
+has a random key of its own (the bucket tags are keyed with it, ``weights/mac.py``); it reaches an
+actor only wrapped under that actor's key, inside a :class:`~rlink_ucx.wire.messages.Seal` whose
+MAC binds it to the version, the manifest and the tags. An eavesdropper, or whoever can inject
+into a weights stream or write to the learner's shared memory, holds none of these keys.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ import msgspec
 
 from .manifest import Manifest
 
-__all__ = ["KEY_BYTES", "attach_proof", "manifest_digest", "pull_key", "pull_proof", "seal_mac", "session_key",
+__all__ = ["KEY_BYTES", "attach_proof", "manifest_digest", "seal_mac", "session_key", "stream_key", "stream_proof",
            "subscription_key", "wrap"]  # fmt: skip
 
 KEY_BYTES = 32
 _SESSION = b"rlink-v1 weights session"
 _SUBSCRIPTION = b"rlink-v1 weights subscription"
-_PULL = b"rlink-v1 weights pull"
-_PULL_PROOF = {"actor": b"rlink-v1 weights pull actor", "learner": b"rlink-v1 weights pull learner"}
+_STREAM = b"rlink-v1 weights stream"
+_STREAM_PROOF = {"actor": b"rlink-v1 weights stream actor", "learner": b"rlink-v1 weights stream learner"}
 _ATTACH = b"rlink-v1 attach learner"
 _U64 = struct.Struct("<Q")
 
@@ -44,19 +44,20 @@ def session_key(token: bytes | None, ticket: bytes, session: int) -> bytes:
 
 
 def subscription_key(key: bytes, nonce: bytes) -> bytes:
-    """The key of one subscription (broadcast path), fresh by the actor's ``nonce``."""
+    """The key of one subscription (versions read from the learner's shared memory), fresh by
+    the actor's ``nonce``."""
     return _mac(key, _SUBSCRIPTION, nonce)
 
 
-def pull_key(key: bytes, learner_nonce: bytes, actor_nonce: bytes) -> bytes:
-    """The key of one weights pull, fresh by both sides' nonces."""
-    return _mac(key, _PULL, learner_nonce, actor_nonce)
+def stream_key(key: bytes, learner_nonce: bytes, actor_nonce: bytes) -> bytes:
+    """The key of one weights stream, fresh by both sides' nonces."""
+    return _mac(key, _STREAM, learner_nonce, actor_nonce)
 
 
-def pull_proof(key: bytes, side: str, learner_nonce: bytes, actor_nonce: bytes, session: int) -> bytes:
-    """A pull connection's proof of the session key, by ``side`` ("actor" or "learner"): each
+def stream_proof(key: bytes, side: str, learner_nonce: bytes, actor_nonce: bytes, session: int) -> bytes:
+    """A weights stream's proof of the session key, by ``side`` ("actor" or "learner"): each
     side's label differs, so neither proof can be reflected back as the other's."""
-    return _mac(key, _PULL_PROOF[side], learner_nonce, actor_nonce, str(session).encode())
+    return _mac(key, _STREAM_PROOF[side], learner_nonce, actor_nonce, str(session).encode())
 
 
 def attach_proof(key: bytes, session: int, transport: str) -> bytes:

@@ -1,5 +1,5 @@
 """The manifest of one model version: where each tensor lies in the flat weights buffer, split
-into buckets (one collective each). A receiver validates it before allocating anything; the
+into buckets (each tagged on its own, and checked as it arrives). A receiver validates it before allocating anything; the
 buckets' keyed tags travel apart, in a Seal (``wire/keys.py``, ``weights/mac.py``).
 
 Nesting travels in the entry names: a pytree of mappings (flax's ``{"params": {"Dense_0":
@@ -48,7 +48,7 @@ class Manifest(msgspec.Struct, array_like=True, frozen=True):
     checksum: str  # the bucket check: KEYED (unkeyed checksums are refused)
 
     def buckets(self) -> list[tuple[int, int]]:
-        """``(start, stop)`` byte ranges, one per collective."""
+        """``(start, stop)`` byte ranges, one per bucket."""
         step = self.bucket_bytes
         return [(start, min(start + step, self.total_bytes)) for start in range(0, self.total_bytes, step)]
 

@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 10
+PROTOCOL_VERSION = 11
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -177,43 +177,26 @@ class Ack(_Msg, frozen=True):
 
 # --- weights ----------------------------------------------------------------------------------
 class Subscribe(_Msg, frozen=True):
-    """Actor -> learner: keep me up to date with every published version."""
+    """Actor -> learner: keep me up to date with every published version. ``nonce`` makes this
+    subscription's key fresh (``wire/keys.py``); ``shared``: the actor can read versions from
+    the learner's sealed shared memory (the learner decides whether it shares its host)."""
 
-    cuda_device: int  # the CUDA device weights may land on (NCCL), or -1
+    nonce: bytes
+    shared: bool = False
 
 
 class Version(_Msg, frozen=True):
-    """Learner -> actor: ``version`` is the newest published version (pull it if needed)."""
+    """Learner -> actor: ``version`` is the newest published version (open a weights stream
+    for it if none is open and it is not read from shared memory)."""
 
     version: int
-
-
-class Group(_Msg, frozen=True):
-    """Learner -> actor: join fan-out group ``generation`` as ``rank`` of ``world``."""
-
-    generation: int
-    rank: int
-    world: int
-    store_port: int
-    prefix: str
-    backend: str  # gloo | nccl
-    timeout: float
 
 
 class Publish(_Msg, frozen=True):
-    """Learner -> actor: ``manifest`` follows as one broadcast per bucket in ``generation``
-    (or, answering a Pull, as raw bytes on the same connection)."""
+    """Learner -> actor on its weights stream: ``manifest``'s bytes follow raw on the same
+    connection, between this version's WeightsKey and its Seal."""
 
-    generation: int
     manifest: Manifest
-
-
-class Sealed(_Msg, frozen=True):
-    """Learner -> actor: the checksums of a version whose Publish was sent while it was still
-    being copied (the broadcast of early buckets overlaps the copy of later ones)."""
-
-    version: int
-    checksums: list[int]
 
 
 class Got(_Msg, frozen=True):
@@ -222,13 +205,17 @@ class Got(_Msg, frozen=True):
     version: int
 
 
-class Pull(_Msg, frozen=True):
-    """Actor -> learner on a new connection: send me the newest version if newer than ``have``."""
+class OpenStream(_Msg, frozen=True):
+    """Actor -> learner on a new connection: make it my weights stream, starting with the
+    newest version newer than ``have``. ``nonce`` is the actor's; ``mac`` proves the session's
+    weights key over both nonces (the Challenge's and this one). The learner answers with its
+    own Proof first."""
 
     proto: int
     session: int
     mac: bytes
     have: int
+    nonce: bytes
 
 
 class Heartbeat(_Msg, frozen=True):
@@ -245,13 +232,6 @@ class Error(_Msg, frozen=True):
 
 
 # --- weights, keyed (wire/keys.py) -------------------------------------------------------------
-class KeyedSubscribe(Subscribe, frozen=True):
-    """Actor -> learner: Subscribe, with the nonce that makes this subscription's key fresh."""
-
-    nonce: bytes
-    shared: bool = False  # it can read versions from the learner's shared memory (same host)
-
-
 class Mapped(_Msg, frozen=True):
     """Learner -> actor on its host: ``manifest``'s bytes lie in the learner's sealed memfd
     ``where`` = [pid, fd, nonce, bytes]; read them from there. WeightsKey and Seal follow."""
@@ -264,16 +244,9 @@ class Mapped(_Msg, frozen=True):
         return self.manifest.version
 
 
-class KeyedPull(Pull, frozen=True):
-    """Actor -> learner on a new connection: Pull, with the actor's nonce; ``mac`` proves the
-    session's weights key over both nonces. The learner answers with its own Proof first."""
-
-    nonce: bytes
-
-
 class WeightsKey(_Msg, frozen=True):
     """Learner -> actor: the secret of weights ``version`` (its bucket tags are keyed with it),
-    wrapped for this subscription or pull."""
+    wrapped for this subscription or weights stream."""
 
     version: int
     wrapped: bytes
@@ -281,33 +254,12 @@ class WeightsKey(_Msg, frozen=True):
 
 class Seal(_Msg, frozen=True):
     """Learner -> actor: one keyed tag per bucket of ``version``, and a MAC under this
-    subscription's (or pull's) key over the version, its manifest, the wrapped key and the tags."""
+    subscription's (or weights stream's) key over the version, its manifest, the wrapped key and
+    the tags."""
 
     version: int
     tags: list[bytes]
     mac: bytes
-
-
-class StoreRequest(_Msg, frozen=True):
-    """Actor -> learner: one operation on fan-out group ``generation``'s rendezvous store."""
-
-    rid: int
-    generation: int
-    op: str  # set | get (waits until every key exists) | add | check | compare_set | delete | count
-    keys: list[str]
-    values: list[bytes]
-    number: int  # add: the increment
-    timeout: float  # get: how long the learner may hold the request
-
-
-class StoreReply(_Msg, frozen=True):
-    """Learner -> actor: the answer to StoreRequest ``rid``."""
-
-    rid: int
-    ok: bool
-    values: list[bytes]
-    number: int
-    error: str
 
 
 class AttachProof(_Msg, frozen=True):
@@ -331,9 +283,8 @@ class StatsReply(_Msg, frozen=True):
 
 Message: TypeAlias = (
     Challenge | Login | Proof | Attach | Hello | Welcome | Propose | Accept | Reject | Ready | Credit | Sync | Ack |
-    Heartbeat | Bye | Error | Subscribe | Version | Group | Publish | Sealed | Got | Pull | Revoke | Returned |
-    KeyedSubscribe | KeyedPull | WeightsKey | Seal | StoreRequest | StoreReply | AttachProof | Mapped | Redirect |
-    RankHello | RankWelcome | RankActors | StatsRequest | StatsReply
+    Heartbeat | Bye | Error | Subscribe | Version | Publish | Got | OpenStream | Revoke | Returned | WeightsKey |
+    Seal | AttachProof | Mapped | Redirect | RankHello | RankWelcome | RankActors | StatsRequest | StatsReply
 )
 
 _encoder = msgspec.msgpack.Encoder()
@@ -360,7 +311,7 @@ def check_length(length: int, limit: int) -> None:
         raise ProtocolError(f"control message of {length} bytes exceeds the {limit}-byte limit")
 
 
-# --- blocking helpers (threads that own a socket outright, e.g. a weights pull) --------------
+# --- blocking helpers (threads that own a socket outright, e.g. a weights stream) --------------
 def recv_exact_into(sock: Any, view: memoryview) -> None:
     """Fill ``view`` from a blocking socket (its timeout bounds each wait)."""
     got = 0

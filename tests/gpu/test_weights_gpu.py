@@ -1,5 +1,5 @@
 """Publishing CUDA parameters: copied to host memory once per version, tagged there, and that
-copy sent on each actor's weights connection; no torch.distributed group (protocol 8).
+copy sent on each actor's weights stream; no torch.distributed group (protocol 8).
 Skipped without CUDA (CI has none); run on a GPU machine with ``pytest tests/gpu``."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ def test_cuda_parameters_reach_actors_bit_identical():
         snap.verify()  # the device buffer, read back, matches the tags of its host copy
         firsts = [results.get(timeout=75) for _ in procs]
         assert [r.get("first") for r in firsts] == [1] * len(procs), firsts
-        for v in (2, 3):  # on the weights connection each actor holds now
+        for v in (2, 3):  # on the weights stream each actor holds now
             assert learner.publish(cuda_state(v), wait=True, timeout=60) == v
         reports = [results.get(timeout=75) for _ in procs]
         assert not [r["error"] for r in reports if "error" in r]
@@ -71,5 +71,5 @@ def test_cuda_parameters_reach_actors_bit_identical():
     for r in reports:
         assert r["version"] == 3 and r["state"] == expected
         assert r["devices"] == ["cpu"], r["devices"]  # versions land in host memory
-        assert r["stats"]["failures"] == 0 and r["stats"]["pulls"] == 3 and r["stats"]["rejected"] == 0, r["stats"]
-    assert stats["fanout_failures"] == 0 and stats["pulls_served"] == 3 * len(procs), stats
+        assert r["stats"]["failures"] == 0 and r["stats"]["streamed"] == 3 and r["stats"]["rejected"] == 0, r["stats"]
+    assert stats["fanout_failures"] == 0 and stats["streamed"] == 3 * len(procs), stats

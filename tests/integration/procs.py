@@ -196,7 +196,7 @@ def learner_in_default_group(results) -> None:
         "world_size": dist.get_world_size(),
         "backend": dist.get_backend(),
         "all_reduce": t.tolist(),
-        "pulls_served": stats["pulls_served"],
+        "streamed": stats["streamed"],
     })
     dist.destroy_process_group()
 

@@ -115,9 +115,9 @@ def test_numpy_learner_and_actor_without_torch() -> None:
     check(report, "numpy", x64=True)
     assert report["actor"]["default"] == "numpy"  # no torch: numpy arrays by default
     # Without torch the actor gets every version as any actor does: shared memory on this host
-    # (or its weights connection), tags checked with numpy.
+    # (or its weights stream), tags checked with numpy.
     stats = report["actor"]["stats"]
-    assert stats["shared_reads"] + stats["pulls"] >= 2 and stats["failures"] == 0, stats
+    assert stats["shared_reads"] + stats["streamed"] >= 2 and stats["failures"] == 0, stats
 
 
 NO_TORCH_SCRIPT = """

@@ -158,7 +158,7 @@ def run_job(tmp_path: Path, world: int, n_actors: int, steps: int = 400, version
         assert got["error"] is None, got
         assert got["seen"] == sorted(set(got["seen"])) and got["seen"][-1] == versions and got["w"] == versions, got
         w = got["weights"]
-        assert w["shared_reads"] + w["pulls"] == versions, got  # each version reached it once
+        assert w["shared_reads"] + w["streamed"] == versions, got  # each version reached it once
     for got in results(tmp_path, n_actors):  # each actor says which rank serves it
         assert got["learner_rank"] == home[got["actor_id"]], got
     ids = [got["actor_id"] for got in results(tmp_path, n_actors)]

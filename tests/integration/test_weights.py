@@ -1,4 +1,4 @@
-"""Weights: learner.publish() reaches actors over their own proven weights connections."""
+"""Weights: learner.publish() reaches actors over their own proven weights streams."""
 
 from __future__ import annotations
 
@@ -53,7 +53,7 @@ def test_three_actors_get_every_version_bit_identical_and_monotonic():
         for v in range(1, 21):
             assert learner.publish(model_state(v), wait=True, timeout=60) == v
             assert all(a["weights_version"] == v for a in learner.stats()["actors"]), learner.stats()
-        assert learner.stats()["weights"]["streams"] == 3  # one weights connection per actor, kept
+        assert learner.stats()["weights"]["streams"] == 3  # one weights stream per actor, kept
         reports = [results.get(timeout=60) for _ in procs]
         leave.set()
         assert join_all(procs) == [0, 0, 0]
@@ -64,13 +64,13 @@ def test_three_actors_get_every_version_bit_identical_and_monotonic():
         assert r["state"] == expected
         assert r["policy_version"] == 20
         # One connection carried every version, each pushed as it was published.
-        assert r["stats"]["connections"] == 1 and r["stats"]["pulls"] == 20, r["stats"]
+        assert r["stats"]["connections"] == 1 and r["stats"]["streamed"] == 20, r["stats"]
         assert r["stats"]["failures"] == 0, (r["stats"], stats)
-    assert stats["fanouts"] == 20 and stats["fanout_failures"] == 0 and stats["pulls_served"] == 60, stats
+    assert stats["fanouts"] == 20 and stats["fanout_failures"] == 0 and stats["streamed"] == 60, stats
 
 
 @pytest.mark.timeout(120)
-def test_an_actor_that_connects_after_version_3_pulls_it_at_once():
+def test_an_actor_that_connects_after_version_3_gets_it_at_once():
     with Learner("127.0.0.1:0", transport="tcp") as learner:
         for v in (1, 2, 3):
             learner.publish(model_state(v))
@@ -79,10 +79,10 @@ def test_an_actor_that_connects_after_version_3_pulls_it_at_once():
         p.start()
         report = results.get(timeout=60)
         assert join_all([p]) == [0]
-        served = learner.stats()["weights"]["pulls_served"]
+        served = learner.stats()["weights"]["streamed"]
     assert report["version"] == 3 and report["again"] == 3
     assert report["state"] == as_bytes(model_state(3))
-    assert report["stats"]["pulls"] == 1 and report["stats"]["connections"] == 1
+    assert report["stats"]["streamed"] == 1 and report["stats"]["connections"] == 1
     assert served == 1
 
 
@@ -127,7 +127,7 @@ def test_a_learner_inside_its_own_default_group_publishes_and_leaves_it_untouche
     out = results.get(timeout=100)
     assert join_all([p]) == [0]
     assert out["report"]["seen"][-1] == 2 and out["report"]["state"] == out["expected"]
-    assert out["report"]["stats"]["pulls"] == 2 and out["pulls_served"] == 2
+    assert out["report"]["stats"]["streamed"] == 2 and out["streamed"] == 2
     assert out["initialized"] and out["same_world"] and out["world_size"] == 1 and out["backend"] == "gloo"
     assert out["all_reduce"] == [1.0, 1.0, 1.0]
 
@@ -221,7 +221,7 @@ def test_a_publish_whose_copy_fails_half_way_is_abandoned_and_its_number_never_r
     # microseconds); what it received is counted: versions 1 and 3, never 2.
     got = reports[0]["stats"]
     assert reports[0]["seen"] in ([1, 3], [3]) and reports[0]["state"] == as_bytes(model_state(3)), reports[0]["seen"]
-    assert got["shared_reads"] + got["pulls"] == 2 and got["rejected"] == 0 and got["version"] == 3, got
+    assert got["shared_reads"] + got["streamed"] == 2 and got["rejected"] == 0 and got["version"] == 3, got
 
 
 @pytest.mark.timeout(120)

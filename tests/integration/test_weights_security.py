@@ -1,5 +1,5 @@
 """Attacks on the weights path: listeners a stranger could reach, a man in the middle altering
-pulled or streamed weights, and a fake learner answering pulls. Real learner and actor
+streamed weights, and a fake learner answering weights streams. Real learner and actor
 processes over real sockets; the attacker never holds the token."""
 
 from __future__ import annotations
@@ -113,26 +113,26 @@ def test_the_fan_out_opens_no_listener_in_the_learner_or_its_actors():
     assert actor_ports == [set(), set()], actor_ports
     assert streams == 2
     for r in reports:
-        assert r["error"] is None and r["stats"]["connections"] == 1 and r["stats"]["pulls"] == 3, r
+        assert r["error"] is None and r["stats"]["connections"] == 1 and r["stats"]["streamed"] == 3, r
         assert 3 in r["seen"] and all(d == digest(model(v)) for v, d in r["seen"].items()), r["seen"]
 
 
-# --- pulls --------------------------------------------------------------------------------------
+# --- a stream's first version -------------------------------------------------------------------
 @pytest.mark.timeout(120)
-def test_a_pull_altered_on_the_way_is_refused_and_nothing_is_loaded():
+def test_a_first_version_altered_on_the_way_is_refused_and_nothing_is_loaded():
     with Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as learner:
         learner.publish(model(1))
-        mitm = WeightsMitm(learner.port, tamper_pulls=True)
+        mitm = WeightsMitm(learner.port, tamper_streams=True)
         results = SPAWN.Queue()
         p = start(loading_actor, mitm.address, results)
         report = results.get(timeout=60)
         assert join_all([p]) == [0]
         mitm.close()
-    assert mitm.pulls_tampered >= 1
+    assert mitm.streams_tampered >= 1
     assert report["outcome"].startswith(("ProtocolError", "AuthError")), report
     assert "MAC" in report["outcome"], report
     assert report["unchanged"] and report["stats"]["version"] == 0, report  # no version was exposed
-    assert report["stats"]["rejected"] >= 1 and report["stats"]["pulls"] == 0, report
+    assert report["stats"]["rejected"] >= 1 and report["stats"]["streamed"] == 0, report
 
 
 def attacker_model() -> tuple[Any, bytes]:
@@ -145,26 +145,26 @@ def attacker_model() -> tuple[Any, bytes]:
 
 
 @pytest.mark.timeout(120)
-def test_a_fake_learner_answering_pulls_is_refused_and_nothing_is_loaded():
-    """The session is with the real learner; only the pull connections reach the fake."""
+def test_a_fake_learner_answering_weights_streams_is_refused_and_nothing_is_loaded():
+    """The session is with the real learner; only the weights streams reach the fake."""
     with Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as learner:
         learner.publish(model(1))
-        mitm = WeightsMitm(learner.port, fake_pulls=attacker_model)
+        mitm = WeightsMitm(learner.port, fake_streams=attacker_model)
         results = SPAWN.Queue()
         p = start(loading_actor, mitm.address, results)
         report = results.get(timeout=60)
         assert join_all([p]) == [0]
         mitm.close()
-    assert mitm.pulls_faked >= 1
+    assert mitm.streams_faked >= 1
     assert report["outcome"].startswith("AuthError") and "learner" in report["outcome"], report
     assert report["unchanged"] and report["stats"]["version"] == 0, report  # no version was exposed
-    assert report["stats"]["rejected"] >= 1 and report["stats"]["pulls"] == 0, report
+    assert report["stats"]["rejected"] >= 1 and report["stats"]["streamed"] == 0, report
 
 
 # --- streamed versions ----------------------------------------------------------------------------
 @pytest.mark.timeout(180)
 def test_a_streamed_version_altered_on_the_way_is_refused_and_the_actor_gets_the_real_one():
-    """Version 2 is altered on the actor's kept weights connection: the actor refuses it, opens
+    """Version 2 is altered on the actor's kept weights stream: the actor refuses it, opens
     a new connection, and gets the real version 2 and then version 3 on it."""
     with Learner("127.0.0.1:0", token=TOKEN, transport="tcp") as learner:
         mitm = WeightsMitm(learner.port, tamper_once=2)
@@ -177,7 +177,7 @@ def test_a_streamed_version_altered_on_the_way_is_refused_and_the_actor_gets_the
         leave.set()
         assert join_all([p]) == [0]
         mitm.close()
-    assert mitm.pulls_tampered == 1, mitm.pulls_tampered
+    assert mitm.streams_tampered == 1, mitm.streams_tampered
     assert r["error"] is None, r
     assert 3 in r["seen"] and all(d == digest(model(v)) for v, d in r["seen"].items()), r["seen"]
     assert r["stats"]["rejected"] == 1 and r["stats"]["connections"] == 2, r["stats"]

@@ -1,5 +1,5 @@
 """Weights for actors on the learner's host: read from its shared memory, verified, with a
-fall back to pulls (and to the broadcast) where that fails. Real learner and actor processes."""
+fall back to the actor's weights stream where that fails. Real learner and actor processes."""
 
 from __future__ import annotations
 
@@ -72,10 +72,10 @@ def test_actors_on_the_learners_host_read_every_version_from_its_shared_memory()
         assert r["error"] is None, r
         assert r["seen"] and all(d == digest(model(v)) for v, d in r["seen"].items()), r["seen"]
         assert max(r["seen"]) == 5 and sorted(r["seen"]) == list(r["seen"]), r["seen"]
-        # The first version may come by the pull every new subscriber makes; the rest are read.
-        assert r["stats"]["shared_reads"] >= 4 and r["stats"]["pulls"] <= 1, r["stats"]
+        # The first version may come on the weights stream every new subscriber opens; the rest are read.
+        assert r["stats"]["shared_reads"] >= 4 and r["stats"]["streamed"] <= 1, r["stats"]
         assert r["stats"]["rejected"] == 0 and r["stats"]["failures"] == 0, r["stats"]
-    assert stats["streams"] == 0 and stats["shared"] >= 12, stats  # no weights connection kept
+    assert stats["streams"] == 0 and stats["shared"] >= 12, stats  # no weights stream kept
 
 
 @pytest.mark.timeout(180)
@@ -83,21 +83,21 @@ def test_an_actor_that_does_not_read_shared_memory_gets_versions_on_its_connecti
     reports, stats = run_versions(4, [(None, False), (None, True), (None, True)])
     for r in reports:
         assert r["error"] is None and all(d == digest(model(v)) for v, d in r["seen"].items()), r
-    assert reports[0]["stats"]["pulls"] >= 4 and reports[0]["stats"]["shared_reads"] == 0, reports[0]
+    assert reports[0]["stats"]["streamed"] >= 4 and reports[0]["stats"]["shared_reads"] == 0, reports[0]
     assert reports[0]["stats"]["connections"] == 1, reports[0]  # one kept connection carried them all
     for r in reports[1:]:
-        assert r["stats"]["shared_reads"] >= 3 and r["stats"]["pulls"] <= 1, r["stats"]
+        assert r["stats"]["shared_reads"] >= 3 and r["stats"]["streamed"] <= 1, r["stats"]
     assert stats["shared"] >= 6, stats
 
 
 @pytest.mark.timeout(180)
-def test_bytes_altered_in_shared_memory_are_refused_and_the_actor_pulls_the_real_version():
+def test_bytes_altered_in_shared_memory_are_refused_and_the_actor_streams_the_real_version():
     reports, _ = run_versions(3, [("altered", True), (None, True)])
     bad, good = reports
     assert bad["error"] is None, bad
     assert bad["seen"] and all(d == digest(model(v)) for v, d in bad["seen"].items()), bad["seen"]
     assert bad["stats"]["shared_reads"] == 0 and bad["stats"]["rejected"] >= 2, bad["stats"]
-    assert bad["stats"]["pulls"] >= 3, bad["stats"]  # every version, the real one, by pull
+    assert bad["stats"]["streamed"] >= 3, bad["stats"]  # every version, the real one, by stream
     assert good["stats"]["shared_reads"] >= 2 and good["stats"]["rejected"] == 0, good["stats"]
 
 
@@ -108,8 +108,8 @@ def test_an_actor_that_cannot_open_the_shared_memory_falls_back_for_good():
     assert r["error"] is None and all(d == digest(model(v)) for v, d in r["seen"].items()), r
     assert max(r["seen"]) == 4 and r["stats"]["shared_reads"] == 0, r
     # One failed read, then the learner stops offering it: the next versions come on a kept
-    # weights connection.
-    assert r["stats"]["failures"] == 1 and r["stats"]["pulls"] >= 3, r["stats"]
+    # weights stream.
+    assert r["stats"]["failures"] == 1 and r["stats"]["streamed"] >= 3, r["stats"]
     assert stats["shared"] == 1, stats
 
 

@@ -1,10 +1,10 @@
 """A man in the middle between actors and a learner, for the weights and attach attack tests.
 
-It relays every connection to the learner's port (control, data plane, weights pulls) and may
-rewrite what the learner sends: flip bytes of a pulled model, and put plain checksums that
+It relays every connection to the learner's port (control, data plane, weights streams) and may
+rewrite what the learner sends: flip bytes of a streamed model, and put plain checksums that
 match the altered bytes where a message carries any (an unkeyed checksum is no defence against
-anyone on the path); answer pulls itself; or take data connections itself and tell the actor
-they are ready. It never holds the token.
+anyone on the path); answer weights streams itself; or take data connections itself and tell the
+actor they are ready. It never holds the token.
 """
 
 from __future__ import annotations
@@ -50,22 +50,22 @@ def plain_checksums(manifest: Any, flat: bytes) -> list[int]:
 
 
 class WeightsMitm:
-    """Relays ``127.0.0.1:<port>`` to the learner. ``tamper_pulls``: pulled models arrive with
+    """Relays ``127.0.0.1:<port>`` to the learner. ``tamper_streams``: streamed models arrive with
     one byte flipped (and plain checksums recomputed to match); ``tamper_once``: only that
     version, the first time. ``rewrite``: called with every
     control message the learner sends on a control connection; returns the message to forward."""
 
-    def __init__(self, learner_port: int, *, tamper_pulls: bool = False, tamper_once: int = 0,
-                 rewrite: Callable[[Any], Any] | None = None, fake_pulls: Callable[[], tuple[Any, bytes]] | None = None, fake_data: bool = False):  # fmt: skip
+    def __init__(self, learner_port: int, *, tamper_streams: bool = False, tamper_once: int = 0,
+                 rewrite: Callable[[Any], Any] | None = None, fake_streams: Callable[[], tuple[Any, bytes]] | None = None, fake_data: bool = False):  # fmt: skip
         self.learner_port = learner_port
         self.fake_data = fake_data  # take data connections itself, and tell the actor Ready
         self.data_bytes = 0  # what actors sent to a data connection taken that way
-        self.tamper_pulls = tamper_pulls
-        self.tamper_once = tamper_once  # this version is altered the first time it passes (all: tamper_pulls)
+        self.tamper_streams = tamper_streams
+        self.tamper_once = tamper_once  # this version is altered the first time it passes (all: tamper_streams)
         self.rewrite = rewrite
-        self.fake_pulls = fake_pulls  # answer pulls with this (manifest, bytes) instead of relaying
-        self.pulls_faked = 0
-        self.pulls_tampered = 0
+        self.fake_streams = fake_streams  # answer weights streams with this (manifest, bytes) instead of relaying
+        self.streams_faked = 0
+        self.streams_tampered = 0
         self.rewritten = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self.port = self._listener.getsockname()[1]
@@ -105,9 +105,9 @@ class WeightsMitm:
         """Actor -> learner: note what the connection is (its first message), then relay."""
         try:
             raw, first = read_frame(actor)
-            if isinstance(first, _wire.Pull) and self.fake_pulls is not None:
+            if isinstance(first, _wire.OpenStream) and self.fake_streams is not None:
                 kind["is"] = "fake"
-                actor.sendall(self._fake_pull())
+                actor.sendall(self._fake_stream())
                 return
             if isinstance(first, _wire.Attach) and self.fake_data:
                 kind["is"] = "fake"
@@ -118,7 +118,7 @@ class WeightsMitm:
                 while chunk := actor.recv(1 << 16):
                     self.data_bytes += len(chunk)
                 return
-            kind["is"] = ("pull" if isinstance(first, _wire.Pull) else "data" if isinstance(first, _wire.Attach)
+            kind["is"] = ("stream" if isinstance(first, _wire.OpenStream) else "data" if isinstance(first, _wire.Attach)
                           else "control")  # fmt: skip
             if kind["is"] == "control":
                 self._controls.append(actor)
@@ -131,7 +131,7 @@ class WeightsMitm:
             _shut(learner)
 
     def _downstream(self, learner: socket.socket, actor: socket.socket, kind: dict[str, str]) -> None:
-        """Learner -> actor: control messages one by one (rewritten if asked), a pulled model
+        """Learner -> actor: control messages one by one (rewritten if asked), a streamed model
         as its messages plus its raw bytes."""
         try:
             actor.sendall(read_frame(learner)[0])  # the Challenge: the actor answers it
@@ -146,8 +146,8 @@ class WeightsMitm:
                     while chunk := learner.recv(1 << 16):
                         actor.sendall(chunk)
                     return
-                if kind["is"] == "pull" and isinstance(msg, _wire.Publish):
-                    actor.sendall(self._pulled_model(learner, msg))
+                if kind["is"] == "stream" and isinstance(msg, _wire.Publish):
+                    actor.sendall(self._streamed_model(learner, msg))
                     continue
                 if kind["is"] == "control" and self.rewrite is not None:
                     new = self.rewrite(msg)
@@ -161,30 +161,30 @@ class WeightsMitm:
         finally:
             _shut(actor)
 
-    def _fake_pull(self) -> bytes:
-        """A pull answered without the learner: a model of the attacker's choosing, with plain
-        checksums that match it where the format has any; a keyed pull first wants the learner's
+    def _fake_stream(self) -> bytes:
+        """A weights stream answered without the learner: a model of the attacker's choosing, with
+        plain checksums that match it where the format has any; the actor first wants the learner's
         proof, which cannot be computed without the token: a made-up one goes out."""
-        assert self.fake_pulls is not None
-        manifest, flat = self.fake_pulls()
-        self.pulls_faked += 1
-        proof = _wire.encode(_wire.Proof(bytes(32))) if hasattr(_wire, "KeyedPull") else b""
-        return proof + _wire.encode(_wire.Publish(0, manifest)) + flat
+        assert self.fake_streams is not None
+        manifest, flat = self.fake_streams()
+        self.streams_faked += 1
+        proof = _wire.encode(_wire.Proof(bytes(32)))
+        return proof + _wire.encode(_wire.Publish(manifest)) + flat
 
-    def _pulled_model(self, learner: socket.socket, publish: Any) -> bytes:
-        """One version sent on a weights connection, from its Publish to its Seal, its bytes
-        altered if ``tamper_pulls``. WeightsKey (before the bytes) and Seal (after them) are
+    def _streamed_model(self, learner: socket.socket, publish: Any) -> bytes:
+        """One version sent on a weights stream, from its Publish to its Seal, its bytes
+        altered if ``tamper_streams``. WeightsKey (before the bytes) and Seal (after them) are
         passed through: they cannot be forged."""
         between = [read_frame(learner)[0]]  # WeightsKey
         flat = recv_exact(learner, publish.manifest.total_bytes)
         seal = read_frame(learner)[0]
-        once = publish.manifest.version == self.tamper_once and self.pulls_tampered == 0
-        if (self.tamper_pulls or once) and flat:
+        once = publish.manifest.version == self.tamper_once and self.streams_tampered == 0
+        if (self.tamper_streams or once) and flat:
             flat = flip(flat)
-            self.pulls_tampered += 1
+            self.streams_tampered += 1
             if publish.manifest.checksums:  # an unkeyed manifest: make its checksums match
                 manifest = msgspec.structs.replace(publish.manifest, checksums=plain_checksums(publish.manifest, flat))
-                publish = _wire.Publish(publish.generation, manifest)
+                publish = _wire.Publish(manifest)
         return _wire.encode(publish) + b"".join(between) + flat + seal
 
 

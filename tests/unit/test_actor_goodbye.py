@@ -1,5 +1,5 @@
 """A learner that finishes sends Bye on the control connection, then closes the data plane and
-weights connections. An actor that notices one of those first must still end with Closed (final)
+weights streams. An actor that notices one of those first must still end with Closed (final)
 once the control reader reads the Bye, not take the goodbye for a crash and retry the learner for
 ``reconnect_timeout`` (seen as a flush timing out after 30 s when a learner closed under load)."""
 

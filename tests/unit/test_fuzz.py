@@ -159,7 +159,7 @@ def test_deep_nesting_length_claims_and_wrong_types_in_any_field_are_protocol_er
 def test_every_message_type_before_authentication_is_refused_typed_and_bounded(lab, cls, rng):
     raw = fz.framed(fz.hostile_body(rng, cls))
     got = fz.bounded(lab.preauth, fz.mutate(rng, raw) if rng.random() < 0.3 else raw, peak=1 << 20, seconds=5)
-    # With a token, nothing sent before a valid proof opens a session, a pull or a data plane.
+    # With a token, nothing sent before a valid proof opens a session, a weights stream or a data plane.
     assert got in ("ProtocolError", "AuthError", "PeerLost", "Refused"), got
 
 

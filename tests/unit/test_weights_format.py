@@ -101,7 +101,7 @@ def test_too_many_tensors_are_refused():
 
 def test_manifest_survives_the_wire_and_a_valid_one_passes():
     snap = snapshot(sample_state(), 2, 128, BufferPool())
-    msg = decode(encode(Publish(4, snap.manifest))[4:])
+    msg = decode(encode(Publish(snap.manifest))[4:])
     assert isinstance(msg, Publish) and msg.manifest == snap.manifest
     msg.manifest.validate(max_bytes=2**20, max_entries=100)
 
@@ -125,7 +125,7 @@ def test_buffer_pool_never_reuses_a_buffer_someone_still_reads(shared):
 
 def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
     """The fan-out thread starts while ``publish`` is still copying a CUDA model; a host copy
-    (for gloo and pulls) taken then would send, and cache for every later pull, a half-written
+    (for the weights streams) taken then would send, and cache for every later stream, a half-written
     model. A CPU torch buffer labelled as a device snapshot takes the same code path."""
     import threading
     import types

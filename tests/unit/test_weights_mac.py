@@ -192,7 +192,7 @@ def test_a_wrapped_key_opens_only_with_its_key_and_the_seal_binds_everything():
     assert keys.seal_mac(sub, 4, renamed, wrapped, tags) != mac_
     assert keys.seal_mac(sub, 5, manifest, wrapped, tags) != mac_
     assert keys.seal_mac(sub, 4, manifest, wrapped, tags) == mac_
-    # Pull proofs: each side's differs, and both cover both nonces.
-    a = keys.pull_proof(session, "actor", b"L" * 32, b"A" * 32, 7)
-    assert a != keys.pull_proof(session, "learner", b"L" * 32, b"A" * 32, 7)
-    assert a != keys.pull_proof(session, "actor", b"L" * 32, b"B" * 32, 7)
+    # Weights stream proofs: each side's differs, and both cover both nonces.
+    a = keys.stream_proof(session, "actor", b"L" * 32, b"A" * 32, 7)
+    assert a != keys.stream_proof(session, "learner", b"L" * 32, b"A" * 32, 7)
+    assert a != keys.stream_proof(session, "actor", b"L" * 32, b"B" * 32, 7)

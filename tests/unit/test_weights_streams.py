@@ -1,4 +1,4 @@
-"""Which weights connections the learner keeps open (``Publisher._keeps``), without sockets."""
+"""Which weights streams the learner keeps open (``Publisher._keeps``), without sockets."""
 
 from __future__ import annotations
 
@@ -31,18 +31,19 @@ def stream_of(**session: object) -> _Stream:
 
 
 @pytest.mark.timeout(30)
-def test_a_pull_that_overtook_its_subscribe_is_kept_open(publisher):
-    # The Subscribe travels on the control connection, the pull on its own: the learner may
-    # read the pull first. Served as a single pull, the actor had to open a second connection.
+def test_a_stream_that_overtook_its_subscribe_is_kept_open(publisher):
+    # The Subscribe travels on the control connection, the stream on its own: the learner may
+    # read the stream's opening first. Ended after one version there, the stream left the
+    # actor to open a second one.
     assert publisher._keeps(stream_of(subscribed=False)) is True
     assert publisher._keeps(stream_of()) is True
 
 
 @pytest.mark.timeout(30)
-def test_an_actor_reading_shared_memory_or_gone_gets_a_single_pull(publisher):
+def test_an_actor_reading_shared_memory_or_gone_gets_a_one_version_stream(publisher):
     assert publisher._keeps(stream_of(weights_shared=True)) is False  # nothing published: shared by default
     assert publisher._keeps(stream_of(state=SessionState.CLOSED)) is False
-    # A version outside shared memory (a CUDA one) keeps even a sharing actor's connection.
+    # A version outside shared memory (a CUDA one) keeps even a sharing actor's stream.
     publisher.latest = SimpleNamespace(shared=None, version=1)
     assert publisher._keeps(stream_of(weights_shared=True)) is True
     publisher.latest = SimpleNamespace(shared=np.zeros(1), version=1)

@@ -17,9 +17,9 @@ from .state import LinkState
 
 __all__ = ["ControlReader"]
 
-# Weights messages go to the subscriber (StoreReply too: its rendezvous waits for it).
-_WEIGHTS = (_wire.Version, _wire.Publish, _wire.Mapped, _wire.Group, _wire.Sealed, _wire.WeightsKey, _wire.Seal,
-            _wire.StoreReply)
+# Weights messages on the control connection go to the subscriber (a version's bytes come on its
+# weights stream or from shared memory).
+_WEIGHTS = (_wire.Version, _wire.Mapped, _wire.WeightsKey, _wire.Seal)
 
 
 class ControlReader:
@@ -84,7 +84,7 @@ class ControlReader:
         s = self._state
         if isinstance(msg, _wire.Version):
             s.latest_version = max(s.latest_version, msg.version)
-        elif isinstance(msg, (_wire.Publish, _wire.Mapped)):
+        elif isinstance(msg, _wire.Mapped):
             s.latest_version = max(s.latest_version, msg.manifest.version)
         if s.weights_listener is not None:
             s.weights_listener(msg)

@@ -126,7 +126,7 @@ class Reconnect:
 
     async def _hear_goodbye(self) -> None:
         """A learner that finishes sends Bye on the control connection, then closes the data
-        plane and weights connections: the actor may notice one of those first, with the Bye
+        plane and weights streams: the actor may notice one of those first, with the Bye
         still unread. Give the control reader a moment to read it (it ends at once on a Bye or
         on the connection's end), so that a goodbye is not taken for a crash and retried for
         ``reconnect_timeout``."""

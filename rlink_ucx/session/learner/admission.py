@@ -26,8 +26,8 @@ from ...config import Config
 from ...observe.ratelog import RateLimitedLog
 
 log = logging.getLogger(__name__)
-FDS_PER_ACTOR = 4  # control and data connections, and the weights connection or the shm ring's memfd and mapping
-FDS_SPARE = 256  # the listener, UCX, weights connections being opened, the user's own files
+FDS_PER_ACTOR = 4  # control and data connections, and the weights stream or the shm ring's memfd and mapping
+FDS_SPARE = 256  # the listener, UCX, weights streams being opened, the user's own files
 LOG_EVERY = 10.0  # seconds between two warnings of one kind: one line per storm, not per connection
 
 

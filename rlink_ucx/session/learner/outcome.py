@@ -1,7 +1,7 @@
 """What a connection's handshake on the learner produced, as one typed result.
 
 The handshake decides what a new connection is (an actor's session, its data connection, a
-weights pull, another learner rank, an ``rlink stats`` query); its result carries what the
+weights stream, another learner rank, an ``rlink stats`` query); its result carries what the
 connection goes on to do, so the caller runs it without asking which kind it was.
 """
 
@@ -26,7 +26,7 @@ class Kind(enum.Enum):
     SESSION = "session"  # an actor's control connection: its session is open
     ATTACHED = "attached"  # an actor's data connection, now owned by its session
     REDIRECTED = "redirected"  # an actor sent on to another rank of the job
-    PULL = "pull"  # a weights pull
+    STREAM = "stream"  # an actor's weights stream
     RANK = "rank"  # another learner rank of the job, linking to rank 0
     STATS = "stats"  # an `rlink stats` query
 

@@ -251,9 +251,11 @@ class LearnerServer:
             attach_data_connection(self.sessions, conn, first, nonce)
             self.grant_credits()
             return Handshaken(Kind.ATTACHED)
-        if isinstance(first, _wire.Pull):  # a weights pull
-            member = self.publisher.verify_pull(first, nonce)
-            return Handshaken(Kind.PULL, functools.partial(self.publisher.serve_pull, conn, member, first.have))
+        if isinstance(first, _wire.OpenStream):  # an actor's weights stream
+            if first.proto != _wire.PROTOCOL_VERSION:
+                raise Refused(f"weights stream of protocol {first.proto}; learner speaks {_wire.PROTOCOL_VERSION}")
+            member = self.publisher.verify_stream(first, nonce)
+            return Handshaken(Kind.STREAM, functools.partial(self.publisher.serve_stream, conn, member, first.have))
         if not isinstance(first, _wire.Login):
             raise ProtocolError(f"expected Login or Attach, got {type(first).__name__}")
         if first.proto != _wire.PROTOCOL_VERSION:

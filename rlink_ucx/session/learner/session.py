@@ -118,8 +118,6 @@ class LearnerSession:
                 self.server.publisher.on_got(self, msg.version)
             elif isinstance(msg, _wire.Subscribe):
                 self.server.publisher.on_subscribe(self, msg)
-            elif isinstance(msg, _wire.StoreRequest):  # the fan-out group's rendezvous, relayed
-                self.server.publisher.on_store(self, msg)
             elif isinstance(msg, _wire.Bye):
                 self.close("actor said goodbye: " + msg.reason[:200], lost=False)
                 return

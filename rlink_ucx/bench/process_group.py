@@ -1,8 +1,9 @@
-"""Plain torch.distributed process groups: the baseline the fan-out benchmark compares with.
+"""Plain torch.distributed process groups: the gloo baselines of ``rlink bench`` (the fan-out's
+plain broadcast, ``bench/peer_gloo.py``).
 
-The fan-out itself builds no group: gloo's and NCCL's listeners accept anyone's connections
-(gloo keeps every one, and aborts the process at the open-file limit), so versions travel on
-the actors' own proven weights connections (``publisher.py``). Every group here is built
+The library builds no such group: gloo's and NCCL's listeners accept anyone's connections (gloo
+keeps every one, and aborts the process at the open-file limit), so versions travel on the
+actors' own proven weights streams (``weights/publisher.py``). Every group here is built
 directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore`` over the store it is
 given, leaving ``init_process_group`` and the default group alone. ``serve_store``/
 ``connect_store`` make a plain ``TCPStore``, which anyone who reaches its port may read and
@@ -24,7 +25,7 @@ def _delta(seconds: float) -> datetime.timedelta:
 
 def serve_store(host: str, timeout: float) -> tuple[Any, int]:
     """A ``TCPStore`` server listening on ``host`` (port chosen by the OS); unauthenticated:
-    for benchmark baselines on loopback, never for the fan-out."""
+    for benchmark baselines on loopback only."""
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

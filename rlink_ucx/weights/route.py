@@ -1,0 +1,45 @@
+"""How one actor gets one model version: the single place that decides it.
+
+The fan-out thread (which actors it maps a version for, which it only tells of it) and each
+weights stream's thread (whether the stream stays open for the next version) both ask
+:func:`delivery`, so the two can never disagree about an actor.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Any, Protocol
+
+from .membership import Membership
+
+__all__ = ["Route", "delivery"]
+
+
+class Route(enum.Enum):
+    """The way a version reaches an actor."""
+
+    # On the learner's host and caught up: the actor reads the version from the learner's
+    # sealed shared memory, told where on its control connection (``Mapped``).
+    SHARED = "shared"
+    # On the learner's host but behind (it has not confirmed the last version it was sent):
+    # this version comes on a weights stream that ends after it, the next from shared memory.
+    CATCH_UP = "catch-up"
+    # Anywhere else, and for a version outside shared memory (a CUDA one): the actor's own
+    # weights stream carries this version and stays open for every later one.
+    STREAM = "stream"
+
+
+class _Version(Protocol):
+    @property
+    def shared(self) -> Any: ...  # where the version lies in shared memory; None: not there
+
+
+def delivery(member: Membership, version: _Version | None) -> Route:
+    """How ``member``'s actor gets ``version`` (None: the first one, not published yet, which
+    lands in shared memory where the learner keeps its snapshots there). Read it under the
+    publisher's lock: ``member``'s fields are the publisher's to write."""
+    if not member.shared or (version is not None and version.shared is None):
+        return Route.STREAM
+    if member.key is None or member.acked < member.sent:
+        return Route.CATCH_UP
+    return Route.SHARED

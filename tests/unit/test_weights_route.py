@@ -1,0 +1,102 @@
+"""How each actor gets each version (``weights.route.delivery``), and that the fan-out and the
+weights streams both follow it. No sockets: the publisher's control messages are recorded."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+import pytest
+
+from rlink_ucx import Config
+from rlink_ucx.transport.session_state import SessionState
+from rlink_ucx.weights.membership import Membership
+from rlink_ucx.weights.publisher import Publisher, _Stream
+from rlink_ucx.weights.route import Route, delivery
+from rlink_ucx.weights.snapshot import BufferPool, snapshot
+from rlink_ucx.wire import messages as _wire
+
+IN_SHARED_MEMORY = SimpleNamespace(shared=[1, 3, b"n" * 16, 64])
+OUTSIDE = SimpleNamespace(shared=None)  # a CUDA version: not in shared memory
+KEY = b"k" * 32
+
+CASES = [  # (member, version, route)
+    (Membership(subscribed=True), None, Route.STREAM),
+    (Membership(subscribed=True), IN_SHARED_MEMORY, Route.STREAM),
+    (Membership(subscribed=True), OUTSIDE, Route.STREAM),
+    (Membership(subscribed=True, shared=True, key=KEY, sent=4, acked=4), IN_SHARED_MEMORY, Route.SHARED),
+    (Membership(subscribed=True, shared=True, key=KEY, sent=4, acked=5), IN_SHARED_MEMORY, Route.SHARED),
+    (Membership(subscribed=True, shared=True, key=KEY), None, Route.SHARED),
+    (Membership(subscribed=True, shared=True, key=KEY, sent=4, acked=4), OUTSIDE, Route.STREAM),
+    (Membership(subscribed=True, shared=True, key=KEY, sent=5, acked=4), IN_SHARED_MEMORY, Route.CATCH_UP),
+    (Membership(subscribed=True, shared=True, key=KEY, sent=5, acked=4), None, Route.CATCH_UP),
+    (Membership(subscribed=True, shared=True, key=None), IN_SHARED_MEMORY, Route.CATCH_UP),
+    (Membership(subscribed=True, shared=True, key=KEY, sent=5, acked=4), OUTSIDE, Route.STREAM),
+]
+
+
+@pytest.mark.parametrize(("member", "version", "route"), CASES)
+def test_delivery_answers(member, version, route):
+    assert delivery(member, version) is route
+
+
+def test_a_subscription_key_is_never_printed():
+    assert "kkkk" not in repr(Membership(shared=True, key=KEY))
+
+
+class Recorder:
+    def __init__(self) -> None:
+        self.sent: list[Any] = []
+
+    def send(self, msg: Any) -> None:
+        self.sent.append(msg)
+
+
+@pytest.fixture
+def publisher():
+    loop = asyncio.new_event_loop()
+    owner = SimpleNamespace(config=Config(), loop=loop, host="127.0.0.1", token=b"t" * 32, version=0, sessions={})
+    pub = Publisher(owner)
+    yield pub
+    pub.close()
+    loop.close()
+
+
+def session(sid: int, member: Membership) -> Any:
+    return SimpleNamespace(id=sid, state=SessionState.OPEN, weights=member, control=Recorder())
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("in_shared_memory", [True, False], ids=["shared-memory", "private"])
+def test_the_fan_out_and_the_streams_follow_delivery(publisher, in_shared_memory):
+    snap = snapshot({"w": np.arange(1000, dtype=np.float32)}, 5, 1 << 20, BufferPool(shared=in_shared_memory))
+    assert (snap.shared is not None) == in_shared_memory
+    members = {  # acked ahead of the version: the fan-out does not wait for confirmations
+        1: Membership(subscribed=True, shared=True, key=KEY, sent=4, acked=9),  # caught up
+        2: Membership(subscribed=True, shared=True, key=KEY, sent=9, acked=8),  # behind
+        3: Membership(subscribed=True, sent=4, acked=9),  # another host
+    }
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    routes = {sid: delivery(m, snap) for sid, m in members.items()}
+    publisher.latest = snap
+    kept = {sid: publisher._keeps(_Stream(s, sock=None, key=b"", sent=4)) for sid, s in sessions.items()}  # type: ignore[arg-type]
+
+    publisher._fan_out(snap)
+    publisher.loop.run_until_complete(asyncio.sleep(0))  # run the sends queued for the loop
+
+    got = {sid: [type(m) for m in s.control.sent] for sid, s in sessions.items()}
+    expected = (
+        {1: Route.SHARED, 2: Route.CATCH_UP, 3: Route.STREAM} if in_shared_memory
+        else {1: Route.STREAM, 2: Route.STREAM, 3: Route.STREAM}
+    )  # fmt: skip
+    assert routes == expected
+    for sid, route in routes.items():
+        if route is Route.SHARED:
+            assert got[sid] == [_wire.Mapped, _wire.WeightsKey, _wire.Seal], got
+            assert members[sid].sent == snap.version
+        else:  # told of it: it comes on the actor's weights stream
+            assert got[sid] == [_wire.Version], got
+        assert kept[sid] is (route is Route.STREAM), (sid, route)

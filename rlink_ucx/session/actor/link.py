@@ -45,7 +45,7 @@ class ActorConnection:
                  incarnation: int, config: Config, io: IOThread, insecure: bool = False):  # fmt: skip
         self.state = s = LinkState(host, port, transport, incarnation, config, io.loop, actor_id)
         self.attach = PlaneAttach(s, functools.partial(open_channel, s))
-        self.outbox = Outbox(s, io, self.fail)
+        self.outbox = Outbox(s, io, self.data_plane_broke)
         self.heartbeat = Heartbeat(s, self.outbox, self.fail)
         self.reader = ControlReader(s, self.outbox, self.heartbeat, self.attach, self.fail)
         self.connector = Connector(s, self.attach, self.reader, self.heartbeat, self.outbox, token=token,
@@ -55,6 +55,11 @@ class ActorConnection:
     def fail(self, exc: RLinkError) -> None:
         """The connection broke (loop thread): a reconnect, or the final error."""
         self.reconnect.fail(exc)
+
+    def data_plane_broke(self, exc: RLinkError) -> None:
+        """The data plane broke (loop thread): as :meth:`fail`, but a goodbye the learner sent
+        on the control connection first is still read (a learner closing ends both)."""
+        self.reconnect.fail(exc, bye_may_follow=True)
 
     async def open_session(self) -> None:
         """The first connection, retried until ``Config.connect_timeout``."""

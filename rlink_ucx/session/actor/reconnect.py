@@ -24,7 +24,10 @@ FINAL = (AuthError, Closed, Rejected, SchemaMismatch, Superseded)
 
 
 REFUSED_BACKOFF = 0.5  # seconds (times 0.5-1.5 of jitter) between attempts nobody answers
-GOODBYE_GRACE = 2.0  # seconds the control reader is given to read a Bye already sent
+# Seconds the control reader is given to read a Bye already sent when the data plane broke:
+# the Bye went out before the data plane was closed, so it only waits for the loop to read it.
+# A data plane that broke on its own (a UCX endpoint error) is retried this much later.
+GOODBYE_GRACE = 0.5
 
 
 def _refused(error: BaseException) -> bool:
@@ -52,18 +55,22 @@ class Reconnect:
         self._connector = connector
         self._outbox = outbox
         self._reconnecting = False  # a reconnect is under way (loop thread)
-        self._goodbye: Closed | None = None  # the learner's Bye, read after another channel broke
+        self._goodbye: Closed | None = None  # the learner's Bye, read after the data plane broke
+        self._listening = False  # the reconnect waits for the old control reader (GOODBYE_GRACE)
         self.count = 0  # reconnects that succeeded (loop thread)
 
-    def fail(self, exc: RLinkError) -> None:
+    def fail(self, exc: RLinkError, *, bye_may_follow: bool = False) -> None:
         """The connection broke (any task on the loop): reconnect if it was up and the error
-        is one a reconnect can cure, else record ``exc`` for every caller."""
+        is one a reconnect can cure, else record ``exc`` for every caller. ``bye_may_follow``:
+        it broke on the data plane, and the control connection may still carry a goodbye."""
         s = self._state
         if s.closing or s.error is not None:
             return
         if self._reconnecting:  # a reconnect attempt failed: let it notice at once
             if isinstance(exc, Closed):  # a Bye: the learner is finishing, no attempt can succeed
                 self._goodbye = exc
+            if self._listening:  # the old control connection's own end: the teardown follows
+                return
             for fut in (s.ready, s.proposal):
                 if fut is not None and not fut.done():
                     fut.set_exception(exc)
@@ -73,7 +80,7 @@ class Reconnect:
             s.connected = False
             self._reconnecting = True
             log.warning("actor %s: %s; reconnecting", s.actor_id, exc)
-            s.tasks.append(s.loop.create_task(self._reconnect(exc)))
+            s.tasks.append(s.loop.create_task(self._reconnect(exc, bye_may_follow)))
             return
         self._fail_for_good(exc)
 
@@ -104,11 +111,12 @@ class Reconnect:
         raise ConnectError(f"cannot reach the learner at {s.host}:{s.port}: tried for "
                            f"{time.monotonic() - started:.0f}s (Config.connect_timeout); last error: {last}") from last
 
-    async def _reconnect(self, cause: RLinkError) -> None:
+    async def _reconnect(self, cause: RLinkError, bye_may_follow: bool = False) -> None:
         """Retry the learner with backoff and jitter until ``reconnect_timeout``; then resume
         the stream where the learner says it stopped (resending what it lacks)."""
         s = self._state
-        await self._hear_goodbye()
+        if bye_may_follow:
+            await self._hear_goodbye()
         self._teardown()
         last = self._goodbye or await self._retry_connect(time.monotonic() + s.config.reconnect_timeout, cause)
         self._reconnecting, self._goodbye = False, None
@@ -126,13 +134,16 @@ class Reconnect:
 
     async def _hear_goodbye(self) -> None:
         """A learner that finishes sends Bye on the control connection, then closes the data
-        plane and weights streams: the actor may notice one of those first, with the Bye
-        still unread. Give the control reader a moment to read it (it ends at once on a Bye or
-        on the connection's end), so that a goodbye is not taken for a crash and retried for
-        ``reconnect_timeout``."""
+        plane: the actor may notice that first, with the Bye still unread. Give the control
+        reader a moment to read it (it ends at once on a Bye or on the connection's end), so
+        that a goodbye is not taken for a crash and retried for ``reconnect_timeout``."""
         reader = self._connector.reader_task
         if reader is not None and not reader.done():
-            await asyncio.wait({reader}, timeout=GOODBYE_GRACE)
+            self._listening = True
+            try:
+                await asyncio.wait({reader}, timeout=GOODBYE_GRACE)
+            finally:
+                self._listening = False
 
     async def _retry_connect(self, deadline: float, cause: RLinkError | None) -> RLinkError | None:
         """Attempt ``connect`` until one succeeds (None), a final error, or ``deadline`` (the

@@ -21,6 +21,7 @@ from .segments import Segment, SegState
 __all__ = ["IN_ORDER_GRACE", "ReadyFrames"]
 
 IN_ORDER_GRACE = 0.002  # seconds a take waits for a young frame ahead of it in ring order
+_COMPACT_MIN = 1024
 
 
 class ReadyFrames:
@@ -30,9 +31,16 @@ class ReadyFrames:
     def __init__(self) -> None:
         self.completed: collections.deque[Segment] = collections.deque()  # READY, in completion order
         self._placed: collections.deque[Segment] = collections.deque()  # live, in ring order
+        self._compact_at = _COMPACT_MIN  # forget dead frames behind the front at this length
 
     def placed(self, seg: Segment) -> None:
-        self._placed.append(seg)
+        placed = self._placed
+        placed.append(seg)
+        if len(placed) >= self._compact_at:
+            # Torn and taken frames leave from the front only; behind a front nobody takes
+            # (no fetch yet) they would pile up, one per frame ever torn. Amortised O(1).
+            self._placed = collections.deque(self._live())
+            self._compact_at = max(_COMPACT_MIN, 2 * len(self._placed))
 
     def complete(self, seg: Segment) -> None:
         self.completed.append(seg)

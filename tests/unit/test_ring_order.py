@@ -207,3 +207,15 @@ def test_free_extents_match_a_set_of_free_positions():
         extents = ext.extents()
         assert {p for s, e in extents for p in range(s, e)} == free and ext.free == len(free)
         assert all(e < s2 for (_, e), (s2, _) in itertools.pairwise(extents)), "extents must be sorted and joined"
+
+
+def test_torn_frames_behind_a_frame_nobody_takes_yet_are_forgotten():
+    # No fetch yet, and an actor whose every frame is torn: the ring's record of placed frames
+    # must not keep one entry per torn frame.
+    ring = StepRing(SCHEMA, 64 * 8, max_frame_steps=2, chunk_steps=4)
+    fill(ring, ring.reserve(2, actor_id=1, seq=0, version=0), 0)  # complete, not taken
+    for i in range(10_000):
+        ring.abandon(ring.reserve(2, actor_id=2, seq=2 * i, version=0))
+    assert len(ring.frames._placed) <= 2048
+    assert ring.used == 2 and ring.stats.torn_frames == 10_000
+    assert take_values(ring, 2) == [(1, 0, 0), (1, 1, 1)]

@@ -7,6 +7,7 @@ that rank's actors: they ask rank 0, which places them on a live rank."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import signal
@@ -71,10 +72,25 @@ def link(io: IOThread, server: LearnerServer, advertised_port: int, serving: Cal
     async def start() -> RankLinkClient:
         client = RankLinkClient(1, 2, ("127.0.0.1", server.port), ("127.0.0.1", advertised_port), (TOKEN, RANK_TOKEN),
                                 server.config, serving)  # fmt: skip
-        server._spawn(client.run())
+        RUNNING[client] = server._spawn(client.run())
         return client
 
     return io.call(start(), 10)
+
+
+RUNNING: dict[RankLinkClient, asyncio.Task[None]] = {}  # each test link's task
+
+
+def end_links(io: IOThread, *clients: RankLinkClient) -> None:
+    """Close test links and end their tasks (a link attempt in flight included), as a
+    learner's stop does."""
+
+    async def stop_them() -> None:
+        for client in clients:
+            client.close()
+            RUNNING.pop(client).cancel()
+
+    io.call(stop_them(), 10)
 
 
 def wait_for(what: Callable[[], bool], timeout: float, why: str) -> None:
@@ -127,6 +143,9 @@ def test_a_live_rank_keeps_its_slot_a_second_registration_backs_off_and_claims_a
         assert 2 <= attempts <= 8, attempts
         assert real.links == 1 and real.linked.is_set() and second.links == 0
         assert server.ranks.links[1].port == rank1.port  # the slot is the real rank's
+        # The impostor stops here: otherwise it may take the slot while the real rank's link is
+        # remade below (a free slot goes to whoever holding the rank token registers first).
+        end_links(io, second)
         # Claims on actors rank 0 never placed on rank 1 are ignored.
         claims.update({777, 778})
         wait_for(lambda: server.ranks.refused_claims >= 2, 10, "the claims were not seen")
@@ -137,11 +156,7 @@ def test_a_live_rank_keeps_its_slot_a_second_registration_backs_off_and_claims_a
         wait_for(lambda: real.links >= 2, 20, "a link claiming 102 actors of max_connections=8 was kept")
         assert all(a not in server.ranks.placed for a in claims)
 
-        async def unlink() -> None:
-            second.close()
-            real.close()
-
-        io.call(unlink(), 10)
+        end_links(io, real)
     finally:
         rank1.close()
 

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
+from types import SimpleNamespace
 
 import pytest
+
+from rlink_ucx import Config
+from rlink_ucx.weights.publisher import Publisher
 
 
 @pytest.fixture
@@ -31,3 +36,14 @@ def paced_connection(connection):
             except (OSError, AttributeError):  # (TCP_CONGESTION is Linux-only)
                 pass
     return connection
+
+
+@pytest.fixture
+def publisher():
+    """A learner's weights publisher with no server behind it (no sessions, no sockets)."""
+    loop = asyncio.new_event_loop()
+    owner = SimpleNamespace(config=Config(), loop=loop, host="127.0.0.1", token=b"t" * 32, version=0, sessions={})
+    pub = Publisher(owner)
+    yield pub
+    pub.close()
+    loop.close()

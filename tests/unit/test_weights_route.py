@@ -10,10 +10,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from rlink_ucx import Config
 from rlink_ucx.transport.session_state import SessionState
 from rlink_ucx.weights.membership import Membership
-from rlink_ucx.weights.publisher import Publisher, _Stream
+from rlink_ucx.weights.publisher import _Stream
 from rlink_ucx.weights.route import Route, delivery
 from rlink_ucx.weights.snapshot import BufferPool, snapshot
 from rlink_ucx.wire import messages as _wire
@@ -52,16 +51,6 @@ class Recorder:
 
     def send(self, msg: Any) -> None:
         self.sent.append(msg)
-
-
-@pytest.fixture
-def publisher():
-    loop = asyncio.new_event_loop()
-    owner = SimpleNamespace(config=Config(), loop=loop, host="127.0.0.1", token=b"t" * 32, version=0, sessions={})
-    pub = Publisher(owner)
-    yield pub
-    pub.close()
-    loop.close()
 
 
 def session(sid: int, member: Membership) -> Any:

@@ -2,26 +2,14 @@
 
 from __future__ import annotations
 
-import asyncio
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
-from rlink_ucx import Config
 from rlink_ucx.transport.session_state import SessionState
 from rlink_ucx.weights.membership import Membership
-from rlink_ucx.weights.publisher import Publisher, _Stream
-
-
-@pytest.fixture
-def publisher():
-    loop = asyncio.new_event_loop()
-    owner = SimpleNamespace(config=Config(), loop=loop, host="127.0.0.1", token=b"t" * 32, version=0, sessions={})
-    pub = Publisher(owner)
-    yield pub
-    pub.close()
-    loop.close()
+from rlink_ucx.weights.publisher import _Stream
 
 
 def stream_of(**session: object) -> _Stream:

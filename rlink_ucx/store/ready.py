@@ -58,17 +58,18 @@ class ReadyFrames:
     def first_untaken(self) -> Segment | None:
         return next((s for s in self.completed if s.consumed < s.n), None)
 
-    def young_ahead(self, need: int) -> float:
-        """Seconds left of the grace of a frame still arriving among the first ``need``
-        untaken steps in ring order, if it began less than ``IN_ORDER_GRACE`` ago; else 0."""
+    def young_ahead(self, need: int) -> tuple[float, Segment | None]:
+        """A frame still arriving among the first ``need`` untaken steps in ring order that
+        began less than ``IN_ORDER_GRACE`` ago, and the seconds left of its grace; else (0, None)."""
         total = 0
         for seg in self._live():
             if seg.state is SegState.PENDING:
-                return seg.placed_at + IN_ORDER_GRACE - time.monotonic()
+                left = seg.placed_at + IN_ORDER_GRACE - time.monotonic()
+                return (left, seg) if left > 0 else (0.0, None)
             total += seg.n - seg.consumed
             if total >= need:
                 break
-        return 0.0
+        return 0.0, None
 
     def order_for(self, need: int) -> collections.deque[Segment]:
         """The frames a take of ``need`` steps reads from, first to last: in ring order when

@@ -80,6 +80,7 @@ class StepRing:
         self._closed = False
         self._takes = 0
         self._waiting_for = 0  # steps the blocked consumer needs (0: nobody waits)
+        self._waiting_on: Segment | None = None  # or the young frame it waits for (ready.py)
         self.stats = RingStats()
         self.min_version = 0  # READY steps of an older behaviour version are dropped, not yielded
         self.on_space_freed: Callable[[], None] | None = None
@@ -284,7 +285,7 @@ class StepRing:
         freed = self._drop(seg) if seg.version < self.min_version else 0
         # Wake the consumer only once its batch can be complete: one wake-up per batch,
         # not per frame (each costs a thread switch and a GIL hand-off).
-        if self._waiting_for and self.frames.count(self._waiting_for) >= self._waiting_for:
+        if seg is self._waiting_on or (self._waiting_for and self.frames.count(self._waiting_for) >= self._waiting_for):
             self._ready.notify_all()
         return freed
 
@@ -331,8 +332,8 @@ class StepRing:
                 if self._closed:
                     raise Closed("the learner is closed")
                 ready = self.frames.count(count)
-                young = self.frames.young_ahead(count) if ready >= count else 0.0  # ready.py: the grace
-                if ready >= count and young <= 0:
+                young, frame = self.frames.young_ahead(count) if ready >= count else (0.0, None)  # ready.py
+                if (ready >= count and frame is None) or (frame is not None and time.monotonic() >= deadline):
                     break
                 if ready < count and finished is not None and finished():
                     if not ready or not partial:
@@ -340,17 +341,15 @@ class StepRing:
                     count = ready
                     break
                 left = deadline - time.monotonic()
-                if left <= 0 < young:
-                    break
                 if left <= 0:
                     raise RLinkTimeout(f"{ready} of {count} steps ready")  # the caller says how long it waited
-                self._waiting_for = count  # with enough ready, every commit wakes it: the young frame's too
+                self._waiting_for, self._waiting_on = (0, frame) if frame else (count, None)
                 try:
                     # With a finished test, look again now and then: an actor that crashed is
                     # given up on by the clock, not by an event.
                     self._ready.wait(min(left, young or (left if finished is None else 0.5)))
                 finally:
-                    self._waiting_for = 0
+                    self._waiting_for, self._waiting_on = 0, None
             self.stats.wait_seconds += time.monotonic() - started
             self.stats.steps_out += count
             return self._claim(count), self._takes

@@ -360,18 +360,23 @@ class Publisher:
         # way there (so ``get_remote_model(latest=True)`` knows of it, and one whose stream
         # broke, or that refused what came on it, opens a new one).
         self._send(others + streaming, _wire.Version(snap.version))
-        members = sharing + streaming
-        # Wait (bounded) until the members verified it: "published" means received, and an
-        # actor on shared memory that does not confirm in time catches up by stream next time.
-        deadline = time.monotonic() + timeout
+        self._await_confirmations(snap, sharing + streaming)
+
+    def _await_confirmations(self, snap: Snapshot, members: list[Member]) -> None:
+        """Wait (bounded) until ``members`` verified ``snap``: an actor on shared memory that does
+        not confirm it catches up by stream with the next version. A newer version ends the wait
+        at once: one frozen actor must not hold every other actor's next version back for
+        ``weights_timeout`` (a SIGSTOPped on-policy actor did, for 30 s per version)."""
+        deadline = time.monotonic() + self.config.weights_timeout
         with self._cv:
             while any(s.state is SessionState.OPEN and s.weights.acked < snap.version for s in members):
+                if self._closed or (self.pending is not None and self.pending.version > snap.version):
+                    return
                 left = deadline - time.monotonic()
-                if left <= 0 or self._closed:
-                    if left <= 0:
-                        self.stats["fanout_failures"] += 1
-                        self.stats["last_error"] = f"version {snap.version}: not every actor confirmed it in time"
-                    break
+                if left <= 0:
+                    self.stats["fanout_failures"] += 1
+                    self.stats["last_error"] = f"version {snap.version}: not every actor confirmed it in time"
+                    return
                 self._cv.wait(min(left, 0.25))
 
     def _weights_key(self, key: bytes, snap: Snapshot) -> _wire.WeightsKey:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import signal
 import time
 import warnings
@@ -120,6 +121,20 @@ def start_lockstep(learner: Learner, n: int):
     return procs, results
 
 
+def puts_of(results, actors: set[int], version: int, timeout: float) -> dict[int, int]:
+    """Each of ``actors``' newest version put, once all have put ``version`` (or ``timeout``)."""
+    newest: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while any(newest.get(a, 0) < version for a in actors) and time.monotonic() < deadline:
+        try:
+            actor_id, kind, put_version = results.get(timeout=max(0.01, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if kind == "put" and actor_id in actors:
+            newest[actor_id] = max(newest.get(actor_id, 0), put_version)
+    return newest
+
+
 def check_rollouts(batch, version: int) -> None:
     """Every row is the rollout its actor put for ``version``, whole."""
     for row, actor_id in enumerate(batch.actor_id.tolist()):
@@ -134,7 +149,7 @@ def test_one_per_actor_takes_one_rollout_from_each_and_carries_on_without_a_kill
     with Learner("127.0.0.1:0", transport="tcp") as learner:
         learner.publish({"w": np.zeros(4, np.float32)})
         dataset = RLinkDataset(learner, batch_size=4, format="numpy")
-        procs, _results = start_lockstep(learner, 4)
+        procs, results = start_lockstep(learner, 4)
         try:
             batch = dataset.fetch(timeout=90, one_per_actor=True, min_actors=4)
             assert batch.actor_id.tolist() == [0, 1, 2, 3]
@@ -164,6 +179,9 @@ def test_one_per_actor_takes_one_rollout_from_each_and_carries_on_without_a_kill
             learner.publish({"w": np.full(4, 4, np.float32)})
             with pytest.raises(TimeoutError, match="min_actors=3"):
                 dataset.fetch(timeout=3, one_per_actor=True, min_actors=3)
+            # ... while the others act on version 5 at once: the frozen actor, which confirms
+            # no version, holds none back (it did, for weights_timeout per version)
+            assert puts_of(results, {0, 1}, 5, timeout=2) == {0: 5, 1: 5}
             # Resumed, actor 2 acts with the newest version it finds, 4 or already 5 (the newest
             # supersedes an older one still arriving); the others' pending rollouts are version 5's.
             os.kill(procs[2].pid, signal.SIGCONT)
@@ -171,6 +189,7 @@ def test_one_per_actor_takes_one_rollout_from_each_and_carries_on_without_a_kill
             assert batch.actor_id.tolist() == [0, 1, 2]
             assert batch.version.tolist()[:2] == [5, 5] and batch.version.tolist()[2] in (4, 5)
         finally:
+            os.kill(procs[2].pid, signal.SIGCONT)  # a test that failed while it was stopped
             learner.close()
             assert join_all(procs[:3]) == [0, 0, 0]
             procs[3].join(1)

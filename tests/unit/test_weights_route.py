@@ -4,6 +4,7 @@ weights streams both follow it. No sockets: the publisher's control messages are
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -89,3 +90,34 @@ def test_the_fan_out_and_the_streams_follow_delivery(publisher, in_shared_memory
         else:  # told of it: it comes on the actor's weights stream
             assert got[sid] == [_wire.Version], got
         assert kept[sid] is (route is Route.STREAM), (sid, route)
+
+
+@pytest.mark.timeout(30)
+def test_an_actor_that_never_confirms_holds_back_no_later_version(publisher):
+    """A frozen actor (SIGSTOPped) never confirms a version: the fan-out of the next one starts
+    as soon as it is published, not ``weights_timeout`` (30 s) later, and the frozen actor is
+    sent the next one on a weights stream of its own (it fell behind shared memory)."""
+    members = {sid: Membership(subscribed=True, shared=True, key=KEY) for sid in (1, 2)}
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    publisher.publish({"w": np.zeros(256, np.float32)}, wait=False, timeout=None)
+    deadline = time.monotonic() + 5
+    while members[1].sent < 1 and time.monotonic() < deadline:  # the first version is mapped
+        time.sleep(0.01)
+    publisher.on_got(sessions[1], 1)  # actor 1 confirms; actor 2 is frozen
+    started = time.monotonic()
+    publisher.publish({"w": np.ones(256, np.float32)}, wait=False, timeout=None)
+    while members[1].sent < 2 and time.monotonic() - started < 10:
+        time.sleep(0.01)
+    assert members[1].sent == 2 and time.monotonic() - started < 2, publisher.snapshot_stats()
+    publisher.on_got(sessions[1], 2)
+    assert publisher.wait(2, timeout=0.5) is False  # actor 2 has not confirmed it: publish(wait=True) says so
+    assert publisher._fanned == 2
+    publisher.loop.run_until_complete(asyncio.sleep(0))  # run the sends queued for the loop
+    got = {sid: [type(m) for m in s.control.sent] for sid, s in sessions.items()}
+    if publisher.latest.shared is not None:  # on shared memory: 1 reads it there, 2 catches up by stream
+        assert got[1] == [_wire.Mapped, _wire.WeightsKey, _wire.Seal] * 2, got
+        assert got[2] == [_wire.Mapped, _wire.WeightsKey, _wire.Seal, _wire.Version], got
+    else:
+        assert got[1] == got[2] == [_wire.Version, _wire.Version], got
+    assert publisher.stats["fanout_failures"] == 0

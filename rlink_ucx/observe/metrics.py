@@ -59,7 +59,8 @@ def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
         "ready_steps": ring.ready_steps() if ring else 0,
         "version": server.version,
         "weights": {k: weights.get(k) or 0 for k in
-                    ("published", "fanouts", "fanout_failures", "streamed", "streamed_bytes", "last_fanout_seconds")},
+                    ("published", "fanouts", "fanout_failures", "streamed", "streamed_bytes", "from_peers",
+                     "last_fanout_seconds")},
         "staleness": cumulative(STALENESS_BOUNDS, dict(server.staleness.counts)),
     }  # fmt: skip
     if timings is not None:
@@ -99,6 +100,8 @@ _COUNTERS = (  # (name, help, key in sample()["total"] or sample())
      "weights.fanout_failures"),
     ("rlink_weights_streamed", "Versions sent on actors' weights streams.", "weights.streamed"),
     ("rlink_weights_streamed_bytes", "Bytes of weights sent on actors' weights streams.", "weights.streamed_bytes"),
+    ("rlink_weights_from_peers", "Versions actors read from a copy another actor of their host holds.",
+     "weights.from_peers"),
 )  # fmt: skip
 _GAUGES = (
     ("rlink_connected_actors", "Actors connected now.", "connected_actors"),

@@ -9,6 +9,7 @@ version counter is never read-modify-written by two threads at once. Others only
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -17,6 +18,12 @@ class Membership:
 
     subscribed: bool = False  # wants every published version
     shared: bool = False  # on the learner's host: reads versions from its shared memory
+    host: str = ""  # its host's name (Hello): actors of one host share one copy of a version
+    # Off the learner's host: it can read its host's other actors' copies (sealed memfds), and
+    # whether it is the one actor of its host that takes versions by weights stream.
+    peers: bool = False
+    streamer: bool = False
+    held: tuple[int, list[Any]] | None = None  # the newest version it holds in a memfd, and where
     # Its subscription's key (``wire.keys.subscription_key``), set with ``shared``; never printed.
     key: bytes | None = field(default=None, repr=False)
     sent: int = 0  # newest version announced or sent to it

@@ -40,6 +40,7 @@ from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
+from .hosts import elect, hosts_report, location_of, peers_of
 from .membership import Membership
 from .route import Route, delivery
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
@@ -111,7 +112,7 @@ class Publisher:
         self._openings: dict[int, _Opening] = {}  # session id -> the stream just proven, until served
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "shared": 0, "streams": 0,
-            "streamed": 0, "streamed_bytes": 0, "last_fanout_seconds": None, "last_error": None,
+            "streamed": 0, "streamed_bytes": 0, "from_peers": 0, "last_fanout_seconds": None, "last_error": None,
         }  # fmt: skip
 
     # --- training thread ----------------------------------------------------------------------
@@ -186,10 +187,45 @@ class Publisher:
         return wrapped, _wire.Seal(snap.version, list(snap.tags), mac)
 
     # --- loop thread --------------------------------------------------------------------------
-    def on_got(self, session: Member, version: int) -> None:
+    def on_got(self, session: Member, version: int, where: Any = None) -> None:
+        """``session``'s actor has ``version``, verified; ``where``: in a memfd of its own
+        (``Got.where``), from which its host's peers may read it (``hosts.py``)."""
         with self._cv:
-            session.weights.acked = max(session.weights.acked, version)
+            member = session.weights
+            member.acked = max(member.acked, version)
+            latest = self.latest
+            if member.peers and latest is not None and latest.version == version:
+                place = location_of(where, latest.manifest.total_bytes)
+                if place is not None:
+                    member.held = (version, place)
+                    self._serve_peers(session, latest, place)
             self._cv.notify_all()
+
+    def on_session_end(self, session: Member) -> None:
+        """A session ended: if it was its host's streamer, another actor of the host takes over."""
+        with self._cv:
+            if not session.weights.streamer:
+                return
+            session.weights.streamer = False
+            successor = elect(self.server.sessions.values(), session.weights.host)
+            latest = self.latest
+            if successor is None or latest is None:
+                return
+            held = successor.weights.held
+            if held is not None and held[0] == latest.version:
+                self._serve_peers(successor, latest, held[1])
+            else:  # it opens a weights stream for the newest version
+                self._send([successor], _wire.Version(latest.version))
+
+    def _serve_peers(self, holder: Member, snap: Snapshot, where: list[Any]) -> None:
+        """Tell ``holder``'s host's peers still without ``snap`` to read it from ``where`` (lock held)."""
+        for peer in peers_of(self.server.sessions.values(), holder, snap.version):
+            key = peer.weights.key
+            assert key is not None  # FROM_PEER: subscribed, so keyed
+            peer.weights.sent = snap.version
+            wrapped, seal = self._seal(key, snap)
+            self._send([peer], _wire.Mapped(snap.manifest, where), wrapped, seal)
+            self.stats["from_peers"] += 1
 
     def on_subscribe(self, session: Member, msg: _wire.Subscribe) -> None:
         if len(msg.nonce) != _auth.NONCE_BYTES:
@@ -198,13 +234,18 @@ class Publisher:
         # An actor that can open our memfds reads versions from them: on this host only (the
         # name says so; the actor falls back to its weights stream where the memfd still cannot
         # be opened).
-        shared = bool(msg.shared) and self._pool.shared and session.hello.host == hostname()
+        local = session.hello.host == hostname()
+        shared = bool(msg.shared) and self._pool.shared and local
         with self._cv:
             member = session.weights
             member.subscribed, member.shared, member.key = True, shared, key
+            # Off our host, actors that can read memfds share copies among their host's actors.
+            member.host, member.peers = session.hello.host, bool(msg.shared) and not local
             # The actor opens its weights stream for the current version right away (on shared
             # memory: until it acknowledges it, versions are not mapped for it).
             member.sent = self.server.version
+            if member.peers:
+                elect(self.server.sessions.values(), member.host)
             self._cv.notify_all()
 
     def verify_stream(self, msg: _wire.OpenStream, nonce: bytes) -> Member:
@@ -341,14 +382,19 @@ class Publisher:
         sessions = [s for s in list(self.server.sessions.values()) if s.state is SessionState.OPEN]
         with self._cv:
             subscribed = [s for s in sessions if s.weights.subscribed]
+            for host in {s.weights.host for s in subscribed if s.weights.peers}:
+                elect(sessions, host)  # a streamer whose end was not reported yet is replaced
+            routes = {s.id: delivery(s.weights, snap) for s in subscribed}
             # Those routed to our shared memory read the version there; those with a weights
-            # stream get it on the stream, from its own thread.
-            sharing = [s for s in subscribed if delivery(s.weights, snap) is Route.SHARED]
-            streaming = [s for s in subscribed if s.id in self._streams and s not in sharing]
+            # stream get it on the stream, from its own thread; those reading a peer's copy are
+            # told where once their host's streamer confirms it (``on_got``).
+            sharing = [s for s in subscribed if routes[s.id] is Route.SHARED]
+            from_peers = {s.id for s in subscribed if routes[s.id] is Route.FROM_PEER}
+            streaming = [s for s in subscribed if s.id in self._streams and s not in sharing and s.id not in from_peers]
             for s in sharing:
                 s.weights.sent = snap.version
             keys = {s.id: key for s in sharing if (key := s.weights.key) is not None}  # SHARED: always set
-        others = [s for s in sessions if s not in sharing and s not in streaming]
+        others = [s for s in sessions if s not in sharing and s not in streaming and s.id not in from_peers]
         if sharing:  # every bucket copied: they read while the tags are computed
             snap.wait_ready(len(snap.manifest.buckets()), timeout)
             self._map(sharing, snap, keys)
@@ -422,6 +468,7 @@ class Publisher:
             "version": self.server.version,
             "fanned_out": self._fanned,
             "model_bytes": self.latest.manifest.total_bytes if self.latest else 0,
+            "hosts": hosts_report(list(self.server.sessions.values())),
         }
 
     def close(self) -> None:

@@ -25,8 +25,13 @@ class Route(enum.Enum):
     # this version comes on a weights stream that ends after it, the next from shared memory.
     CATCH_UP = "catch-up"
     # Anywhere else, and for a version outside shared memory (a CUDA one): the actor's own
-    # weights stream carries this version and stays open for every later one.
+    # weights stream carries this version and stays open for every later one. Off the
+    # learner's host, where actors share copies, only the host's streamer (``hosts.py``).
     STREAM = "stream"
+    # Off the learner's host, caught up, and not its host's streamer: the actor reads the
+    # version from the memfd of an actor of its host that holds it, told where (``Mapped``)
+    # once that actor confirmed it.
+    FROM_PEER = "from-peer"
 
 
 class _Version(Protocol):
@@ -38,6 +43,10 @@ def delivery(member: Membership, version: _Version | None) -> Route:
     """How ``member``'s actor gets ``version`` (None: the first one, not published yet, which
     lands in shared memory where the learner keeps its snapshots there). Read it under the
     publisher's lock: ``member``'s fields are the publisher's to write."""
+    if member.peers:  # off the learner's host: shared copies, whatever the learner's memory
+        if member.streamer:
+            return Route.STREAM
+        return Route.CATCH_UP if member.key is None or member.acked < member.sent else Route.FROM_PEER
     if not member.shared or (version is not None and version.shared is None):
         return Route.STREAM
     if member.key is None or member.acked < member.sent:

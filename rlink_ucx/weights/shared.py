@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ProtocolError
 from ..transport.shm.memory import DATA_OFFSET, NONCE_BYTES, ShmRing, available, open_memfd
 
-__all__ = ["NAME", "SharedBuffer", "available", "read_into"]
+__all__ = ["NAME", "SharedBuffer", "available", "holder_gone", "read_into"]
 
 NAME = "rlink-weights"
 _READ_PIECE = 8 << 20  # bytes per read: bounds the time the caller cannot be interrupted
@@ -75,3 +75,10 @@ def read_into(where: Any, dst: np.ndarray, on_piece: Any = None) -> None:
                 on_piece(done)
     finally:
         os.close(own)
+
+
+def holder_gone(where: Any) -> bool:
+    """Whether the process that announced ``where`` has ended (its copy went with it), as
+    against one that is there but whose memory cannot be opened from here."""
+    pid = where[0] if isinstance(where, list) and where else None
+    return type(pid) is int and pid > 0 and not os.path.exists(f"/proc/{pid}")

@@ -34,7 +34,7 @@ from ..wire import messages as _wire
 from ..wire.frameworks import Adapter
 from .mac import VersionKey, check_tags
 from .shared import available as shared_available
-from .shared import read_into
+from .shared import holder_gone, read_into
 from .snapshot import BufferPool, Snapshot
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,9 @@ class Subscriber:
         self.config = config
         self.ready: Snapshot | None = None
         self._tensors: dict[str, dict[str, Any]] = {}  # views of ``ready`` by format, made on first use
-        self._pool = BufferPool()
+        # Versions are kept in sealed memfds where the host has them: off the learner's host,
+        # the learner may have this host's other actors read them from here (``hosts.py``).
+        self._pool = BufferPool(shared=config.weights_shared_memory)
         self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self._cv = threading.Condition()
         self._closed = False
@@ -96,6 +98,7 @@ class Subscriber:
                                       "rejected": 0, "last_error": None}  # fmt: skip
         conn.weights_listener = self.deliver
         self._nonce = _auth.new_nonce()  # makes this subscription's key fresh (wire/keys.py)
+        self._unreadable = 0  # shared reads that failed in a row: at two, stop asking for them
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
         shared = config.weights_shared_memory and shared_available()  # the learner decides if we share its host
@@ -217,7 +220,7 @@ class Subscriber:
                 self.ready, self._tensors = snap, {}
                 self.rejected = None
             self._cv.notify_all()
-        self.io.soon(self._send, _wire.Got(snap.version))
+        self.io.soon(self._send, _wire.Got(snap.version, snap.shared))
 
     def _check(self, manifest: Any) -> None:
         manifest.validate(max_bytes=self.config.max_weights_bytes, max_entries=self.config.max_weights_tensors)
@@ -291,7 +294,7 @@ class Subscriber:
         if wrapped.version != version:
             raise ProtocolError(f"weights key for version {wrapped.version}, expected {version}")
         key = VersionKey(_keys.wrap(stream.key, version, wrapped.wrapped))  # trusted once the Seal verifies
-        flat, _ = self._pool.get(manifest.total_bytes)
+        flat, where = self._pool.get(manifest.total_bytes)
         if self._tagger is None:
             self._tagger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlink-weights-tags")
         tags = []
@@ -300,6 +303,7 @@ class Subscriber:
             tags.append(self._tagger.submit(key.tag, flat, a, b, version, i))
         seal = self._read(sock, _wire.Seal)
         snap = Snapshot(manifest, flat, "cpu", key=key, tags=[t.result() for t in tags])
+        snap.shared = where
         self._open_seal(stream.key, manifest, wrapped, seal)
         try:
             check_tags(list(seal.tags), snap.tags, version)
@@ -338,7 +342,7 @@ class Subscriber:
         wrapped = self._next(_wire.WeightsKey, version)
         subscription_key = _keys.subscription_key(self.conn.weights_key(), self._nonce)
         key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))  # trusted once the Seal verifies
-        flat, _ = self._pool.get(manifest.total_bytes)
+        flat, here = self._pool.get(manifest.total_bytes)
         buckets = manifest.buckets()
         tags: list[bytes] = []
 
@@ -350,15 +354,21 @@ class Subscriber:
         try:
             read_into(msg.where, flat, tag_arrived)
         except OSError as exc:
+            self._unreadable += 1
+            if holder_gone(msg.where) and self._unreadable < 2:  # a peer's copy whose actor ended
+                raise RLinkError(f"the shared copy of version {version} is gone ({exc}); "
+                                 "taking it on a weights stream") from exc  # fmt: skip
             # Not readable from here after all (another PID namespace or user under the same host
             # name): stop asking for it; this version, and every later one, comes another way.
             self.conn.subscription = _wire.Subscribe(self._nonce, False)
             self.io.soon(self._send, self.conn.subscription)
-            raise RLinkError(f"the learner's shared weights cannot be read here ({exc}); "
+            raise RLinkError(f"shared weights cannot be read here ({exc}); "
                              "taking versions on a weights stream instead") from exc
+        self._unreadable = 0
         # The Seal comes once the learner computed its tags, meanwhile.
-        self._seal_and_expose("shared_reads", Snapshot(manifest, flat, "cpu", key=key, tags=tags), subscription_key,
-                              wrapped)  # fmt: skip
+        snap = Snapshot(manifest, flat, "cpu", key=key, tags=tags)
+        snap.shared = here
+        self._seal_and_expose("shared_reads", snap, subscription_key, wrapped)
 
     def _seal_and_expose(self, path: str, snap: Snapshot, subscription_key: bytes, wrapped: _wire.WeightsKey) -> None:
         """Wait for the version's Seal, check it and the tags we computed (``snap.tags``)

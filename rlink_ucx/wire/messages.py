@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 11
+PROTOCOL_VERSION = 12
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -200,9 +200,12 @@ class Publish(_Msg, frozen=True):
 
 
 class Got(_Msg, frozen=True):
-    """Actor -> learner: ``version`` arrived complete and verified."""
+    """Actor -> learner: ``version`` arrived complete and verified. ``where``: the actor holds
+    it in a sealed memfd of its own, [pid, fd, nonce, bytes] (None: in private memory), from
+    which the learner may have actors of the same host read it (``Mapped``)."""
 
     version: int
+    where: list[Any] | None = None
 
 
 class OpenStream(_Msg, frozen=True):
@@ -233,8 +236,9 @@ class Error(_Msg, frozen=True):
 
 # --- weights, keyed (wire/keys.py) -------------------------------------------------------------
 class Mapped(_Msg, frozen=True):
-    """Learner -> actor on its host: ``manifest``'s bytes lie in the learner's sealed memfd
-    ``where`` = [pid, fd, nonce, bytes]; read them from there. WeightsKey and Seal follow."""
+    """Learner -> actor: ``manifest``'s bytes lie in a sealed memfd on the actor's host,
+    ``where`` = [pid, fd, nonce, bytes]: the learner's (on its host), or another actor's there
+    that holds the version (``Got.where``); read them from there. WeightsKey and Seal follow."""
 
     manifest: Manifest
     where: list[Any]

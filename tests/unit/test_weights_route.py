@@ -34,6 +34,13 @@ CASES = [  # (member, version, route)
     (Membership(subscribed=True, shared=True, key=KEY, sent=5, acked=4), None, Route.CATCH_UP),
     (Membership(subscribed=True, shared=True, key=None), IN_SHARED_MEMORY, Route.CATCH_UP),
     (Membership(subscribed=True, shared=True, key=KEY, sent=5, acked=4), OUTSIDE, Route.STREAM),
+    # off the learner's host, sharing copies with the host's other actors (weights/hosts.py)
+    (Membership(subscribed=True, peers=True, streamer=True, key=KEY, sent=4, acked=4), IN_SHARED_MEMORY, Route.STREAM),
+    (Membership(subscribed=True, peers=True, streamer=True, key=KEY, sent=5, acked=4), OUTSIDE, Route.STREAM),
+    (Membership(subscribed=True, peers=True, key=KEY, sent=4, acked=4), IN_SHARED_MEMORY, Route.FROM_PEER),
+    (Membership(subscribed=True, peers=True, key=KEY, sent=4, acked=4), OUTSIDE, Route.FROM_PEER),
+    (Membership(subscribed=True, peers=True, key=KEY, sent=4, acked=4), None, Route.FROM_PEER),
+    (Membership(subscribed=True, peers=True, key=KEY, sent=5, acked=4), IN_SHARED_MEMORY, Route.CATCH_UP),
 ]
 
 
@@ -55,7 +62,15 @@ class Recorder:
 
 
 def session(sid: int, member: Membership) -> Any:
-    return SimpleNamespace(id=sid, state=SessionState.OPEN, weights=member, control=Recorder())
+    return SimpleNamespace(id=sid, actor_id=100 + sid, state=SessionState.OPEN, weights=member, control=Recorder())
+
+
+def sent_types(publisher, sessions) -> dict[int, list[type]]:
+    publisher.loop.run_until_complete(asyncio.sleep(0))  # run the sends queued for the loop
+    got = {sid: [type(m) for m in s.control.sent] for sid, s in sessions.items()}
+    for s in sessions.values():
+        s.control.sent.clear()
+    return got
 
 
 @pytest.mark.timeout(30)
@@ -121,3 +136,62 @@ def test_an_actor_that_never_confirms_holds_back_no_later_version(publisher):
     else:
         assert got[1] == got[2] == [_wire.Version, _wire.Version], got
     assert publisher.stats["fanout_failures"] == 0
+
+
+def peer(host: str, **kw: Any) -> Membership:
+    return Membership(subscribed=True, peers=True, host=host, key=KEY, sent=4, acked=4, **kw)
+
+
+@pytest.mark.timeout(30)
+def test_one_copy_per_host_the_streamers_copy_is_mapped_for_its_hosts_peers_and_a_successor_takes_over(publisher):
+    snap = snapshot({"w": np.arange(1000, dtype=np.float32)}, 5, 1 << 20, BufferPool())
+    publisher.latest = snap
+    members = {1: peer("h2", streamer=True), 2: peer("h2"), 3: peer("h2"), 4: peer("h3", streamer=True),
+               5: Membership(subscribed=True, shared=True, host="learner", key=KEY, sent=4, acked=4)}
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    where = [4242, 7, b"n" * 16, snap.manifest.total_bytes]
+
+    publisher.on_got(sessions[1], 5, [4242, 7, b"n" * 16, 12])  # a copy of another size: passed on to nobody
+    publisher.on_got(sessions[1], 5, "junk")
+    assert sent_types(publisher, sessions) == {sid: [] for sid in sessions}
+    assert members[1].acked == 5 and members[1].held is None
+
+    publisher.on_got(sessions[1], 5, where)  # the streamer of h2 holds it: h2's peers read it there
+    publisher.loop.run_until_complete(asyncio.sleep(0))
+    mapped = sessions[2].control.sent[0]
+    assert (mapped.where, mapped.manifest.version) == (where, 5)
+    assert sent_types(publisher, sessions) == {1: [], 2: [_wire.Mapped, _wire.WeightsKey, _wire.Seal],
+                                               3: [_wire.Mapped, _wire.WeightsKey, _wire.Seal], 4: [], 5: []}
+    assert (members[2].sent, members[3].sent, members[1].held) == (5, 5, (5, where))
+    assert publisher.stats["from_peers"] == 2
+    publisher.on_got(sessions[2], 5, where)  # a peer confirms: nobody is left waiting on h2
+    assert sent_types(publisher, sessions) == {sid: [] for sid in sessions}
+    assert publisher.snapshot_stats()["hosts"] == {"h2": {"actors": [101, 102, 103], "streamer": 101},
+                                                   "h3": {"actors": [104], "streamer": 104}}
+
+    # h2's streamer ends: the peer with the lowest id takes over; it holds version 5 already
+    sessions[1].state = SessionState.CLOSED
+    publisher.on_session_end(sessions[1])
+    assert (members[1].streamer, members[2].streamer, members[3].streamer) == (False, True, False)
+    assert sent_types(publisher, sessions) == {sid: [] for sid in sessions}
+    # h3's streamer ends with no peer left: nobody to elect
+    sessions[4].state = SessionState.CLOSED
+    publisher.on_session_end(sessions[4])
+    assert publisher.snapshot_stats()["hosts"] == {"h2": {"actors": [102, 103], "streamer": 102}}
+
+
+@pytest.mark.timeout(30)
+def test_a_successor_without_the_newest_version_is_told_to_stream_it_and_then_serves_its_peers(publisher):
+    snap = snapshot({"w": np.arange(1000, dtype=np.float32)}, 6, 1 << 20, BufferPool())
+    publisher.latest = snap
+    members = {1: peer("h2", streamer=True), 2: peer("h2"), 3: peer("h2")}
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    sessions[1].state = SessionState.CLOSED  # died before it confirmed version 6
+    publisher.on_session_end(sessions[1])
+    assert sent_types(publisher, sessions) == {1: [], 2: [_wire.Version], 3: []}
+    where = [4243, 9, b"m" * 16, snap.manifest.total_bytes]
+    publisher.on_got(sessions[2], 6, where)  # it streamed version 6: its peer reads its copy
+    assert sent_types(publisher, sessions) == {1: [], 2: [], 3: [_wire.Mapped, _wire.WeightsKey, _wire.Seal]}
+    assert members[3].sent == 6

@@ -400,6 +400,7 @@ class LearnerServer:
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None:
         if not self.table.remove(session):
             return
+        self.publisher.on_session_end(session)
         if self.ring is not None:
             self.ring.wake()
         self.grant_credits()

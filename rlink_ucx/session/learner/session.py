@@ -115,7 +115,7 @@ class LearnerSession:
             elif isinstance(msg, _wire.Returned):
                 self._on_returned(msg.steps)
             elif isinstance(msg, _wire.Got):
-                self.server.publisher.on_got(self, msg.version)
+                self.server.publisher.on_got(self, msg.version, msg.where)
             elif isinstance(msg, _wire.Subscribe):
                 self.server.publisher.on_subscribe(self, msg)
             elif isinstance(msg, _wire.Bye):

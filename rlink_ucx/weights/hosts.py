@@ -1,0 +1,76 @@
+"""One copy per host: the actors of a host other than the learner's share each version.
+
+Of the actors of one host (the same host name in their Hello) that can read sealed memfds
+(``Subscribe.shared``), one, the host's *streamer*, takes each version on its weights stream;
+it holds the version in a sealed memfd of its own and says where in its ``Got``. The learner
+then tells the host's other actors (``Mapped``, ``route.Route.FROM_PEER``) to read it from
+there, with the version's key and Seal as for its own host: the bytes are trusted only once the
+learner's tags match, so a streamer that alters a byte makes its peers refuse that copy and take
+the version on a stream. The learner so sends each version once per host, not once per actor.
+
+When the streamer's session ends, the open peer with the lowest session id takes its place
+(:func:`elect`): it opens a weights stream for the newest version, or, holding it already,
+serves it to the peers that wait for it. Everything here runs under the publisher's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ..transport.session_state import SessionState
+from .route import Route, delivery
+
+__all__ = ["elect", "hosts_report", "location_of", "peers_of"]
+
+
+def _sharing(sessions: Iterable[Any], host: str) -> list[Any]:
+    """The open, subscribed sessions of ``host`` that share copies, by session id."""
+    return sorted((s for s in sessions if s.state is SessionState.OPEN and s.weights.subscribed
+                   and s.weights.peers and s.weights.host == host), key=lambda s: s.id)  # fmt: skip
+
+
+def elect(sessions: Iterable[Any], host: str) -> Any | None:
+    """Make sure ``host`` has one streamer among its sharing sessions: the current one while
+    its session is open, else the one with the lowest id. Returns a newly elected streamer
+    (None: unchanged, or the host has no sharing session left)."""
+    members = _sharing(sessions, host)
+    current = [s for s in members if s.weights.streamer]
+    if current:
+        for extra in current[1:]:  # never two (a stale flag after a race): keep the first
+            extra.weights.streamer = False
+        return None
+    if not members:
+        return None
+    members[0].weights.streamer = True
+    return members[0]
+
+
+def peers_of(sessions: Iterable[Any], holder: Any, version: int) -> list[Any]:
+    """The sessions of ``holder``'s host that read copies from their peers and have not been
+    sent ``version`` yet (``holder`` just confirmed it)."""
+    return [s for s in _sharing(sessions, holder.weights.host)
+            if s is not holder and s.weights.sent < version and delivery(s.weights, None) is Route.FROM_PEER]  # fmt: skip
+
+
+def location_of(where: Any, nbytes: int) -> list[Any] | None:
+    """An actor's ``Got.where`` if it has the shape of a memfd location of ``nbytes`` bytes
+    ([pid, fd, nonce, bytes]); None otherwise. The reading actor checks it in full
+    (``shared.read_into``); this only keeps junk from being passed on."""
+    if not isinstance(where, list) or len(where) != 4:
+        return None
+    pid, fd, nonce, size = where
+    if type(pid) is not int or type(fd) is not int or type(nonce) is not bytes or size != nbytes or len(nonce) > 64:
+        return None
+    return where
+
+
+def hosts_report(sessions: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """Per host off the learner's that shares copies: its actors and its streamer (actor ids)."""
+    out: dict[str, dict[str, Any]] = {}
+    for s in sorted((s for s in sessions if s.state is SessionState.OPEN and s.weights.peers), key=lambda s: s.id):
+        row = out.setdefault(s.weights.host, {"actors": [], "streamer": None})
+        row["actors"].append(s.actor_id)
+        if s.weights.streamer:
+            row["streamer"] = s.actor_id
+    return out

@@ -45,14 +45,15 @@ fails when this file is stale. -->
 def _parsers() -> Iterator[tuple[str, str, argparse.ArgumentParser]]:
     """(title, one-line summary, parser) for ``rlink`` and each subcommand, in ``--help``'s order;
     ``bench`` and ``demo`` parse their own options, so their own parsers stand in for them."""
-    from rlink_ucx.bench import formats, replay, scale, suite
+    from rlink_ucx.bench import fanout_hosts, formats, replay, scale, suite
     from rlink_ucx.cli import build_parser
     from rlink_ucx.demo import run
 
     own: dict[str, list[tuple[str, Callable[[], argparse.ArgumentParser]]]] = {
         "bench": [("rlink bench", suite.build_parser), ("rlink bench --suite scale", scale.build_parser),
                   ("rlink bench --suite replay", replay.build_parser),
-                  ("rlink bench --suite formats", formats.build_parser)],
+                  ("rlink bench --suite formats", formats.build_parser),
+                  ("rlink bench --suite fanout", fanout_hosts.build_parser)],
         "demo": [("rlink demo", run.build_parser)],
     }  # fmt: skip
     top = build_parser()

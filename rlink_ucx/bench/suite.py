@@ -44,7 +44,7 @@ from .report import loadavg, machine, plot, print_table, print_targets, targets
 from .systems import FANOUT, SETTINGS, SYSTEMS, plan, run_fanout, run_one
 from .workloads import WORKLOADS
 
-SUITES = ["default", "scale", "replay", "formats"]  # scale: bench/scale.py; replay: replay.py; formats: formats.py
+SUITES = ["default", "scale", "replay", "formats", "fanout"]  # scale.py, replay.py, formats.py, fanout_hosts.py
 
 
 def _names(value: str, known: list[str], what: str) -> list[str]:
@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--suite", choices=SUITES, default="default",
                         help="default: this suite; scale: many actors into one learner (rlink bench --suite scale --help); "
                         "replay: the replay table (rlink bench --suite replay --help); formats: batches as torch, "
-                        "numpy, JAX, TensorFlow (rlink bench --suite formats --help)")  # fmt: skip
+                        "numpy, JAX, TensorFlow (rlink bench --suite formats --help); fanout: weights to actors on "
+                        "many hosts, shaped links (rlink bench --suite fanout --help)")  # fmt: skip
     parser.add_argument("--quick", action="store_true", help="a few rows per system, 1 short rep (< 60 s)")
     parser.add_argument("--systems", default=",".join([*SYSTEMS, FANOUT]), help="comma list (default: all)")
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list (default: all)")
@@ -108,6 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         from .formats import main as formats_main
 
         return formats_main(rest)
+    if chosen.suite == "fanout":
+        from .fanout_hosts import main as fanout_hosts_main
+
+        return fanout_hosts_main(rest)
     parser = build_parser()
     args = parser.parse_args(argv)
     args.systems = _names(args.systems, [*SYSTEMS, FANOUT], "system")

@@ -10,7 +10,9 @@ the version on a stream. The learner so sends each version once per host, not on
 
 When the streamer's session ends, the open peer with the lowest session id takes its place
 (:func:`elect`): it opens a weights stream for the newest version, or, holding it already,
-serves it to the peers that wait for it. Everything here runs under the publisher's lock.
+serves it to the peers that wait for it. So it does when a peer refused the streamer's copy of
+:data:`STRIKES` versions in a row (:func:`note_refusal`). Everything here runs under the
+publisher's lock.
 """
 
 from __future__ import annotations
@@ -21,13 +23,47 @@ from typing import Any
 from ..transport.session_state import SessionState
 from .route import Route, delivery
 
-__all__ = ["elect", "hosts_report", "location_of", "peers_of"]
+__all__ = ["STRIKES", "elect", "hosts_report", "location_of", "note_refusal", "note_served", "peers_of"]
+
+
+STRIKES = 2  # versions in a row whose copy a peer refused, before its holder serves no more
 
 
 def _sharing(sessions: Iterable[Any], host: str) -> list[Any]:
     """The open, subscribed sessions of ``host`` that share copies, by session id."""
-    return sorted((s for s in sessions if s.state is SessionState.OPEN and s.weights.subscribed
-                   and s.weights.peers and s.weights.host == host), key=lambda s: s.id)  # fmt: skip
+    return sorted((s for s in sessions if s.state is SessionState.OPEN and s.weights.subscribed and s.weights.peers
+                   and not s.weights.suspect and s.weights.host == host), key=lambda s: s.id)  # fmt: skip
+
+
+def note_refusal(sessions: dict[int, Any], reader: Any, have: int) -> Any | None:
+    """``reader`` opened a weights stream asking for versions above ``have``: if it was told to
+    read a newer version from a peer's copy, that copy failed it (refused, or gone). Its
+    holder's strike for that version is noted; at :data:`STRIKES` versions in a row the holder
+    serves no more copies (an actor that alters what it holds costs its peers a detour for at
+    most that many versions) and its host gets another streamer, returned (None: unchanged)."""
+    member = reader.weights
+    holder = sessions.get(member.mapped_from) if member.mapped_from is not None else None
+    version = member.sent
+    member.mapped_from = None
+    if holder is None or have >= version or holder.state is not SessionState.OPEN:
+        return None
+    strikes = holder.weights.strikes
+    if version not in strikes:
+        holder.weights.strikes = strikes = (*strikes, version)[-STRIKES:]
+    if len(strikes) < STRIKES:
+        return None
+    holder.weights.suspect, holder.weights.streamer = True, False
+    return elect(sessions.values(), holder.weights.host)
+
+
+def note_served(sessions: dict[int, Any], reader: Any, version: int) -> None:
+    """``reader`` confirmed ``version`` it was told to read from a peer's copy: that holder's
+    strikes start over."""
+    member = reader.weights
+    holder = sessions.get(member.mapped_from) if member.mapped_from is not None else None
+    if holder is not None and version >= member.sent:
+        holder.weights.strikes = ()
+        member.mapped_from = None
 
 
 def elect(sessions: Iterable[Any], host: str) -> Any | None:
@@ -69,8 +105,10 @@ def hosts_report(sessions: Iterable[Any]) -> dict[str, dict[str, Any]]:
     """Per host off the learner's that shares copies: its actors and its streamer (actor ids)."""
     out: dict[str, dict[str, Any]] = {}
     for s in sorted((s for s in sessions if s.state is SessionState.OPEN and s.weights.peers), key=lambda s: s.id):
-        row = out.setdefault(s.weights.host, {"actors": [], "streamer": None})
+        row = out.setdefault(s.weights.host, {"actors": [], "streamer": None, "refused": []})
         row["actors"].append(s.actor_id)
         if s.weights.streamer:
             row["streamer"] = s.actor_id
+        if s.weights.suspect:  # its copies were refused: it takes versions by stream, serves none
+            row["refused"].append(s.actor_id)
     return out

@@ -24,6 +24,11 @@ class Membership:
     peers: bool = False
     streamer: bool = False
     held: tuple[int, list[Any]] | None = None  # the newest version it holds in a memfd, and where
+    mapped_from: int | None = None  # the session whose copy it was last told to read
+    # Versions of its copy that a peer refused, in a row (``hosts.note_refusal``); at
+    # ``hosts.STRIKES`` it no longer serves copies (``suspect``) and takes versions by stream.
+    strikes: tuple[int, ...] = ()
+    suspect: bool = False
     # Its subscription's key (``wire.keys.subscription_key``), set with ``shared``; never printed.
     key: bytes | None = field(default=None, repr=False)
     sent: int = 0  # newest version announced or sent to it

@@ -40,7 +40,7 @@ from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
-from .hosts import elect, hosts_report, location_of, peers_of
+from .hosts import elect, hosts_report, location_of, note_refusal, note_served, peers_of
 from .membership import Membership
 from .route import Route, delivery
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
@@ -193,6 +193,7 @@ class Publisher:
         with self._cv:
             member = session.weights
             member.acked = max(member.acked, version)
+            note_served(self.server.sessions, session, version)
             latest = self.latest
             if member.peers and latest is not None and latest.version == version:
                 place = location_of(where, latest.manifest.total_bytes)
@@ -207,22 +208,26 @@ class Publisher:
             if not session.weights.streamer:
                 return
             session.weights.streamer = False
-            successor = elect(self.server.sessions.values(), session.weights.host)
-            latest = self.latest
-            if successor is None or latest is None:
-                return
-            held = successor.weights.held
-            if held is not None and held[0] == latest.version:
-                self._serve_peers(successor, latest, held[1])
-            else:  # it opens a weights stream for the newest version
-                self._send([successor], _wire.Version(latest.version))
+            self._take_over(elect(self.server.sessions.values(), session.weights.host))
+
+    def _take_over(self, successor: Member | None) -> None:
+        """A host's new streamer serves the newest version to its peers if it holds it, else
+        opens a weights stream for it (lock held)."""
+        latest = self.latest
+        if successor is None or latest is None:
+            return
+        held = successor.weights.held
+        if held is not None and held[0] == latest.version:
+            self._serve_peers(successor, latest, held[1])
+        else:
+            self._send([successor], _wire.Version(latest.version))
 
     def _serve_peers(self, holder: Member, snap: Snapshot, where: list[Any]) -> None:
         """Tell ``holder``'s host's peers still without ``snap`` to read it from ``where`` (lock held)."""
         for peer in peers_of(self.server.sessions.values(), holder, snap.version):
             key = peer.weights.key
             assert key is not None  # FROM_PEER: subscribed, so keyed
-            peer.weights.sent = snap.version
+            peer.weights.sent, peer.weights.mapped_from = snap.version, holder.id
             wrapped, seal = self._seal(key, snap)
             self._send([peer], _wire.Mapped(snap.manifest, where), wrapped, seal)
             self.stats["from_peers"] += 1
@@ -280,6 +285,7 @@ class Publisher:
             if self._closed:
                 sock.close()
                 return
+            self._take_over(note_refusal(self.server.sessions, session, have))  # a peer's copy failed it?
             old = self._streams.get(session.id)
             self._streams[session.id] = stream
             self.stats["streams"] = len(self._streams)

@@ -43,7 +43,7 @@ def delivery(member: Membership, version: _Version | None) -> Route:
     """How ``member``'s actor gets ``version`` (None: the first one, not published yet, which
     lands in shared memory where the learner keeps its snapshots there). Read it under the
     publisher's lock: ``member``'s fields are the publisher's to write."""
-    if member.peers:  # off the learner's host: shared copies, whatever the learner's memory
+    if member.peers and not member.suspect:  # off the learner's host: shared copies, whatever the learner's memory
         if member.streamer:
             return Route.STREAM
         return Route.CATCH_UP if member.key is None or member.acked < member.sent else Route.FROM_PEER

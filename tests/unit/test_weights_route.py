@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from rlink_ucx.transport.session_state import SessionState
+from rlink_ucx.weights.hosts import note_refusal, note_served, peers_of
 from rlink_ucx.weights.membership import Membership
 from rlink_ucx.weights.publisher import _Stream
 from rlink_ucx.weights.route import Route, delivery
@@ -167,8 +168,8 @@ def test_one_copy_per_host_the_streamers_copy_is_mapped_for_its_hosts_peers_and_
     assert publisher.stats["from_peers"] == 2
     publisher.on_got(sessions[2], 5, where)  # a peer confirms: nobody is left waiting on h2
     assert sent_types(publisher, sessions) == {sid: [] for sid in sessions}
-    assert publisher.snapshot_stats()["hosts"] == {"h2": {"actors": [101, 102, 103], "streamer": 101},
-                                                   "h3": {"actors": [104], "streamer": 104}}
+    assert publisher.snapshot_stats()["hosts"] == {"h2": {"actors": [101, 102, 103], "streamer": 101, "refused": []},
+                                                   "h3": {"actors": [104], "streamer": 104, "refused": []}}
 
     # h2's streamer ends: the peer with the lowest id takes over; it holds version 5 already
     sessions[1].state = SessionState.CLOSED
@@ -178,7 +179,7 @@ def test_one_copy_per_host_the_streamers_copy_is_mapped_for_its_hosts_peers_and_
     # h3's streamer ends with no peer left: nobody to elect
     sessions[4].state = SessionState.CLOSED
     publisher.on_session_end(sessions[4])
-    assert publisher.snapshot_stats()["hosts"] == {"h2": {"actors": [102, 103], "streamer": 102}}
+    assert publisher.snapshot_stats()["hosts"] == {"h2": {"actors": [102, 103], "streamer": 102, "refused": []}}
 
 
 @pytest.mark.timeout(30)
@@ -195,3 +196,33 @@ def test_a_successor_without_the_newest_version_is_told_to_stream_it_and_then_se
     publisher.on_got(sessions[2], 6, where)  # it streamed version 6: its peer reads its copy
     assert sent_types(publisher, sessions) == {1: [], 2: [], 3: [_wire.Mapped, _wire.WeightsKey, _wire.Seal]}
     assert members[3].sent == 6
+
+
+def test_a_holder_whose_copy_peers_refuse_two_versions_in_a_row_serves_no_more():
+    sessions = {sid: session(sid, peer("h2", streamer=sid == 1)) for sid in (1, 2, 3)}
+    holder, reader, other = sessions[1], sessions[2], sessions[3]
+    for version in (5, 6):  # told to read holder's copy of each, then asked for it by stream
+        reader.weights.sent, reader.weights.mapped_from = version, 1
+        other.weights.sent, other.weights.mapped_from = version, 1
+        assert note_refusal(sessions, reader, version - 1) is (reader if version == 6 else None)
+        assert note_refusal(sessions, other, version - 1) is None  # the same version: one strike
+    # the lowest-numbered other actor of the host streams for it now
+    assert holder.weights.suspect and not holder.weights.streamer and reader.weights.streamer
+    assert delivery(holder.weights, None) is Route.STREAM  # it takes versions by stream, serves none
+    other.weights.acked = 6  # caught up (by stream): it reads the new streamer's copies
+    assert [s.id for s in peers_of(sessions.values(), reader, 7)] == [3]
+
+
+def test_strikes_start_over_when_a_peer_confirms_a_copy_and_a_caught_up_stream_is_no_strike():
+    sessions = {sid: session(sid, peer("h2", streamer=sid == 1)) for sid in (1, 2)}
+    holder, reader = sessions[1], sessions[2]
+    reader.weights.sent, reader.weights.mapped_from = 5, 1
+    assert note_refusal(sessions, reader, 4) is None and holder.weights.strikes == (5,)
+    reader.weights.sent, reader.weights.mapped_from = 6, 1
+    note_served(sessions, reader, 6)  # version 6 from its copy verified: the strike is forgiven
+    assert holder.weights.strikes == () and reader.weights.mapped_from is None
+    reader.weights.sent, reader.weights.mapped_from = 7, 1
+    assert note_refusal(sessions, reader, 7) is None and holder.weights.strikes == ()  # it has 7: no refusal
+    reader.weights.sent, reader.weights.mapped_from = 8, 1
+    holder.state = SessionState.CLOSED  # the holder ended: its peers' detour is no strike
+    assert note_refusal(sessions, reader, 7) is None and holder.weights.strikes == ()

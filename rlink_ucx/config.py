@@ -112,7 +112,9 @@ class Config:
     # --- weights ---------------------------------------------------------------------------
     weights_bucket_bytes: int = 32 * MiB  # one tagged bucket: an actor checks each as it arrives
     # Actors on the learner's host read each version straight from the learner's shared memory
-    # (one copy, no sockets) instead of over a weights stream; docs/weights.md.
+    # (one copy, no sockets) instead of over a weights stream; on another host, the actors of the
+    # host share one copy that one of them streams (an actor's setting says whether it takes part);
+    # docs/weights.md.
     weights_shared_memory: bool = True
 
     # --- transport ------------------------------------------------------------------------

@@ -101,12 +101,15 @@ def location_of(where: Any, nbytes: int) -> list[Any] | None:
     return where
 
 
-def hosts_report(sessions: Iterable[Any]) -> dict[str, dict[str, Any]]:
-    """Per host off the learner's that shares copies: its actors and its streamer (actor ids)."""
+def hosts_report(sessions: Iterable[Any], newest: int) -> dict[str, dict[str, Any]]:
+    """Per host off the learner's that shares copies: its actors, its streamer and the holders
+    refused (actor ids), and its lag: how many versions its furthest-behind actor is behind
+    ``newest``."""
     out: dict[str, dict[str, Any]] = {}
     for s in sorted((s for s in sessions if s.state is SessionState.OPEN and s.weights.peers), key=lambda s: s.id):
-        row = out.setdefault(s.weights.host, {"actors": [], "streamer": None, "refused": []})
+        row = out.setdefault(s.weights.host, {"actors": [], "streamer": None, "refused": [], "lag": 0})
         row["actors"].append(s.actor_id)
+        row["lag"] = max(row["lag"], newest - s.weights.acked)
         if s.weights.streamer:
             row["streamer"] = s.actor_id
         if s.weights.suspect:  # its copies were refused: it takes versions by stream, serves none

@@ -112,7 +112,8 @@ class Publisher:
         self._openings: dict[int, _Opening] = {}  # session id -> the stream just proven, until served
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "shared": 0, "streams": 0,
-            "streamed": 0, "streamed_bytes": 0, "from_peers": 0, "last_fanout_seconds": None, "last_error": None,
+            "streamed": 0, "streamed_bytes": 0, "bytes_per_version": {}, "from_peers": 0, "last_fanout_seconds": None,
+            "last_error": None,
         }  # fmt: skip
 
     # --- training thread ----------------------------------------------------------------------
@@ -359,6 +360,10 @@ class Publisher:
             member.sent = max(member.sent, source.version)
             self.stats["streamed"] += 1
             self.stats["streamed_bytes"] += source.manifest.total_bytes
+            sent = self.stats["bytes_per_version"]  # the learner's own sends, newest versions only
+            sent[source.version] = sent.get(source.version, 0) + source.manifest.total_bytes
+            for old in [v for v in sent if v <= source.version - 4]:
+                del sent[old]
 
     # --- fan-out thread -----------------------------------------------------------------------
     def _run(self) -> None:
@@ -474,7 +479,8 @@ class Publisher:
             "version": self.server.version,
             "fanned_out": self._fanned,
             "model_bytes": self.latest.manifest.total_bytes if self.latest else 0,
-            "hosts": hosts_report(list(self.server.sessions.values())),
+            "bytes_per_version": dict(self.stats["bytes_per_version"]),
+            "hosts": hosts_report(list(self.server.sessions.values()), self.server.version),
         }
 
     def close(self) -> None:

@@ -114,6 +114,9 @@ def test_each_host_takes_one_copy_and_another_actor_takes_over_from_a_killed_str
             model_bytes = MODEL * 4
             # one copy per host, not one per actor (6)
             assert bytes_per_version == [2 * model_bytes] * 3, bytes_per_version
+            per_version = learner.stats()["weights"]["bytes_per_version"]
+            assert {v: per_version[v] for v in (2, 3, 4)} == {v: 2 * model_bytes for v in (2, 3, 4)}, per_version
+            assert all(row["lag"] == 0 for row in learner.stats()["weights"]["hosts"].values())
             assert learner.stats()["weights"]["from_peers"] >= 3 * 2 * (PER_HOST - 1)
 
             # The streamer of host a dies: another actor of a takes over; nobody misses a version.

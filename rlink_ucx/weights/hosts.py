@@ -17,13 +17,15 @@ publisher's lock.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from ..transport.session_state import SessionState
+from ..wire import messages as _wire
 from .route import Route, delivery
 
-__all__ = ["STRIKES", "elect", "hosts_report", "location_of", "note_refusal", "note_served", "peers_of"]
+__all__ = ["STRIKES", "elect", "hosts_report", "location_of", "note_refusal", "note_served", "peers_of", "serve_peers",
+           "take_over"]
 
 
 STRIKES = 2  # versions in a row whose copy a peer refused, before its holder serves no more
@@ -87,6 +89,28 @@ def peers_of(sessions: Iterable[Any], holder: Any, version: int) -> list[Any]:
     sent ``version`` yet (``holder`` just confirmed it)."""
     return [s for s in _sharing(sessions, holder.weights.host)
             if s is not holder and s.weights.sent < version and delivery(s.weights, None) is Route.FROM_PEER]  # fmt: skip
+
+
+def serve_peers(sessions: dict[int, Any], holder: Any, snap: Any, where: list[Any],
+                tell: Callable[[Any, Any, list[Any]], None]) -> None:  # fmt: skip
+    """Tell ``holder``'s host's peers still without ``snap`` to read it from ``where``
+    (``tell(peer, snap, where)`` sends Mapped, the key and the Seal)."""
+    for peer in peers_of(sessions.values(), holder, snap.version):
+        peer.weights.sent, peer.weights.mapped_from = snap.version, holder.id
+        tell(peer, snap, where)
+
+
+def take_over(sessions: dict[int, Any], successor: Any | None, latest: Any | None,
+              tell: Callable[[Any, Any, list[Any]], None], send: Callable[..., None]) -> None:  # fmt: skip
+    """A host's new streamer serves the newest version ``latest`` to its peers if it holds
+    it, else is told of it (``send([successor], Version)``) and opens a weights stream for it."""
+    if successor is None or latest is None:
+        return
+    held = successor.weights.held
+    if held is not None and held[0] == latest.version:
+        serve_peers(sessions, successor, latest, held[1], tell)
+    else:
+        send([successor], _wire.Version(latest.version))
 
 
 def location_of(where: Any, nbytes: int) -> list[Any] | None:

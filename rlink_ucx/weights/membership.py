@@ -1,4 +1,5 @@
-"""One actor session's place in the weights fan-out.
+"""One actor session's place in the weights fan-out, and the learner's side as the publisher
+sees it (``Member``, ``Owner``).
 
 The publisher owns it: it writes every field under its condition lock (the I/O loop on a
 Subscribe or a Got, the fan-out thread, and each weights stream's thread all do), so a
@@ -8,8 +9,14 @@ version counter is never read-modify-written by two threads at once. Others only
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
+
+from ..config import Config
+from ..transport.control import ControlConnection
+from ..transport.session_state import SessionState
+from ..wire import messages as _wire
 
 
 @dataclass
@@ -33,3 +40,29 @@ class Membership:
     key: bytes | None = field(default=None, repr=False)
     sent: int = 0  # newest version announced or sent to it
     acked: int = 0  # newest version it confirmed complete and verified
+
+
+class Member(Protocol):
+    """One actor's session as the publisher sees it (a ``session.Member``)."""
+
+    id: int
+    state: SessionState
+    hello: _wire.Hello
+    ticket: bytes  # the session's ticket (sent in clear in the Welcome)
+    key: bytes  # the session's key, from the token and the ticket (``wire.keys.session_key``)
+    control: ControlConnection
+    weights: Membership  # written by the publisher only, under its lock
+
+
+class Owner(Protocol):
+    """The learner side the publisher serves (a ``session.LearnerServer``)."""
+
+    config: Config
+    loop: asyncio.AbstractEventLoop
+    host: str
+    token: bytes | None  # the shared token: every weights key derives from it
+    version: int  # the newest published version: the publisher advances it
+
+    @property
+    def sessions(self) -> dict[int, Any]:  # session id -> Member
+        ...

@@ -21,55 +21,26 @@ version's secret, which reaches each actor wrapped under its own key. Every step
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
-from ..config import Config
 from ..errors import AuthError, Closed, ProtocolError, RLinkError
 from ..transport import hostname
-from ..transport.control import ControlConnection
 from ..transport.session_state import SessionState
 from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
-from .hosts import elect, hosts_report, location_of, note_refusal, note_served, peers_of
-from .membership import Membership
+from .hosts import elect, hosts_report, location_of, note_refusal, note_served, serve_peers, take_over
+from .membership import Member, Owner
 from .route import Route, delivery
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
-
-
-class Member(Protocol):
-    """One actor's session as the publisher sees it (a ``session.Member``)."""
-
-    id: int
-    state: SessionState
-    hello: _wire.Hello
-    ticket: bytes  # the session's ticket (sent in clear in the Welcome)
-    key: bytes  # the session's key, from the token and the ticket (``wire.keys.session_key``)
-    control: ControlConnection
-    weights: Membership  # written by the publisher only, under its lock
-
-
-class Owner(Protocol):
-    """The learner side the publisher serves (a ``session.LearnerServer``)."""
-
-    config: Config
-    loop: asyncio.AbstractEventLoop
-    host: str
-    token: bytes | None  # the shared token: every weights key derives from it
-    version: int  # the newest published version: the publisher advances it
-
-    @property
-    def sessions(self) -> dict[int, Any]:  # session id -> Member
-        ...
 
 
 @dataclass
@@ -212,26 +183,18 @@ class Publisher:
             self._take_over(elect(self.server.sessions.values(), session.weights.host))
 
     def _take_over(self, successor: Member | None) -> None:
-        """A host's new streamer serves the newest version to its peers if it holds it, else
-        opens a weights stream for it (lock held)."""
-        latest = self.latest
-        if successor is None or latest is None:
-            return
-        held = successor.weights.held
-        if held is not None and held[0] == latest.version:
-            self._serve_peers(successor, latest, held[1])
-        else:
-            self._send([successor], _wire.Version(latest.version))
+        take_over(self.server.sessions, successor, self.latest, self._tell_peer, self._send)
 
     def _serve_peers(self, holder: Member, snap: Snapshot, where: list[Any]) -> None:
-        """Tell ``holder``'s host's peers still without ``snap`` to read it from ``where`` (lock held)."""
-        for peer in peers_of(self.server.sessions.values(), holder, snap.version):
-            key = peer.weights.key
-            assert key is not None  # FROM_PEER: subscribed, so keyed
-            peer.weights.sent, peer.weights.mapped_from = snap.version, holder.id
-            wrapped, seal = self._seal(key, snap)
-            self._send([peer], _wire.Mapped(snap.manifest, where), wrapped, seal)
-            self.stats["from_peers"] += 1
+        serve_peers(self.server.sessions, holder, snap, where, self._tell_peer)
+
+    def _tell_peer(self, peer: Member, snap: Snapshot, where: list[Any]) -> None:
+        """Where ``peer`` reads ``snap``, and its key and Seal under its own key (lock held)."""
+        key = peer.weights.key
+        assert key is not None  # FROM_PEER: subscribed, so keyed
+        wrapped, seal = self._seal(key, snap)
+        self._send([peer], _wire.Mapped(snap.manifest, where), wrapped, seal)
+        self.stats["from_peers"] += 1
 
     def on_subscribe(self, session: Member, msg: _wire.Subscribe) -> None:
         if len(msg.nonce) != _auth.NONCE_BYTES:

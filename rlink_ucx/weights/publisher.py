@@ -63,6 +63,8 @@ class _Stream:
 
 log = logging.getLogger(__name__)
 
+NEWER_GRACE = 1.0  # seconds the fan-out still waits for confirmations once a newer version is published
+
 
 class Publisher:
     def __init__(self, server: Owner):
@@ -384,20 +386,27 @@ class Publisher:
 
     def _await_confirmations(self, snap: Snapshot, members: list[Member]) -> None:
         """Wait (bounded) until ``members`` verified ``snap``: an actor on shared memory that does
-        not confirm it catches up by stream with the next version. A newer version ends the wait
-        at once: one frozen actor must not hold every other actor's next version back for
-        ``weights_timeout`` (a SIGSTOPped on-policy actor did, for 30 s per version)."""
+        not confirm it catches up by stream with the next version. The wait paces the fan-out to
+        its actors (a learner publishing faster than they read skips versions). Once a newer
+        version is published it lasts at most :data:`NEWER_GRACE` more: one frozen actor must not
+        hold every other actor's next version back for ``weights_timeout`` (a SIGSTOPped
+        on-policy actor did, for 30 s per version)."""
         deadline = time.monotonic() + self.config.weights_timeout
         with self._cv:
             while any(s.state is SessionState.OPEN and s.weights.acked < snap.version for s in members):
-                if self._closed or (self.pending is not None and self.pending.version > snap.version):
+                if self._closed:
                     return
-                left = deadline - time.monotonic()
-                if left <= 0:
+                now = time.monotonic()
+                if self.pending is not None and self.pending.version > snap.version:
+                    if deadline > now + NEWER_GRACE:
+                        deadline = now + NEWER_GRACE
+                    elif deadline <= now:
+                        return  # the next version goes out; the laggards catch up by stream
+                elif deadline <= now:
                     self.stats["fanout_failures"] += 1
                     self.stats["last_error"] = f"version {snap.version}: not every actor confirmed it in time"
                     return
-                self._cv.wait(min(left, 0.25))
+                self._cv.wait(min(deadline - now, 0.25))
 
     def _weights_key(self, key: bytes, snap: Snapshot) -> _wire.WeightsKey:
         """The version's secret wrapped for the holder of ``key``."""

@@ -29,7 +29,14 @@ def available() -> str | None:
     if os.geteuid() != 0:
         return "needs root (network namespaces)"
     missing = [tool for tool in ("ip", "tc", "unshare") if shutil.which(tool) is None]
-    return f"needs {', '.join(missing)}" if missing else None
+    if missing:
+        return f"needs {', '.join(missing)}"
+    probe = f"rlprobe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True, timeout=30, check=False)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True, timeout=30, check=False)
+    if made.returncode != 0:
+        return f"cannot make a network namespace here: {made.stderr.strip()[:200]}"
+    return None
 
 
 class Hosts:

@@ -16,7 +16,8 @@ import pytest
 from rlink_ucx.bench.fanout_hosts import run
 from rlink_ucx.bench.netns import available
 
-pytestmark = pytest.mark.skipif(available() is not None, reason=f"{available()}")
+WHY_NOT = available()
+pytestmark = pytest.mark.skipif(WHY_NOT is not None, reason=f"{WHY_NOT}")
 
 
 def check_delivered(mode: dict, actors: int, versions: int) -> None:

@@ -169,7 +169,7 @@ class Publisher:
             member.acked = max(member.acked, version)
             note_served(self.server.sessions, session, version)
             latest = self.latest
-            if member.peers and latest is not None and latest.version == version:
+            if member.peers and not member.suspect and latest is not None and latest.version == version:
                 place = location_of(where, latest.manifest.total_bytes)
                 if place is not None:
                     member.held = (version, place)

@@ -229,3 +229,16 @@ def test_strikes_start_over_when_a_peer_confirms_a_copy_and_a_caught_up_stream_i
     reader.weights.sent, reader.weights.mapped_from = 8, 1
     holder.state = SessionState.CLOSED  # the holder ended: its peers' detour is no strike
     assert note_refusal(sessions, reader, 7) is None and holder.weights.strikes == ()
+
+
+@pytest.mark.timeout(30)
+def test_a_refused_holder_confirming_a_version_serves_it_to_nobody(publisher):
+    snap = snapshot({"w": np.arange(1000, dtype=np.float32)}, 5, 1 << 20, BufferPool())
+    publisher.latest = snap
+    members = {1: peer("h2", suspect=True), 2: peer("h2", streamer=True), 3: peer("h2")}
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    publisher.on_got(sessions[1], 5, [4242, 7, b"n" * 16, snap.manifest.total_bytes])  # before the streamer
+    assert sent_types(publisher, sessions) == {1: [], 2: [], 3: []} and members[1].held is None
+    publisher.on_got(sessions[2], 5, [4243, 8, b"m" * 16, snap.manifest.total_bytes])
+    assert sent_types(publisher, sessions) == {1: [], 2: [], 3: [_wire.Mapped, _wire.WeightsKey, _wire.Seal]}

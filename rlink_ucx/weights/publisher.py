@@ -173,7 +173,7 @@ class Publisher:
                 place = location_of(where, latest.manifest.total_bytes)
                 if place is not None:
                     member.held = (version, place)
-                    self._serve_peers(session, latest, place)
+                    serve_peers(self.server.sessions, session, latest, place, self._tell_peer)
             self._cv.notify_all()
 
     def on_session_end(self, session: Member) -> None:
@@ -186,9 +186,6 @@ class Publisher:
 
     def _take_over(self, successor: Member | None) -> None:
         take_over(self.server.sessions, successor, self.latest, self._tell_peer, self._send)
-
-    def _serve_peers(self, holder: Member, snap: Snapshot, where: list[Any]) -> None:
-        serve_peers(self.server.sessions, holder, snap, where, self._tell_peer)
 
     def _tell_peer(self, peer: Member, snap: Snapshot, where: list[Any]) -> None:
         """Where ``peer`` reads ``snap``, and its key and Seal under its own key (lock held)."""

@@ -6,6 +6,7 @@ process, as a user runs it; every learner and actor is a real process over loopb
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -27,6 +28,24 @@ def stats_json(*args: str, env: dict[str, str] | None = None) -> dict:
     proc = rlink("stats", "--json", *args, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(proc.stdout)
+
+
+SIGINT_AS_A_TERMINAL = ("import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); "
+                        "signal.pthread_sigmask(signal.SIG_UNBLOCK, [signal.SIGINT]); os.execv(sys.argv[1], sys.argv[1:])")
+
+
+def signal_state(pid: int) -> str:
+    """What a process that did not exit was doing: its signal masks, state and wait channel."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            lines = [line.strip() for line in f if line.startswith(("State", "SigBlk", "SigIgn", "SigCgt", "Threads"))]
+        with open(f"/proc/{pid}/wchan") as f:
+            lines.append("wchan " + f.read())
+    except OSError as exc:
+        return f"(no /proc entry: {exc})"
+    finally:
+        os.kill(pid, signal.SIGKILL)
+    return "; ".join(lines)
 
 
 def stop(procs: list[subprocess.Popen]) -> None:
@@ -100,13 +119,19 @@ def test_stats_of_a_lone_learner_with_its_token_file_as_json_text_and_watch(tmp_
                                    str(wrong), timeout=120).stdout)["checks"]  # fmt: skip
         assert refused["learner"]["auth"] == "failed" and "learner_job" not in refused, refused["learner"]
 
-        watching = subprocess.Popen([sys.executable, "-m", "rlink_ucx", "stats", address, "--json", "--watch", "0.5",
-                                     "--token-file", str(token_file)], cwd=ROOT, env=clean_env(), stdout=subprocess.PIPE,
-                                    stderr=subprocess.PIPE, text=True)  # fmt: skip
+        # Ctrl-C as a terminal delivers it: SIGINT neither ignored nor blocked, whatever this test
+        # process inherited or was left with (both pass through exec to the child).
+        argv = [sys.executable, "-m", "rlink_ucx", "stats", address, "--json", "--watch", "0.5", "--token-file",
+                str(token_file)]  # fmt: skip
+        watching = subprocess.Popen([sys.executable, "-c", SIGINT_AS_A_TERMINAL, *argv], cwd=ROOT, env=clean_env(),
+                                    stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
         assert watching.stdout is not None
         rounds = [json.loads(watching.stdout.readline()) for _ in range(3)]
         watching.send_signal(signal.SIGINT)
-        _, err = watching.communicate(timeout=60)  # read on: a child blocked on a full pipe cannot exit
+        try:
+            _, err = watching.communicate(timeout=60)  # read on: a child blocked on a full pipe cannot exit
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"rlink stats --watch did not exit after SIGINT: {signal_state(watching.pid)}")
         assert watching.returncode == 130 and "Traceback" not in err, err[-2000:]
         steps = [r["ranks"][0]["steps"] for r in rounds]
         assert steps == sorted(steps) and steps[-1] > steps[0], steps  # refreshed: the counters moved on

@@ -23,6 +23,7 @@ from typing import Any
 from ..transport.session_state import SessionState
 from ..wire import messages as _wire
 from .route import Route, delivery
+from .shared import location
 
 __all__ = ["STRIKES", "elect", "hosts_report", "location_of", "note_refusal", "note_served", "peers_of", "serve_peers",
            "take_over"]
@@ -116,13 +117,10 @@ def take_over(sessions: dict[int, Any], successor: Any | None, latest: Any | Non
 def location_of(where: Any, nbytes: int) -> list[Any] | None:
     """An actor's ``Got.where`` if it has the shape of a memfd location of ``nbytes`` bytes
     ([pid, fd, nonce, bytes]); None otherwise. The reading actor checks it in full
-    (``shared.read_into``); this only keeps junk from being passed on."""
-    if not isinstance(where, list) or len(where) != 4:
-        return None
-    pid, fd, nonce, size = where
-    if type(pid) is not int or type(fd) is not int or type(nonce) is not bytes or size != nbytes or len(nonce) > 64:
-        return None
-    return where
+    (``shared.read_into``, with the same :func:`~.shared.location`); this only keeps junk
+    from being passed on."""
+    checked = location(where)
+    return where if checked is not None and checked[3] == nbytes else None
 
 
 def hosts_report(sessions: Iterable[Any], newest: int) -> dict[str, dict[str, Any]]:

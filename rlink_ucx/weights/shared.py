@@ -21,7 +21,7 @@ import numpy as np
 from ..errors import ProtocolError
 from ..transport.shm.memory import DATA_OFFSET, NONCE_BYTES, ShmRing, available, open_memfd
 
-__all__ = ["NAME", "SharedBuffer", "available", "holder_gone", "read_into"]
+__all__ = ["NAME", "SharedBuffer", "available", "holder_gone", "location", "read_into"]
 
 NAME = "rlink-weights"
 _READ_PIECE = 8 << 20  # bytes per read: bounds the time the caller cannot be interrupted
@@ -46,18 +46,29 @@ class SharedBuffer:
         self.region.release_fd()
 
 
+def location(where: Any) -> tuple[int, int, bytes, int] | None:
+    """``where`` as [pid, fd, nonce, bytes] if it has that shape and those types, else None.
+    Checked by type before use: a hostile size must not become an allocation or a path."""
+    if not isinstance(where, list) or len(where) != 4:
+        return None
+    pid, fd, nonce, size = where
+    if type(pid) is not int or type(fd) is not int or type(nonce) is not bytes or type(size) is not int:
+        return None
+    if len(nonce) != NONCE_BYTES or pid <= 0 or fd < 0 or size < 0:
+        return None
+    return pid, fd, nonce, size
+
+
 def read_into(where: Any, dst: np.ndarray, on_piece: Any = None) -> None:
     """Copy the shared buffer ``where`` (as the learner announced it) into ``dst``, in order;
     ``on_piece(done)`` after each piece with the bytes read so far. ``OSError`` when it cannot
     be opened from here (another host, PID namespace or user); ``ProtocolError`` when it is
     malformed or smaller than ``dst``."""
-    if not isinstance(where, list) or len(where) != 4:
+    checked = location(where)
+    if checked is None:
         raise ProtocolError("malformed shared weights location")
-    pid, fd, nonce, size = where
-    # Checked by type before use: a hostile size must not become an allocation or a path.
-    if type(pid) is not int or type(fd) is not int or type(nonce) is not bytes or type(size) is not int:
-        raise ProtocolError("malformed shared weights location")
-    if size != len(dst) or len(nonce) != NONCE_BYTES or pid <= 0 or fd < 0:
+    pid, fd, nonce, size = checked
+    if size != len(dst):
         raise ProtocolError(f"shared weights of {size} bytes announced for a {len(dst)}-byte version")
     path = f"/proc/{pid}/fd/{fd}"
     own = open_memfd(pid, fd, size, NAME, os.O_RDONLY)

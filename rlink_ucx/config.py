@@ -26,7 +26,7 @@ MiB = 1024 * KiB
 
 
 _MAY_BE_ZERO = {"reconnect_timeout", "resend_buffer_bytes", "resend_large_puts", "ucx_recycle_after",
-                "shm_direct_read", "weights_shared_memory", "rank_port_base", "gc_freeze"}  # 0 switches the feature off
+                "shm_direct_read", "weights_shared_memory", "weights_relay", "rank_port_base", "gc_freeze"}  # 0 switches the feature off
 
 # The ranges every field is checked against, by its type (Config.__post_init__, and each RLINK_*
 # variable as it is read): seconds are finite and at most a year (a longer wait is a mistake, and
@@ -116,6 +116,12 @@ class Config:
     # host share one copy that one of them streams (an actor's setting says whether it takes part);
     # docs/weights.md.
     weights_shared_memory: bool = True
+    # Hosts off the learner's pass each version on, one to the next, so the learner sends it
+    # about once (weights/relay.py, weights/chain.py; docs/weights.md): an actor that holds its
+    # host's copy opens a relay listener when the learner asks (authenticated, admission-limited
+    # like the learner's port). False: it never listens, and its host takes versions from the
+    # learner. Needs weights_shared_memory.
+    weights_relay: bool = True
 
     # --- transport ------------------------------------------------------------------------
     shm_ring_bytes: int = 8 * MiB  # per same-host actor on the shm plane

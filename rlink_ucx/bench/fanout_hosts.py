@@ -6,7 +6,10 @@ with their own host names, every link shaped to ``--mbit``, ``netns.py``): the l
 
 - ``star``: every actor takes every version on a weights stream of its own (actors that cannot
   share copies, ``Config(weights_shared_memory=False)``; every actor before one copy per host);
-- ``per-host``: one actor per host takes it, the others read its copy (docs/weights.md).
+- ``per-host``: one actor per host takes it from the learner, the others read its copy
+  (``Config(weights_relay=False)``);
+- ``relay``: as ``per-host``, but the hosts pass each version on along a chain, so the learner
+  sends it about once (docs/weights.md).
 
 For each version after the first: the seconds from ``publish`` until every actor confirmed it
 (``wait_published``), and the bytes the learner's link sent meanwhile, against the model's
@@ -34,7 +37,7 @@ from .netns import Hosts, available
 
 __all__ = ["build_parser", "main", "run"]
 
-MODES = {"star": "0", "per-host": "1"}  # -> the actors' weights_shared_memory
+MODES = {"star": "00", "per-host": "10", "relay": "11"}  # -> the actors' weights_shared_memory, weights_relay
 
 
 def _state(floats: int, version: int) -> dict[str, Any]:
@@ -64,17 +67,18 @@ def learner_main(device: str, floats: int, actors: int, versions: int, timeout: 
             learner.publish(state)
             confirmed = learner.wait_published(version, timeout=timeout)
             seconds = time.monotonic() - started
-            print(json.dumps({"version": version, "seconds": seconds, "sent": sent() - before,
-                              "confirmed": confirmed}), flush=True)  # fmt: skip
+            print(json.dumps({"version": version, "seconds": seconds, "sent": sent() - before, "confirmed": confirmed,
+                              "relay": learner.stats()["weights"]["relay"]}), flush=True)  # fmt: skip
             time.sleep(0.2)  # let the peers' reads end before the next version's buffers
 
 
-def actor_main(address: str, actor_id: int, shared: bool, timeout: float) -> None:
+def actor_main(address: str, actor_id: int, flags: str, timeout: float) -> None:
     """On an actor host: take every version until the learner closes; one JSON line at the end."""
     from rlink_ucx import Actor, Closed, Config
 
     seen, exact = [], True
-    with Actor(address, transport="tcp", actor_id=actor_id, config=Config(weights_shared_memory=shared)) as actor:
+    config = Config(weights_shared_memory=flags[0] == "1", weights_relay=flags[1] == "1")
+    with Actor(address, transport="tcp", actor_id=actor_id, config=config) as actor:
         version = 0
         try:
             while True:
@@ -131,7 +135,7 @@ def _one_mode(hosts: Hosts, mode: str, per_host: int, floats: int, versions: int
 
 def run(count: int, per_host: int, mb: float, mbit: float, versions: int, timeout: float = 120.0,
         modes: tuple[str, ...] = tuple(MODES)) -> dict[str, Any]:  # fmt: skip
-    """Both modes on one set of hosts; the raw transfer, timed first, is their yardstick."""
+    """Each mode on one set of hosts; the raw transfer, timed first, is their yardstick."""
     why = available()
     if why:
         raise RuntimeError(f"rlink bench --suite fanout --hosts: {why}")
@@ -184,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
         learner_main(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), float(argv[5]))
         return 0
     if argv[:1] == ["--actor"]:
-        actor_main(argv[1], int(argv[2]), argv[3] == "1", float(argv[4]))
+        actor_main(argv[1], int(argv[2]), argv[3], float(argv[4]))
         return 0
     parser = build_parser()
     args = parser.parse_args(argv)

@@ -36,6 +36,16 @@ class Membership:
     # ``hosts.STRIKES`` it no longer serves copies (``suspect``) and takes versions by stream.
     strikes: tuple[int, ...] = ()
     suspect: bool = False
+    # Relays between hosts (``chain.py``): whether its actor relays when asked (Subscribe), the
+    # streamer it should take versions from and the one it does take them from (None: the
+    # learner), its failed links in a row and when to try the next, and since when it is
+    # behind the version it was sent (out of the chain past ``relay.stall_timeout``).
+    relay: bool = False
+    relay_want: int | None = None
+    relay_from: int | None = None
+    relay_failures: int = 0
+    relay_retry_at: float = 0.0
+    behind_since: float | None = None
     # Its subscription's key (``wire.keys.subscription_key``), set with ``shared``; never printed.
     key: bytes | None = field(default=None, repr=False)
     sent: int = 0  # newest version announced or sent to it

@@ -37,6 +37,7 @@ from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
+from .chain import Chain
 from .hosts import elect, hosts_report, location_of, note_refusal, note_served, serve_peers, take_over
 from .membership import Member, Owner
 from .route import Route, delivery
@@ -63,6 +64,7 @@ class _Stream:
 
 log = logging.getLogger(__name__)
 
+_ON_STREAMS = (Route.STREAM, Route.CATCH_UP)  # a member with an open stream gets the version there
 NEWER_GRACE = 1.0  # seconds the fan-out still waits for confirmations once a newer version is published
 
 
@@ -83,9 +85,10 @@ class Publisher:
         self._closed = False
         self._streams: dict[int, _Stream] = {}  # session id -> its weights stream
         self._openings: dict[int, _Opening] = {}  # session id -> the stream just proven, until served
+        self._chain = Chain(self.config)  # hosts passing versions on to each other
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "shared": 0, "streams": 0,
-            "streamed": 0, "streamed_bytes": 0, "bytes_per_version": {}, "from_peers": 0, "last_fanout_seconds": None,
+            "streamed": 0, "streamed_bytes": 0, "bytes_per_version": {}, "from_peers": 0, "relayed": 0, "last_fanout_seconds": None,
             "last_error": None,
         }  # fmt: skip
 
@@ -169,6 +172,8 @@ class Publisher:
             member.acked = max(member.acked, version)
             note_served(self.server.sessions, session, version)
             latest = self.latest
+            if member.streamer and latest is not None:  # it may join the chain now, before the next version
+                self._chain.relink(self.server.sessions, latest.manifest.total_bytes, self._send)
             if member.peers and not member.suspect and latest is not None and latest.version == version:
                 place = location_of(where, latest.manifest.total_bytes)
                 if place is not None:
@@ -183,6 +188,15 @@ class Publisher:
                 return
             session.weights.streamer = False
             self._take_over(elect(self.server.sessions.values(), session.weights.host))
+
+    def on_relay_at(self, session: Member, msg: _wire.RelayAt) -> None:
+        with self._cv:
+            self._chain.on_relay_at(self.server.sessions, session, msg, self._send)
+
+    def on_relayed(self, session: Member, msg: _wire.Relayed) -> None:
+        with self._cv:
+            self._chain.on_relayed(session, msg)
+            self._cv.notify_all()
 
     def _take_over(self, successor: Member | None) -> None:
         take_over(self.server.sessions, successor, self.latest, self._tell_peer, self._send)
@@ -209,6 +223,7 @@ class Publisher:
             member.subscribed, member.shared, member.key = True, shared, key
             # Off our host, actors that can read memfds share copies among their host's actors.
             member.host, member.peers = session.hello.host, bool(msg.shared) and not local
+            member.relay = member.peers and bool(msg.relay)
             # The actor opens its weights stream for the current version right away (on shared
             # memory: until it acknowledges it, versions are not mapped for it).
             member.sent = self.server.version
@@ -249,6 +264,7 @@ class Publisher:
                 sock.close()
                 return
             self._take_over(note_refusal(self.server.sessions, session, have))  # a peer's copy failed it?
+            self._chain.lost_stream(session)  # or its relay did
             old = self._streams.get(session.id)
             self._streams[session.id] = stream
             self.stats["streams"] = len(self._streams)
@@ -357,29 +373,37 @@ class Publisher:
             subscribed = [s for s in sessions if s.weights.subscribed]
             for host in {s.weights.host for s in subscribed if s.weights.peers}:
                 elect(sessions, host)  # a streamer whose end was not reported yet is replaced
+            self._chain.relink(self.server.sessions, snap.manifest.total_bytes, self._send)
             routes = {s.id: delivery(s.weights, snap) for s in subscribed}
             # Those routed to our shared memory read the version there; those with a weights
             # stream get it on the stream, from its own thread; those reading a peer's copy are
             # told where once their host's streamer confirms it (``on_got``).
             sharing = [s for s in subscribed if routes[s.id] is Route.SHARED]
             from_peers = {s.id for s in subscribed if routes[s.id] is Route.FROM_PEER}
-            streaming = [s for s in subscribed if s.id in self._streams and s not in sharing and s.id not in from_peers]
-            for s in sharing:
+            relayed = [s for s in subscribed if routes[s.id] is Route.RELAY]
+            streaming = [s for s in subscribed if s.id in self._streams and routes[s.id] in _ON_STREAMS]
+            for s in sharing + relayed:
                 s.weights.sent = snap.version
-            keys = {s.id: key for s in sharing if (key := s.weights.key) is not None}  # SHARED: always set
-        others = [s for s in sessions if s not in sharing and s not in streaming and s.id not in from_peers]
+            for s in relayed:  # whose copy it reads: a refusal strikes that relay (hosts.note_refusal)
+                s.weights.mapped_from = s.weights.relay_from
+            keys = {s.id: key for s in sharing + relayed if (key := s.weights.key) is not None}  # subscribed: set
+        others = [s for s in sessions if s not in sharing and s not in streaming and s.id not in from_peers
+                  and s not in relayed]  # fmt: skip
         if sharing:  # every bucket copied: they read while the tags are computed
             snap.wait_ready(len(snap.manifest.buckets()), timeout)
             self._map(sharing, snap, keys)
         snap.wait_ready(len(snap.manifest.buckets()) + 1, timeout)
         for s in sharing:  # once every tag is computed
             self._send([s], self._seal(keys[s.id], snap)[1])
+        for s in relayed:  # its bytes come through the chain, its key and Seal from us
+            self._send([s], _wire.Version(snap.version), *self._seal(keys[s.id], snap))
         self.stats["shared"] += len(sharing)
+        self.stats["relayed"] += len(relayed)
         # Once complete: the others open a weights stream for it; those with one have it on its
         # way there (so ``get_remote_model(latest=True)`` knows of it, and one whose stream
         # broke, or that refused what came on it, opens a new one).
         self._send(others + streaming, _wire.Version(snap.version))
-        self._await_confirmations(snap, sharing + streaming)
+        self._await_confirmations(snap, sharing + streaming + relayed)
 
     def _await_confirmations(self, snap: Snapshot, members: list[Member]) -> None:
         """Wait (bounded) until ``members`` verified ``snap``: an actor on shared memory that does
@@ -450,6 +474,7 @@ class Publisher:
             "model_bytes": self.latest.manifest.total_bytes if self.latest else 0,
             "bytes_per_version": dict(self.stats["bytes_per_version"]),
             "hosts": hosts_report(list(self.server.sessions.values()), self.server.version),
+            "relay": self._chain.report(self.server.sessions),
         }
 
     def close(self) -> None:

@@ -32,6 +32,9 @@ class Route(enum.Enum):
     # version from the memfd of an actor of its host that holds it, told where (``Mapped``)
     # once that actor confirmed it.
     FROM_PEER = "from-peer"
+    # A host's streamer linked to the streamer of the host before it in the chain
+    # (``chain.py``): the bytes come from that relay, the version's key and Seal from the learner.
+    RELAY = "relay"
 
 
 class _Version(Protocol):
@@ -45,7 +48,7 @@ def delivery(member: Membership, version: _Version | None) -> Route:
     publisher's lock: ``member``'s fields are the publisher's to write."""
     if member.peers and not member.suspect:  # off the learner's host: shared copies, whatever the learner's memory
         if member.streamer:
-            return Route.STREAM
+            return Route.RELAY if member.relay_from is not None else Route.STREAM
         return Route.CATCH_UP if member.key is None or member.acked < member.sent else Route.FROM_PEER
     if not member.shared or (version is not None and version.shared is None):
         return Route.STREAM

@@ -3,11 +3,13 @@
 A background thread receives each version into a buffer nobody else is reading: from the
 learner's shared memory when it shares the learner's host, else over a *weights stream* of its
 own (a connection to the learner's port), on which both sides prove the session's weights key
-over fresh nonces before anything else is read. The learner sends each later version on that
-stream as it copies it; the thread tags each bucket as it arrives. Only a complete version whose
-every bucket matched its keyed tag, under a Seal this actor's key verifies, is exposed:
-``get_remote_model`` never sees a half-written or altered one, and costs no network round trip
-when nothing changed. The actor listens nowhere.
+over fresh nonces before anything else is read, or, where the learner links its hosts into a
+chain, from the actor of the host before it (``relay.py``). The learner sends each later version
+on that stream as it copies it; the thread tags each bucket as it arrives, and passes each piece
+on to the actors that relay from it. Only a complete version whose every bucket matched its
+keyed tag, under a Seal this actor's key verifies, is exposed: ``get_remote_model`` never sees a
+half-written or altered one, and costs no network round trip when nothing changed. The actor
+listens nowhere until the learner asks it to relay.
 """
 
 from __future__ import annotations
@@ -15,7 +17,6 @@ from __future__ import annotations
 import concurrent.futures
 import hmac
 import logging
-import queue
 import select
 import socket
 import threading
@@ -32,7 +33,9 @@ from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 from ..wire.frameworks import Adapter
+from .inbox import Inbox
 from .mac import VersionKey, check_tags
+from .relay import PIECE, Incoming, RelayServer, dial, stall_timeout
 from .shared import available as shared_available
 from .shared import holder_gone, read_into
 from .snapshot import BufferPool, Snapshot
@@ -78,6 +81,10 @@ class Link(Protocol):
 _OPEN = object()  # event: open a weights stream now, whatever the announced version
 
 
+class _RelayFailed(RLinkError):
+    """Our relay broke, stalled, or passed on a copy we refused: take the version by stream."""
+
+
 class Subscriber:
     def __init__(self, conn: Link, io: IOThread, config: Config):
         self.conn = conn
@@ -88,23 +95,27 @@ class Subscriber:
         # Versions are kept in sealed memfds where the host has them: off the learner's host,
         # the learner may have this host's other actors read them from here (``hosts.py``).
         self._pool = BufferPool(shared=config.weights_shared_memory)
-        self._events: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._inbox = Inbox()
         self._cv = threading.Condition()
         self._closed = False
         self._stream: _Connection | None = None  # our weights stream, once opened
+        self._relay_in: _Connection | None = None  # the relay we take versions from (key: its session id)
+        self._relay: RelayServer | None = None  # our listener, once the learner asked us to relay
+        self._quiet_since: float | None = None  # since when a newer version is due from our relay
         self._tagger: concurrent.futures.ThreadPoolExecutor | None = None  # tags buckets while the next arrive
         self.rejected: RLinkError | None = None  # the last version refused as altered or unproven
-        self.stats: dict[str, Any] = {"connections": 0, "shared_reads": 0, "streamed": 0, "failures": 0,
-                                      "rejected": 0, "last_error": None}  # fmt: skip
+        self.stats: dict[str, Any] = {"connections": 0, "shared_reads": 0, "streamed": 0, "relayed": 0,
+                                      "relay_failures": 0, "failures": 0, "rejected": 0,
+                                      "last_error": None}  # fmt: skip
         conn.weights_listener = self.deliver
         self._nonce = _auth.new_nonce()  # makes this subscription's key fresh (wire/keys.py)
         self._unreadable = 0  # shared reads that failed in a row: at two, stop asking for them
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
         shared = config.weights_shared_memory and shared_available()  # the learner decides if we share its host
-        conn.subscription = _wire.Subscribe(self._nonce, shared)  # repeated after a reconnect
+        conn.subscription = _wire.Subscribe(self._nonce, shared, config.weights_relay)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
-        self._events.put(_OPEN)
+        self._inbox.put(_OPEN)
 
     @property
     def have(self) -> int:
@@ -114,7 +125,7 @@ class Subscriber:
     def deliver(self, msg: Any) -> None:
         with self._cv:
             self._cv.notify_all()  # conn.latest_version moved: waiters re-check
-        self._events.put(msg)
+        self._inbox.put(msg)
 
     def _send(self, msg: Any) -> None:
         if self.conn.control is not None:
@@ -186,33 +197,154 @@ class Subscriber:
     def _run(self) -> None:
         while not self._closed:
             try:
-                stream = self._stream
-                if stream is not None and _readable(stream.sock, 0.25):
-                    self._take(stream)
-                try:
-                    msg = self._events.get(timeout=0.25) if self._stream is None else self._events.get_nowait()
-                except queue.Empty:
-                    continue
-                if msg is _OPEN or (isinstance(msg, _wire.Version) and msg.version > self.have):
-                    if self._stream is None:  # an open one brings every version by itself
-                        self._open()
-                elif isinstance(msg, _wire.Mapped):
-                    self._read_shared(msg)
+                self._step()
+            except _RelayFailed as exc:  # the learner has the version: take it from there now
+                self._lose_relay(tell=True)
+                self._note_failure("relay_failures", exc)
+                self._inbox.put(_OPEN)
             except Exception as exc:  # noqa: BLE001 - logged and counted; the next version retries
                 self._drop_stream()
-                self.stats["failures"] += 1
-                self.stats["last_error"] = repr(exc)[:500]
-                if not self._closed:
-                    log.warning("actor %s: weights update failed: %s", self.conn.actor_id, exc)
-                    if self.conn.latest_version > self.have:
-                        time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken learner
-                        self._events.put(_OPEN)
+                self._note_failure("failures", exc)
+                if not self._closed and self.conn.latest_version > self.have:
+                    time.sleep(min(1.0, self.config.heartbeat_interval))  # do not spin on a broken learner
+                    self._inbox.put(_OPEN)
         self._drop_stream()
+        self._lose_relay(tell=False)
+        if self._relay is not None:
+            self._relay.close()
+
+    def _step(self) -> None:
+        """Read what arrived on our stream or from our relay, then one control message."""
+        self._watch_relay()
+        stream, relay = self._stream, self._relay_in
+        socks = [c.sock for c in (stream, relay) if c is not None]
+        for sock in _readable(socks, 0.25) if socks else ():
+            if stream is not None and sock is stream.sock:
+                self._take(stream)
+            elif relay is not None and sock is relay.sock:
+                self._take_relayed(relay)
+        msg = self._inbox.get(0.0 if socks else 0.25)
+        if msg is _OPEN or (isinstance(msg, _wire.Version) and msg.version > self.have):
+            if self._stream is None and self._relay_in is None:  # either brings every version by itself
+                self._open()
+        elif isinstance(msg, _wire.Mapped):
+            self._read_shared(msg)
+        elif isinstance(msg, _wire.RelayServe):
+            self._serve_relay(msg)
+        elif isinstance(msg, _wire.RelayFrom):
+            self._relay_from(msg)
+
+    def _note_failure(self, counter: str, exc: Exception) -> None:
+        self.stats[counter] += 1
+        self.stats["last_error"] = repr(exc)[:500]
+        if not self._closed:
+            log.warning("actor %s: weights update failed: %s", self.conn.actor_id, exc)
 
     def _drop_stream(self) -> None:
         stream, self._stream = self._stream, None
         if stream is not None:
             stream.sock.close()
+
+    # --- relays (relay.py) --------------------------------------------------------------------
+    def _serve_relay(self, msg: _wire.RelayServe) -> None:
+        """The learner asks us to pass versions on to an actor proving ``msg.link``'s key."""
+        port = 0
+        control = self.conn.control
+        if self.config.weights_relay and control is not None and len(msg.link) == _auth.NONCE_BYTES:
+            try:
+                if self._relay is None:  # on the address our control connection comes from
+                    self._relay = RelayServer(control.sock.getsockname()[0], self.config)
+                port = self._relay.serve(msg.link, _keys.relay_key(self.conn.weights_key(), msg.link))
+            except OSError as exc:
+                log.warning("actor %s: cannot listen for relay readers: %s", self.conn.actor_id, exc)
+        self.io.soon(self._send, _wire.RelayAt(msg.link, port))
+
+    def _relay_from(self, msg: _wire.RelayFrom) -> None:
+        """Take versions from the relay the learner names (port 0: from the learner again)."""
+        self._lose_relay(tell=False)
+        if msg.port == 0:
+            self._inbox.put(_OPEN) if self.conn.latest_version > self.have else None
+            return
+        key = _keys.wrap_relay_key(self._subscription_key(), msg.link, msg.wrapped)
+        try:
+            sock = dial(msg.host, msg.port, msg.link, key, self.have, self.config)
+        except (OSError, RLinkError) as exc:
+            self._note_failure("relay_failures", exc)
+            self.io.soon(self._send, _wire.Relayed(msg.session, False))
+            return
+        self._relay_in = _Connection(sock, msg.session.to_bytes(8, "little"))
+        self.io.soon(self._send, _wire.Relayed(msg.session, True))
+
+    def _lose_relay(self, *, tell: bool) -> None:
+        relay, self._relay_in = self._relay_in, None
+        self._quiet_since = None
+        if relay is not None:
+            relay.sock.close()
+            if tell:  # the learner relinks around it; we take versions by stream meanwhile
+                self.io.soon(self._send, _wire.Relayed(int.from_bytes(relay.key, "little"), False))
+
+    def _watch_relay(self) -> None:
+        """A relay that sends nothing while a newer version is due is given up on."""
+        if self._relay_in is None or self.conn.latest_version <= self.have:
+            self._quiet_since = None
+            return
+        now = time.monotonic()
+        if self._quiet_since is None:
+            self._quiet_since = now
+        elif now - self._quiet_since > stall_timeout(self.config):
+            raise _RelayFailed(f"the relay sent nothing of version {self.conn.latest_version} in time")
+
+    def _take_relayed(self, relay: _Connection) -> None:
+        """Read one version our relay passes on (passing it on in turn), then check it under
+        the key and Seal the learner sent us for it."""
+        sock = relay.sock
+        try:
+            if not sock.recv(1, socket.MSG_PEEK):
+                raise _RelayFailed("the relay closed the connection")
+            manifest = self._read(sock, _wire.Publish).manifest
+            self._check(manifest)
+            self._quiet_since = None
+            flat, where = self._receive(sock, manifest)
+        except (OSError, EOFError, ProtocolError) as exc:
+            raise _RelayFailed(f"relay connection: {exc!r}") from exc
+        version = manifest.version
+        if version <= self.have:
+            return
+        subscription_key = self._subscription_key()
+        try:
+            wrapped = self._inbox.wait_for(_wire.WeightsKey, version, stall_timeout(self.config))
+            key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))
+            tags = [key.tag(flat, a, b, version, i) for i, (a, b) in enumerate(manifest.buckets())]
+            snap = Snapshot(manifest, flat, "cpu", key=key, tags=tags)
+            snap.shared = where
+            self._seal_and_expose("relayed", snap, subscription_key, wrapped, stall_timeout(self.config))
+        except RLinkError as exc:  # refused, or not ours to check: the learner sends it itself
+            raise _RelayFailed(f"version {version} from the relay: {exc}") from exc
+
+    def _receive(self, sock: socket.socket, manifest: Any, on_piece: Callable[[Any, int], None] | None = None
+                 ) -> tuple[Any, list[Any] | None]:  # fmt: skip
+        """Read ``manifest``'s bytes into a fresh buffer, piece by piece, each passed on to our
+        relay's readers as it is in; the buffer and where it lies (a memfd: our peers may read it)."""
+        flat, where = self._pool.get(manifest.total_bytes)
+        incoming = Incoming(manifest, flat)
+        if self._relay is not None:
+            self._relay.offer(incoming)
+        total, done = manifest.total_bytes, 0
+        try:
+            while done < total:
+                end = min(total, done + PIECE)
+                _wire.recv_exact_into(sock, flat.data[done:end])
+                done = end
+                incoming.advance(done)
+                if on_piece is not None:
+                    on_piece(flat, done)
+        except BaseException:
+            incoming.fail()
+            raise
+        return flat, where
+
+    def _subscription_key(self) -> bytes:
+        return _keys.subscription_key(self.conn.weights_key(), self._nonce)
 
     def _expose(self, snap: Snapshot) -> None:
         with self._cv:
@@ -278,8 +410,8 @@ class Subscriber:
         try:
             if not sock.recv(1, socket.MSG_PEEK):  # the learner closed it between versions
                 self._drop_stream()
-                if self.conn.latest_version > self.have:
-                    self._events.put(_OPEN)
+                if self.conn.latest_version > self.have and self._relay_in is None:
+                    self._inbox.put(_OPEN)
                 return
         except OSError:
             self._drop_stream()
@@ -294,13 +426,15 @@ class Subscriber:
         if wrapped.version != version:
             raise ProtocolError(f"weights key for version {wrapped.version}, expected {version}")
         key = VersionKey(_keys.wrap(stream.key, version, wrapped.wrapped))  # trusted once the Seal verifies
-        flat, where = self._pool.get(manifest.total_bytes)
         if self._tagger is None:
             self._tagger = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rlink-weights-tags")
-        tags = []
-        for i, (a, b) in enumerate(manifest.buckets()):
-            _wire.recv_exact_into(sock, flat.data[a:b])
-            tags.append(self._tagger.submit(key.tag, flat, a, b, version, i))
+        tagger, buckets = self._tagger, manifest.buckets()
+        tags: list[concurrent.futures.Future[bytes]] = []
+
+        def tag_arrived(flat: Any, done: int) -> None:  # tag each bucket while the next arrive
+            _tag_arrived(buckets, tags, done, lambda i, a, b: tagger.submit(key.tag, flat, a, b, version, i))
+
+        flat, where = self._receive(sock, manifest, tag_arrived)
         seal = self._read(sock, _wire.Seal)
         snap = Snapshot(manifest, flat, "cpu", key=key, tags=[t.result() for t in tags])
         snap.shared = where
@@ -320,18 +454,6 @@ class Subscriber:
             raise ProtocolError(f"weights stream: unexpected {type(msg).__name__}")
         return msg
 
-    def _next(self, kind: type, version: int) -> Any:
-        """The next weights message on the control connection, which must be a ``kind`` for
-        ``version`` (the learner sends Mapped, WeightsKey, and once it tagged the buckets Seal,
-        in that order)."""
-        try:
-            msg = self._events.get(timeout=self.config.weights_timeout)
-        except queue.Empty:
-            raise ProtocolError(f"no {kind.__name__} for weights version {version}") from None
-        if not isinstance(msg, kind) or getattr(msg, "version", None) != version:
-            raise ProtocolError(f"expected the {kind.__name__} of version {version}, got {type(msg).__name__}")
-        return msg
-
     def _read_shared(self, msg: _wire.Mapped) -> None:
         """Copy a version out of the learner's shared memory (we share its host), tagging each
         bucket as soon as it is in; exposed once the Seal, which comes once the learner has
@@ -339,17 +461,15 @@ class Subscriber:
         manifest = msg.manifest
         self._check(manifest)
         version = manifest.version
-        wrapped = self._next(_wire.WeightsKey, version)
-        subscription_key = _keys.subscription_key(self.conn.weights_key(), self._nonce)
+        wrapped = self._inbox.wait_for(_wire.WeightsKey, version, self.config.weights_timeout)
+        subscription_key = self._subscription_key()
         key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))  # trusted once the Seal verifies
         flat, here = self._pool.get(manifest.total_bytes)
         buckets = manifest.buckets()
         tags: list[bytes] = []
 
         def tag_arrived(done: int) -> None:  # tag while the next piece is read
-            while len(tags) < len(buckets) and buckets[len(tags)][1] <= done:
-                i = len(tags)
-                tags.append(key.tag(flat, *buckets[i], version, i))
+            _tag_arrived(buckets, tags, done, lambda i, a, b: key.tag(flat, a, b, version, i))
 
         try:
             read_into(msg.where, flat, tag_arrived)
@@ -370,10 +490,12 @@ class Subscriber:
         snap.shared = here
         self._seal_and_expose("shared_reads", snap, subscription_key, wrapped)
 
-    def _seal_and_expose(self, path: str, snap: Snapshot, subscription_key: bytes, wrapped: _wire.WeightsKey) -> None:
-        """Wait for the version's Seal, check it and the tags we computed (``snap.tags``)
-        against it, and expose ``snap``, counted under ``path``."""
-        seal = self._next(_wire.Seal, snap.version)
+    def _seal_and_expose(self, path: str, snap: Snapshot, subscription_key: bytes, wrapped: _wire.WeightsKey,
+                         timeout: float | None = None) -> None:  # fmt: skip
+        """Wait for the version's Seal (up to ``timeout``, default ``weights_timeout``), check it
+        and the tags we computed (``snap.tags``) against it, and expose ``snap``, counted under
+        ``path``."""
+        seal = self._inbox.wait_for(_wire.Seal, snap.version, timeout or self.config.weights_timeout)
         self._open_seal(subscription_key, snap.manifest, wrapped, seal)
         try:
             check_tags(list(seal.tags), snap.tags, snap.version)
@@ -384,12 +506,12 @@ class Subscriber:
 
     def close(self) -> None:
         self._closed = True
-        stream = self._stream
-        if stream is not None:  # a read in progress returns at once
-            try:
-                stream.sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        for link in (self._stream, self._relay_in):
+            if link is not None:  # a read in progress returns at once
+                try:
+                    link.sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
         with self._cv:
             self._cv.notify_all()
         self._thread.join(self.config.close_timeout)
@@ -406,8 +528,15 @@ class _Connection:
         self.sock, self.key = sock, key
 
 
-def _readable(sock: socket.socket, timeout: float) -> bool:
+def _tag_arrived(buckets: list[tuple[int, int]], tags: list[Any], done: int, tag: Callable[[int, int, int], Any]) -> None:
+    """Append ``tag(i, start, end)`` for each bucket ``i`` that the first ``done`` bytes complete."""
+    while len(tags) < len(buckets) and buckets[len(tags)][1] <= done:
+        i = len(tags)
+        tags.append(tag(i, *buckets[i]))
+
+
+def _readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
     try:
-        return bool(select.select([sock], [], [], timeout)[0])
+        return list(select.select(socks, [], [], timeout)[0])
     except (OSError, ValueError):  # closed meanwhile: the read says how
-        return True
+        return socks

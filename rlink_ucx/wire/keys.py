@@ -19,8 +19,8 @@ import msgspec
 
 from .manifest import Manifest
 
-__all__ = ["KEY_BYTES", "attach_proof", "manifest_digest", "seal_mac", "session_key", "stream_key", "stream_proof",
-           "subscription_key", "wrap"]  # fmt: skip
+__all__ = ["KEY_BYTES", "attach_proof", "manifest_digest", "relay_key", "relay_proof", "seal_mac", "session_key",
+           "stream_key", "stream_proof", "subscription_key", "wrap", "wrap_relay_key"]  # fmt: skip
 
 KEY_BYTES = 32
 _SESSION = b"rlink-v1 weights session"
@@ -28,6 +28,8 @@ _SUBSCRIPTION = b"rlink-v1 weights subscription"
 _STREAM = b"rlink-v1 weights stream"
 _STREAM_PROOF = {"actor": b"rlink-v1 weights stream actor", "learner": b"rlink-v1 weights stream learner"}
 _ATTACH = b"rlink-v1 attach learner"
+_RELAY = b"rlink-v1 weights relay"
+_RELAY_PROOF = {"reader": b"rlink-v1 weights relay reader", "relay": b"rlink-v1 weights relay relay"}
 _U64 = struct.Struct("<Q")
 
 
@@ -60,6 +62,24 @@ def stream_proof(key: bytes, side: str, learner_nonce: bytes, actor_nonce: bytes
     return _mac(key, _STREAM_PROOF[side], learner_nonce, actor_nonce, str(session).encode())
 
 
+def relay_key(key: bytes, link: bytes) -> bytes:
+    """The key of one relay link, from the relaying actor's session key and the learner's fresh
+    ``link`` nonce: the relay derives it itself, the reader gets it from the learner wrapped
+    (:func:`wrap_relay_key`)."""
+    return _mac(key, _RELAY, link)
+
+
+def relay_proof(key: bytes, side: str, relay_nonce: bytes, reader_nonce: bytes) -> bytes:
+    """A relay connection's proof of its link key, by ``side`` ("reader" or "relay")."""
+    return _mac(key, _RELAY_PROOF[side], relay_nonce, reader_nonce)
+
+
+def wrap_relay_key(key: bytes, link: bytes, secret: bytes) -> bytes:
+    """A relay link's key encrypted for the holder of ``key`` (a subscription key); the same
+    call unwraps. The pad is a PRF of (key, link), and one link has one key."""
+    return _pad_xor(key, link, b"rlink relay", secret)
+
+
 def attach_proof(key: bytes, session: int, transport: str) -> bytes:
     """The learner's proof that it attached ``session``'s data connection as ``transport``."""
     return _mac(key, _ATTACH, str(session).encode(), transport.encode())
@@ -69,9 +89,13 @@ def wrap(key: bytes, version: int, secret: bytes) -> bytes:
     """``secret`` (a version's 32-byte key) encrypted for the holder of ``key``; the same call
     unwraps. The pad is a PRF of (key, version), and one version has one secret, so no pad
     ever hides two different secrets."""
+    return _pad_xor(key, _U64.pack(version), b"rlink wrap", secret)
+
+
+def _pad_xor(key: bytes, what: bytes, person: bytes, secret: bytes) -> bytes:
     if len(secret) != KEY_BYTES:
         raise ValueError(f"a wrapped key has {KEY_BYTES} bytes, not {len(secret)}")
-    pad = hashlib.blake2b(_U64.pack(version), key=key, digest_size=KEY_BYTES, person=b"rlink wrap").digest()
+    pad = hashlib.blake2b(what, key=key, digest_size=KEY_BYTES, person=person).digest()
     return bytes(a ^ b for a, b in zip(secret, pad))
 
 

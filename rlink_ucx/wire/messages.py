@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 12
+PROTOCOL_VERSION = 13
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -179,10 +179,13 @@ class Ack(_Msg, frozen=True):
 class Subscribe(_Msg, frozen=True):
     """Actor -> learner: keep me up to date with every published version. ``nonce`` makes this
     subscription's key fresh (``wire/keys.py``); ``shared``: the actor can read versions from
-    the learner's sealed shared memory (the learner decides whether it shares its host)."""
+    the learner's sealed shared memory (the learner decides whether it shares its host);
+    ``relay``: it passes versions on to another host's actor when the learner asks
+    (``RelayServe``)."""
 
     nonce: bytes
     shared: bool = False
+    relay: bool = False
 
 
 class Version(_Msg, frozen=True):
@@ -266,6 +269,57 @@ class Seal(_Msg, frozen=True):
     mac: bytes
 
 
+# --- weights relays between hosts (weights/relay.py, weights/chain.py) ---------------------------
+class RelayServe(_Msg, frozen=True):
+    """Learner -> an actor that holds each version (its host's streamer): let the actor that
+    proves the relay key of ``link`` (``wire.keys.relay_key`` of your session key) take every
+    version you receive from you. Answered with RelayAt."""
+
+    link: bytes
+
+
+class RelayAt(_Msg, frozen=True):
+    """Actor -> learner: my relay listener for ``link`` is on ``port`` (0: none could open),
+    at the address my control connection comes from."""
+
+    link: bytes
+    port: int
+
+
+class RelayFrom(_Msg, frozen=True):
+    """Learner -> actor: take versions from ``session``'s actor at ``host``:``port``, proving
+    the relay key of ``link``, sent ``wrapped`` under this subscription's key. ``port`` 0:
+    take them from the learner again (a weights stream). The learner sends each version's
+    WeightsKey and Seal on the control connection, so a relay cannot alter what it passes on."""
+
+    session: int
+    host: str
+    port: int
+    link: bytes
+    wrapped: bytes
+
+
+class Relayed(_Msg, frozen=True):
+    """Actor -> learner: ``session``'s relay accepted my proof and proved its own (``ok``), or
+    could not be reached or proven (not ``ok``): I take versions by stream meanwhile."""
+
+    session: int
+    ok: bool
+
+
+class RelayOpen(_Msg, frozen=True):
+    """Actor -> a relay's listener, after its Challenge: make this connection my relay for
+    ``link``; ``mac`` proves the link's relay key over both nonces. The relay answers with its
+    own Proof, then sends each version newer than ``have`` as the learner does on a weights
+    stream, without its WeightsKey and Seal."""
+
+    proto: int
+    link: bytes
+    mac: bytes
+    nonce: bytes
+    have: int = 0
+
+
 class AttachProof(_Msg, frozen=True):
     """Learner -> actor, right before Ready: proof (under the session's weights key, which
     takes the token) that the learner itself attached this session's data connection."""
@@ -288,7 +342,8 @@ class StatsReply(_Msg, frozen=True):
 Message: TypeAlias = (
     Challenge | Login | Proof | Attach | Hello | Welcome | Propose | Accept | Reject | Ready | Credit | Sync | Ack |
     Heartbeat | Bye | Error | Subscribe | Version | Publish | Got | OpenStream | Revoke | Returned | WeightsKey |
-    Seal | AttachProof | Mapped | Redirect | RankHello | RankWelcome | RankActors | StatsRequest | StatsReply
+    Seal | AttachProof | Mapped | Redirect | RankHello | RankWelcome | RankActors | StatsRequest | StatsReply | RelayServe | RelayAt | RelayFrom |
+    Relayed | RelayOpen
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -19,7 +19,7 @@ __all__ = ["ControlReader"]
 
 # Weights messages on the control connection go to the subscriber (a version's bytes come on its
 # weights stream or from shared memory).
-_WEIGHTS = (_wire.Version, _wire.Mapped, _wire.WeightsKey, _wire.Seal)
+_WEIGHTS = (_wire.Version, _wire.Mapped, _wire.WeightsKey, _wire.Seal, _wire.RelayServe, _wire.RelayFrom)
 
 
 class ControlReader:

@@ -118,6 +118,10 @@ class LearnerSession:
                 self.server.publisher.on_got(self, msg.version, msg.where)
             elif isinstance(msg, _wire.Subscribe):
                 self.server.publisher.on_subscribe(self, msg)
+            elif isinstance(msg, _wire.RelayAt):
+                self.server.publisher.on_relay_at(self, msg)
+            elif isinstance(msg, _wire.Relayed):
+                self.server.publisher.on_relayed(self, msg)
             elif isinstance(msg, _wire.Bye):
                 self.close("actor said goodbye: " + msg.reason[:200], lost=False)
                 return

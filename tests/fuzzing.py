@@ -78,6 +78,8 @@ def valid_examples() -> list[Any]:
         _wire.Mapped(manifest, [os.getpid(), 3, bytes(16), 16]),
         _wire.Redirect(1, "127.0.0.1", 9, 7), _wire.RankHello(1, 2, "127.0.0.1", 9), _wire.RankWelcome(2),
         _wire.RankActors([1, 2, 3]), _wire.StatsRequest(), _wire.StatsReply({"rank": 0, "actors": [], "ranks": {1: {}}}),
+        _wire.RelayServe(nonce), _wire.RelayAt(nonce, 9), _wire.RelayFrom(2, "127.0.0.1", 9, nonce, mac),
+        _wire.Relayed(2, True), _wire.RelayOpen(PV, nonce, mac, nonce, 1),
     ]  # fmt: skip
 
 
@@ -181,7 +183,9 @@ def framed(body: bytes) -> bytes:
 # What each stage of a connection expects (the rest is refused at once, but tried too).
 PREAUTH_TYPES = (_wire.Login, _wire.Attach, _wire.OpenStream)
 HELLO_TYPES = (_wire.Hello,)
-SESSION_TYPES = (_wire.Sync, _wire.Propose, _wire.Returned, _wire.Got, _wire.Subscribe, _wire.Bye, _wire.Heartbeat)
+SESSION_TYPES = (_wire.Sync, _wire.Propose, _wire.Returned, _wire.Got, _wire.Subscribe, _wire.Bye, _wire.Heartbeat,
+                 _wire.RelayAt, _wire.Relayed)  # fmt: skip
+RELAY_TYPES = (_wire.RelayOpen,)  # what an actor's relay listener expects (weights/relay.py)
 
 
 def hostile_stream(rng: random.Random, types: tuple[type, ...] = ()) -> bytes:

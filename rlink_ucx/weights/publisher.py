@@ -22,18 +22,13 @@ version's secret, which reaches each actor wrapped under its own key. Every step
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
-import numpy as np
-
-from ..errors import AuthError, Closed, ProtocolError, RLinkError
+from ..errors import Closed, ProtocolError
 from ..transport import hostname
 from ..transport.session_state import SessionState
-from ..transport.sockopts import set_congestion
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
@@ -42,25 +37,7 @@ from .hosts import elect, hosts_report, location_of, note_refusal, note_served, 
 from .membership import Member, Owner
 from .route import Route, delivery
 from .snapshot import BufferPool, Snapshot, begin_snapshot, fill, sources, state_dict_of
-
-
-@dataclass
-class _Opening:
-    key: bytes  # the stream's key (fresh by both nonces)
-    proof: bytes  # the learner's proof, sent first on the stream
-
-
-@dataclass
-class _Stream:
-    """An actor's proven weights stream, owned by its sending thread."""
-
-    session: Member
-    sock: socket.socket
-    key: bytes  # the stream's key: wraps each version's secret and keys its Seal
-    sent: int  # newest version the actor has (or was sent on this stream)
-    thread: threading.Thread | None = None
-    ended: bool = field(default=False)
-
+from .streams import Streams
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +54,13 @@ class Publisher:
         self.pending: Snapshot | None = None  # the newest version, possibly still being copied
         self._pool = BufferPool(shared=self.config.weights_shared_memory)
         self._publish_lock = threading.Lock()  # one snapshot at a time
-        self._host_lock = threading.Lock()  # one host copy per CUDA version
-        self._cv = threading.Condition()  # guards latest/pending/_fanned/_streams; signals acks and versions
+        self.cv = threading.Condition()  # guards latest/pending/_fanned/streams; signals acks and versions
         self._fanned = 0  # newest version whose fan-out has ended
         self._burned = 0  # newest version whose publish failed after its fan-out could start
         self._thread: threading.Thread | None = None
-        self._closed = False
-        self._streams: dict[int, _Stream] = {}  # session id -> its weights stream
-        self._openings: dict[int, _Opening] = {}  # session id -> the stream just proven, until served
+        self.closed = False
+        self._ending = False  # the learner is closing: its sessions end, nobody takes over
+        self.streams = Streams(self)  # the actors' weights streams
         self._chain = Chain(self.config)  # hosts passing versions on to each other
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "shared": 0, "streams": 0,
@@ -98,7 +74,7 @@ class Publisher:
         published raises before anything changes (``stats["last_error"]`` says what failed);
         the next good publish fans out at once."""
         with self._publish_lock:
-            if self._closed:
+            if self.closed:
                 raise Closed("the learner is closed")
             # A version whose copy failed half-way may have reached the fan-out: never reuse its number.
             version = max(self.server.version, self._burned) + 1
@@ -112,25 +88,25 @@ class Publisher:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="rlink-publisher", daemon=True)
                 self._thread.start()
-            with self._cv:  # the fan-out starts now and sends each bucket as soon as it is copied
+            with self.cv:  # the fan-out starts now and sends each bucket as soon as it is copied
                 previous, self.pending = self.pending, snap
-                self._cv.notify_all()
+                self.cv.notify_all()
             try:
                 fill(snap, srcs)
             except BaseException as exc:
                 snap.abandon(exc)
-                with self._cv:
+                with self.cv:
                     if self.pending is snap:
                         self.pending = previous
                     self._burned = version
                     self.stats["last_error"] = f"publish of version {version} failed: {exc!r}"[:500]
-                    self._cv.notify_all()
+                    self.cv.notify_all()
                 raise
-            with self._cv:
+            with self.cv:
                 self.latest = snap
                 self.server.version = version
                 self.stats["published"] += 1
-                self._cv.notify_all()
+                self.cv.notify_all()
         if wait:
             self.wait(version, timeout)
         return version
@@ -139,14 +115,14 @@ class Publisher:
         """Until ``version`` (or newer) is fanned out and every live subscriber has it; False
         when ``timeout`` passed first (a slow or frozen actor: it gets the newest version later)."""
         deadline = time.monotonic() + (self.config.weights_timeout if timeout is None else timeout)
-        with self._cv:
-            while not self._closed:
+        with self.cv:
+            while not self.closed:
                 if self._fanned >= version and all(s.weights.acked >= version for s in self._subscribers()):
                     return True
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                self._cv.wait(min(left, 0.25))
+                self.cv.wait(min(left, 0.25))
         return False
 
     def _subscribers(self) -> list[Member]:
@@ -157,9 +133,9 @@ class Publisher:
         """The learner's proof, for the actor, that it attached ``session``'s data plane."""
         return _keys.attach_proof(session.key, session.id, transport)
 
-    def _seal(self, key: bytes, snap: Snapshot) -> tuple[_wire.WeightsKey, _wire.Seal]:
+    def seal(self, key: bytes, snap: Snapshot) -> tuple[_wire.WeightsKey, _wire.Seal]:
         """The version's secret wrapped for the holder of ``key``, and the Seal binding it."""
-        wrapped = self._weights_key(key, snap)
+        wrapped = self.weights_key(key, snap)
         mac = _keys.seal_mac(key, snap.version, snap.manifest, wrapped.wrapped, snap.tags)
         return wrapped, _wire.Seal(snap.version, list(snap.tags), mac)
 
@@ -167,7 +143,7 @@ class Publisher:
     def on_got(self, session: Member, version: int, where: Any = None) -> None:
         """``session``'s actor has ``version``, verified; ``where``: in a memfd of its own
         (``Got.where``), from which its host's peers may read it (``hosts.py``)."""
-        with self._cv:
+        with self.cv:
             member = session.weights
             member.acked = max(member.acked, version)
             note_served(self.server.sessions, session, version)
@@ -179,24 +155,38 @@ class Publisher:
                 if place is not None:
                     member.held = (version, place)
                     serve_peers(self.server.sessions, session, latest, place, self._tell_peer)
-            self._cv.notify_all()
+            self.cv.notify_all()
 
     def on_session_end(self, session: Member) -> None:
         """A session ended: if it was its host's streamer, another actor of the host takes over."""
-        with self._cv:
-            if not session.weights.streamer:
+        with self.cv:
+            if not session.weights.streamer or self._ending:
                 return
             session.weights.streamer = False
             self._take_over(elect(self.server.sessions.values(), session.weights.host))
 
+    def verify_stream(self, msg: _wire.OpenStream, nonce: bytes) -> Member:
+        """Check a weights stream's opening proof (``streams.Streams.verify``)."""
+        return self.streams.verify(msg, nonce)
+
+    async def serve_stream(self, conn: Any, session: Member, have: int) -> None:
+        """Make a proven connection ``session``'s weights stream (``streams.Streams.serve``)."""
+        await self.streams.serve(conn, session, have)
+
+    def stream_opened(self, session: Member, have: int) -> None:
+        """``session`` opened a weights stream for versions above ``have`` (lock held): if it
+        was to read a peer's copy or take versions from a relay, that source failed it."""
+        self._take_over(note_refusal(self.server.sessions, session, have))
+        self._chain.lost_stream(session)
+
     def on_relay_at(self, session: Member, msg: _wire.RelayAt) -> None:
-        with self._cv:
+        with self.cv:
             self._chain.on_relay_at(self.server.sessions, session, msg, self._send)
 
     def on_relayed(self, session: Member, msg: _wire.Relayed) -> None:
-        with self._cv:
+        with self.cv:
             self._chain.on_relayed(session, msg)
-            self._cv.notify_all()
+            self.cv.notify_all()
 
     def _take_over(self, successor: Member | None) -> None:
         take_over(self.server.sessions, successor, self.latest, self._tell_peer, self._send)
@@ -205,7 +195,7 @@ class Publisher:
         """Where ``peer`` reads ``snap``, and its key and Seal under its own key (lock held)."""
         key = peer.weights.key
         assert key is not None  # FROM_PEER: subscribed, so keyed
-        wrapped, seal = self._seal(key, snap)
+        wrapped, seal = self.seal(key, snap)
         self._send([peer], _wire.Mapped(snap.manifest, where), wrapped, seal)
         self.stats["from_peers"] += 1
 
@@ -218,7 +208,7 @@ class Publisher:
         # be opened).
         local = session.hello.host == hostname()
         shared = bool(msg.shared) and self._pool.shared and local
-        with self._cv:
+        with self.cv:
             member = session.weights
             member.subscribed, member.shared, member.key = True, shared, key
             # Off our host, actors that can read memfds share copies among their host's actors.
@@ -229,127 +219,15 @@ class Publisher:
             member.sent = self.server.version
             if member.peers:
                 elect(self.server.sessions.values(), member.host)
-            self._cv.notify_all()
-
-    def verify_stream(self, msg: _wire.OpenStream, nonce: bytes) -> Member:
-        """Check a weights stream's opening proof (on the loop, right before :meth:`serve_stream`)."""
-        session: Member | None = self.server.sessions.get(msg.session)
-        if session is None or session.state is not SessionState.OPEN:
-            raise AuthError("weights stream for an unknown session")
-        if len(msg.nonce) != _auth.NONCE_BYTES:
-            raise AuthError("weights stream without a fresh nonce")
-        key = session.key
-        _auth.verify(_keys.stream_proof(key, "actor", nonce, msg.nonce, session.id), msg.mac, "weights stream")
-        self._openings[session.id] = _Opening(_keys.stream_key(key, nonce, msg.nonce),
-                                              _keys.stream_proof(key, "learner", nonce, msg.nonce, session.id))  # fmt: skip
-        return session
-
-    async def serve_stream(self, conn: Any, session: Member, have: int) -> None:
-        """Answer a proven stream with the learner's proof, then hand the connection to a thread
-        of its own (:meth:`_stream_versions`): the newest version newer than ``have`` goes out
-        on it (or Version if there is none and the actor reads shared memory), and every later
-        version too where :func:`~.route.delivery` routes it by stream."""
-        opening = self._openings.pop(session.id, None)  # before any await: verify_stream just set it
-        if opening is None:
-            raise AuthError("weights stream without a verified proof")
-        await self.loop.sock_sendall(conn.sock, _wire.encode(_wire.Proof(opening.proof)))
-        conn.handed_off = True  # the stream's thread owns the socket from here on
-        sock = conn.sock
-        sock.setblocking(True)
-        sock.settimeout(self.config.weights_timeout)  # bounds every send (one bucket)
-        set_congestion(sock, self.config.tcp_congestion)  # whole models go out on it
-        stream = _Stream(session, sock, opening.key, have)
-        with self._cv:
-            if self._closed:
-                sock.close()
-                return
-            self._take_over(note_refusal(self.server.sessions, session, have))  # a peer's copy failed it?
-            self._chain.lost_stream(session)  # or its relay did
-            old = self._streams.get(session.id)
-            self._streams[session.id] = stream
-            self.stats["streams"] = len(self._streams)
-        if old is not None:  # a reconnected stream replaces the old one: its thread ends
-            _shut(old)
-        stream.thread = threading.Thread(target=self._stream_versions, args=(stream,), daemon=True,
-                                         name=f"rlink-weights-{session.id}")  # fmt: skip
-        stream.thread.start()
-
-    # --- weights stream threads ---------------------------------------------------------------
-    def _stream_versions(self, stream: _Stream) -> None:
-        try:
-            while True:
-                snap = self._newer(stream)
-                if snap is None:
-                    if not self._keeps(stream) and not self._closed:  # a one-version stream, nothing newer
-                        stream.sock.sendall(_wire.encode(_wire.Version(self.server.version)))
-                    return
-                self._push(stream, snap)
-                if not self._keeps(stream):
-                    return
-        except (OSError, RLinkError) as exc:
-            if not stream.ended and not self._closed:
-                log.info("weights stream of session %d ended: %s", stream.session.id, exc)
-        finally:
-            _shut(stream)
-            stream.sock.close()
-            with self._cv:
-                if self._streams.get(stream.session.id) is stream:
-                    del self._streams[stream.session.id]
-                self.stats["streams"] = len(self._streams)
-
-    def _keeps(self, stream: _Stream) -> bool:
-        """Whether the stream stays open for later versions (else it carries one): where
-        :func:`~.route.delivery` routes the newest version to its actor by stream."""
-        s = stream.session
-        # Not ``s.weights.subscribed``: only a subscriber opens a stream, and its Subscribe (on
-        # the control connection) may be read after its stream opened (on a connection of its
-        # own); a stream ended after one version there left the actor to open a second one.
-        with self._cv:
-            return s.state is SessionState.OPEN and delivery(s.weights, self.pending or self.latest) is Route.STREAM
-
-    def _newer(self, stream: _Stream) -> Snapshot | None:
-        """The newest version newer than the stream's (waiting for one while the stream is
-        kept), possibly still being copied; None once the stream should end."""
-        with self._cv:
-            while not (self._closed or stream.ended or stream.session.state is not SessionState.OPEN):
-                snap = self.pending if self.pending is not None and self.pending.failed is None else self.latest
-                if snap is not None and snap.version > stream.sent:
-                    return snap
-                if not self._keeps(stream):
-                    return None
-                self._cv.wait(0.25)
-        return None
-
-    def _push(self, stream: _Stream, snap: Snapshot) -> None:
-        """Send one version: Publish, its key wrapped for this stream, each bucket as soon
-        as it is copied, and the Seal once every bucket is tagged."""
-        timeout = self.config.weights_timeout
-        source = self._host_copy(snap)  # a CUDA version: once sealed, in host memory
-        send = stream.sock.sendall
-        send(_wire.encode(_wire.Publish(source.manifest)) + _wire.encode(self._weights_key(stream.key, source)))
-        for i, (a, b) in enumerate(source.manifest.buckets()):
-            source.wait_ready(i + 1, timeout)
-            send(memoryview(source.flat[a:b]))
-        source.wait_ready(len(source.manifest.buckets()) + 1, timeout)
-        send(_wire.encode(self._seal(stream.key, source)[1]))
-        stream.sent = source.version
-        with self._cv:
-            member = stream.session.weights
-            member.sent = max(member.sent, source.version)
-            self.stats["streamed"] += 1
-            self.stats["streamed_bytes"] += source.manifest.total_bytes
-            sent = self.stats["bytes_per_version"]  # the learner's own sends, newest versions only
-            sent[source.version] = sent.get(source.version, 0) + source.manifest.total_bytes
-            for old in [v for v in sent if v <= source.version - 4]:
-                del sent[old]
+            self.cv.notify_all()
 
     # --- fan-out thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            with self._cv:
-                while not self._closed and (self.pending is None or self.pending.version <= self._fanned):
-                    self._cv.wait()
-                if self._closed:
+            with self.cv:
+                while not self.closed and (self.pending is None or self.pending.version <= self._fanned):
+                    self.cv.wait()
+                if self.closed:
                     break
                 snap = self.pending
                 assert snap is not None
@@ -360,16 +238,16 @@ class Publisher:
             except Exception as exc:  # the fan-out thread must outlive any one failure
                 log.exception("fan-out of version %d failed", snap.version)
                 self.stats["last_error"] = repr(exc)
-            with self._cv:
+            with self.cv:
                 self._fanned = snap.version
                 self.stats["fanouts"] += 1
                 self.stats["last_fanout_seconds"] = round(time.monotonic() - started, 6)
-                self._cv.notify_all()
+                self.cv.notify_all()
 
     def _fan_out(self, snap: Snapshot) -> None:
         timeout = self.config.weights_timeout
         sessions = [s for s in list(self.server.sessions.values()) if s.state is SessionState.OPEN]
-        with self._cv:
+        with self.cv:
             subscribed = [s for s in sessions if s.weights.subscribed]
             for host in {s.weights.host for s in subscribed if s.weights.peers}:
                 elect(sessions, host)  # a streamer whose end was not reported yet is replaced
@@ -381,7 +259,7 @@ class Publisher:
             sharing = [s for s in subscribed if routes[s.id] is Route.SHARED]
             from_peers = {s.id for s in subscribed if routes[s.id] is Route.FROM_PEER}
             relayed = [s for s in subscribed if routes[s.id] is Route.RELAY]
-            streaming = [s for s in subscribed if s.id in self._streams and routes[s.id] in _ON_STREAMS]
+            streaming = [s for s in subscribed if s.id in self.streams.by_session and routes[s.id] in _ON_STREAMS]
             for s in sharing + relayed:
                 s.weights.sent = snap.version
             for s in relayed:  # whose copy it reads: a refusal strikes that relay (hosts.note_refusal)
@@ -394,9 +272,9 @@ class Publisher:
             self._map(sharing, snap, keys)
         snap.wait_ready(len(snap.manifest.buckets()) + 1, timeout)
         for s in sharing:  # once every tag is computed
-            self._send([s], self._seal(keys[s.id], snap)[1])
+            self._send([s], self.seal(keys[s.id], snap)[1])
         for s in relayed:  # its bytes come through the chain, its key and Seal from us
-            self._send([s], _wire.Version(snap.version), *self._seal(keys[s.id], snap))
+            self._send([s], _wire.Version(snap.version), *self.seal(keys[s.id], snap))
         self.stats["shared"] += len(sharing)
         self.stats["relayed"] += len(relayed)
         # Once complete: the others open a weights stream for it; those with one have it on its
@@ -413,9 +291,9 @@ class Publisher:
         hold every other actor's next version back for ``weights_timeout`` (a SIGSTOPped
         on-policy actor did, for 30 s per version)."""
         deadline = time.monotonic() + self.config.weights_timeout
-        with self._cv:
+        with self.cv:
             while any(s.state is SessionState.OPEN and s.weights.acked < snap.version for s in members):
-                if self._closed:
+                if self.closed:
                     return
                 now = time.monotonic()
                 if self.pending is not None and self.pending.version > snap.version:
@@ -427,9 +305,9 @@ class Publisher:
                     self.stats["fanout_failures"] += 1
                     self.stats["last_error"] = f"version {snap.version}: not every actor confirmed it in time"
                     return
-                self._cv.wait(min(deadline - now, 0.25))
+                self.cv.wait(min(deadline - now, 0.25))
 
-    def _weights_key(self, key: bytes, snap: Snapshot) -> _wire.WeightsKey:
+    def weights_key(self, key: bytes, snap: Snapshot) -> _wire.WeightsKey:
         """The version's secret wrapped for the holder of ``key``."""
         return _wire.WeightsKey(snap.version, _keys.wrap(key, snap.version, snap.key.secret))
 
@@ -439,7 +317,7 @@ class Publisher:
         if where is None:  # never: ``sharing`` only holds actors when the snapshot is in shared memory
             return
         for s in sharing:
-            self._send([s], _wire.Mapped(snap.manifest, where), self._weights_key(keys[s.id], snap))
+            self._send([s], _wire.Mapped(snap.manifest, where), self.weights_key(keys[s.id], snap))
 
     def _send(self, sessions: list[Member], *msgs: Any) -> None:
         for s in sessions:
@@ -448,22 +326,6 @@ class Publisher:
                     self.loop.call_soon_threadsafe(s.control.send, msg)
                 except RuntimeError:  # the loop has stopped: the learner is closing
                     return
-
-    def _host_copy(self, snap: Snapshot) -> Snapshot:
-        """A host copy of a CUDA snapshot, for the weights streams: the one its tags were
-        computed on (``snapshot.fill``), made here only for a snapshot sealed without it. It waits
-        until the snapshot is sealed: the fan-out starts while ``publish`` is still copying, and a
-        copy taken earlier would send (and cache, for every later stream) a half-written model."""
-        if snap.device == "cpu":
-            return snap
-        snap.wait_ready(len(snap.manifest.buckets()) + 1, self.config.weights_timeout)
-        with self._host_lock:  # every actor's thread may ask at once
-            cached = snap.host
-            if cached is None:
-                flat = np.ascontiguousarray(snap.flat.cpu().numpy())
-                cached = Snapshot(snap.manifest, flat, "cpu", key=snap.key, tags=snap.tags)
-                snap.host = cached
-        return cached
 
     # --- reporting and shutdown ------------------------------------------------------------------
     def snapshot_stats(self) -> dict[str, Any]:
@@ -477,24 +339,15 @@ class Publisher:
             "relay": self._chain.report(self.server.sessions),
         }
 
+    def closing(self) -> None:
+        """The learner ends every session now: no host's actor takes its streamer's place."""
+        with self.cv:
+            self._ending = True
+
     def close(self) -> None:
-        with self._cv:
-            self._closed = True
-            self._cv.notify_all()
-            streams = list(self._streams.values())
-        for stream in streams:
-            _shut(stream)
+        with self.cv:
+            self.closed = True
+            self.cv.notify_all()
+        self.streams.close()
         if self._thread is not None:
             self._thread.join(self.config.close_timeout)
-        for stream in streams:
-            if stream.thread is not None:
-                stream.thread.join(self.config.close_timeout)
-
-
-def _shut(stream: _Stream) -> None:
-    """End a weights stream from any thread: its thread's send or wait returns at once."""
-    stream.ended = True
-    try:
-        stream.sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass

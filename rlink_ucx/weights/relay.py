@@ -24,6 +24,7 @@ import select
 import socket
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from ..config import Config
@@ -33,7 +34,7 @@ from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 
-__all__ = ["MAX_PENDING", "PIECE", "Incoming", "RelayServer", "dial"]
+__all__ = ["MAX_PENDING", "PIECE", "Incoming", "RelayServer", "dial", "receive", "stall_timeout"]
 
 log = logging.getLogger(__name__)
 
@@ -279,6 +280,30 @@ def dial(host: str, port: int, link: bytes, key: bytes, have: int, config: Confi
         sock.close()
         raise
     return sock
+
+
+def receive(sock: socket.socket, manifest: Any, pool: Any, relay: RelayServer | None,
+            on_piece: Callable[[Any, int], None] | None = None) -> tuple[Any, list[Any] | None]:  # fmt: skip
+    """Read ``manifest``'s bytes from ``sock`` into a fresh buffer of ``pool``, piece by piece,
+    each passed on to ``relay``'s readers as soon as it is in (and to ``on_piece(buffer,
+    bytes in)``); the buffer and where it lies (a memfd: the host's other actors may read it)."""
+    flat, where = pool.get(manifest.total_bytes)
+    incoming = Incoming(manifest, flat)
+    if relay is not None:
+        relay.offer(incoming)
+    total, done = manifest.total_bytes, 0
+    try:
+        while done < total:
+            end = min(total, done + PIECE)
+            _wire.recv_exact_into(sock, flat.data[done:end])
+            done = end
+            incoming.advance(done)
+            if on_piece is not None:
+                on_piece(flat, done)
+    except BaseException:
+        incoming.fail()
+        raise
+    return flat, where
 
 
 def stall_timeout(config: Config) -> float:

@@ -17,17 +17,15 @@ from __future__ import annotations
 import concurrent.futures
 import hmac
 import logging
-import select
 import socket
 import threading
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Any
 
 from ..config import Config
-from ..errors import AuthError, Closed, ProtocolError, RLinkError, refusal
+from ..errors import AuthError, Closed, ProtocolError, RLinkError
 from ..errors import TimeoutError as RLinkTimeout
-from ..transport.control import ControlConnection
 from ..transport.loop import IOThread
 from ..wire import auth as _auth
 from ..wire import keys as _keys
@@ -35,47 +33,13 @@ from ..wire import messages as _wire
 from ..wire.frameworks import Adapter
 from .inbox import Inbox
 from .mac import VersionKey, check_tags
-from .relay import PIECE, Incoming, RelayServer, dial, stall_timeout
+from .relay import RelayServer, dial, receive, stall_timeout
 from .shared import available as shared_available
 from .shared import holder_gone, read_into
 from .snapshot import BufferPool, Snapshot
+from .stream_link import Connection, Link, Unproven, open_stream, read_reply, readable, tag_completed
 
 log = logging.getLogger(__name__)
-
-
-class Link(Protocol):
-    """The actor's connection as the subscriber sees it (a ``session.actor.link.ActorConnection``)."""
-
-    @property
-    def host(self) -> str: ...
-    @property
-    def port(self) -> int: ...
-    @property
-    def actor_id(self) -> int | None: ...
-    @property
-    def latest_version(self) -> int:
-        """The newest version the learner announced."""
-        ...
-
-    @property
-    def error(self) -> RLinkError | None:
-        """Set once the connection failed for good."""
-        ...
-
-    @property
-    def welcome(self) -> _wire.Welcome | None:
-        """Session id and ticket: opening a weights stream proves them."""
-        ...
-
-    @property
-    def control(self) -> ControlConnection | None: ...
-
-    weights_listener: Callable[[Any], None] | None  # gets the weights messages
-    subscription: Any  # the Subscribe message, repeated after a reconnect
-
-    def weights_key(self) -> bytes:
-        """The current session's weights key (``wire.keys.session_key``)."""
-        ...
 
 
 _OPEN = object()  # event: open a weights stream now, whatever the announced version
@@ -98,8 +62,8 @@ class Subscriber:
         self._inbox = Inbox()
         self._cv = threading.Condition()
         self._closed = False
-        self._stream: _Connection | None = None  # our weights stream, once opened
-        self._relay_in: _Connection | None = None  # the relay we take versions from (key: its session id)
+        self._stream: Connection | None = None  # our weights stream, once opened
+        self._relay_in: Connection | None = None  # the relay we take versions from (key: its session id)
         self._relay: RelayServer | None = None  # our listener, once the learner asked us to relay
         self._quiet_since: float | None = None  # since when a newer version is due from our relay
         self._tagger: concurrent.futures.ThreadPoolExecutor | None = None  # tags buckets while the next arrive
@@ -218,7 +182,7 @@ class Subscriber:
         self._watch_relay()
         stream, relay = self._stream, self._relay_in
         socks = [c.sock for c in (stream, relay) if c is not None]
-        for sock in _readable(socks, 0.25) if socks else ():
+        for sock in readable(socks, 0.25) if socks else ():
             if stream is not None and sock is stream.sock:
                 self._take(stream)
             elif relay is not None and sock is relay.sock:
@@ -272,7 +236,7 @@ class Subscriber:
             self._note_failure("relay_failures", exc)
             self.io.soon(self._send, _wire.Relayed(msg.session, False))
             return
-        self._relay_in = _Connection(sock, msg.session.to_bytes(8, "little"))
+        self._relay_in = Connection(sock, msg.session.to_bytes(8, "little"))
         self.io.soon(self._send, _wire.Relayed(msg.session, True))
 
     def _lose_relay(self, *, tell: bool) -> None:
@@ -294,7 +258,7 @@ class Subscriber:
         elif now - self._quiet_since > stall_timeout(self.config):
             raise _RelayFailed(f"the relay sent nothing of version {self.conn.latest_version} in time")
 
-    def _take_relayed(self, relay: _Connection) -> None:
+    def _take_relayed(self, relay: Connection) -> None:
         """Read one version our relay passes on (passing it on in turn), then check it under
         the key and Seal the learner sent us for it."""
         sock = relay.sock
@@ -323,25 +287,9 @@ class Subscriber:
 
     def _receive(self, sock: socket.socket, manifest: Any, on_piece: Callable[[Any, int], None] | None = None
                  ) -> tuple[Any, list[Any] | None]:  # fmt: skip
-        """Read ``manifest``'s bytes into a fresh buffer, piece by piece, each passed on to our
-        relay's readers as it is in; the buffer and where it lies (a memfd: our peers may read it)."""
-        flat, where = self._pool.get(manifest.total_bytes)
-        incoming = Incoming(manifest, flat)
-        if self._relay is not None:
-            self._relay.offer(incoming)
-        total, done = manifest.total_bytes, 0
-        try:
-            while done < total:
-                end = min(total, done + PIECE)
-                _wire.recv_exact_into(sock, flat.data[done:end])
-                done = end
-                incoming.advance(done)
-                if on_piece is not None:
-                    on_piece(flat, done)
-        except BaseException:
-            incoming.fail()
-            raise
-        return flat, where
+        """Read ``manifest``'s bytes into a fresh buffer, passing each piece on to our relay's
+        readers as it is in (``relay.receive``); the buffer and where it lies."""
+        return receive(sock, manifest, self._pool, self._relay, on_piece)
 
     def _subscription_key(self) -> bytes:
         return _keys.subscription_key(self.conn.weights_key(), self._nonce)
@@ -375,35 +323,13 @@ class Subscriber:
         return VersionKey(_keys.wrap(key, version, wrapped.wrapped))
 
     def _open(self) -> None:
-        """Open our weights stream: both sides prove the session's weights key over fresh
-        nonces first. The learner then sends the newest version newer than ours on it (or, to
-        an actor on shared memory with nothing newer, Version and closes it)."""
-        welcome = self.conn.welcome
-        assert welcome is not None
-        session_key = self.conn.weights_key()
-        sock = socket.create_connection((self.conn.host, self.conn.port), timeout=self.config.handshake_timeout)
         try:
-            sock.settimeout(self.config.weights_timeout)
-            challenge = _wire.read_message(sock, self.config.max_preauth_bytes)
-            if not isinstance(challenge, _wire.Challenge):
-                raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
-            nonce = _auth.new_nonce()
-            mac = _keys.stream_proof(session_key, "actor", challenge.nonce, nonce, welcome.session)
-            sock.sendall(_wire.encode(_wire.OpenStream(_wire.PROTOCOL_VERSION, welcome.session, mac, self.have, nonce)))
-            proof = _wire.read_message(sock, self.config.max_control_bytes)
-            if isinstance(proof, _wire.Error):
-                raise refusal(proof.kind, f"learner refused the weights stream: {proof.text}")
-            expected = _keys.stream_proof(session_key, "learner", challenge.nonce, nonce, welcome.session)
-            if not isinstance(proof, _wire.Proof) or not hmac.compare_digest(expected, proof.mac):
-                raise self._refuse(AuthError("the peer answering a weights stream did not prove the session's key "
-                                             "(not the learner?)"))  # fmt: skip
-        except BaseException:
-            sock.close()
-            raise
-        self._stream = _Connection(sock, _keys.stream_key(session_key, challenge.nonce, nonce))
+            self._stream = open_stream(self.conn, self.have, self.config)
+        except Unproven as exc:
+            raise self._refuse(exc) from None
         self.stats["connections"] += 1
 
-    def _take(self, stream: _Connection) -> None:
+    def _take(self, stream: Connection) -> None:
         """Read what the learner sent on our weights stream: one version (tagging each
         bucket as it arrives), or Version (nothing newer), or its end."""
         sock = stream.sock
@@ -432,7 +358,7 @@ class Subscriber:
         tags: list[concurrent.futures.Future[bytes]] = []
 
         def tag_arrived(flat: Any, done: int) -> None:  # tag each bucket while the next arrive
-            _tag_arrived(buckets, tags, done, lambda i, a, b: tagger.submit(key.tag, flat, a, b, version, i))
+            tag_completed(buckets, tags, done, lambda i, a, b: tagger.submit(key.tag, flat, a, b, version, i))
 
         flat, where = self._receive(sock, manifest, tag_arrived)
         seal = self._read(sock, _wire.Seal)
@@ -447,12 +373,7 @@ class Subscriber:
         self._expose(snap)
 
     def _read(self, sock: socket.socket, kind: Any) -> Any:
-        msg = _wire.read_message(sock, self.config.max_control_bytes)
-        if isinstance(msg, _wire.Error):
-            raise refusal(msg.kind, f"learner refused the weights stream: {msg.text}")
-        if not isinstance(msg, kind):
-            raise ProtocolError(f"weights stream: unexpected {type(msg).__name__}")
-        return msg
+        return read_reply(sock, kind, self.config.max_control_bytes)
 
     def _read_shared(self, msg: _wire.Mapped) -> None:
         """Copy a version out of the learner's shared memory (we share its host), tagging each
@@ -469,7 +390,7 @@ class Subscriber:
         tags: list[bytes] = []
 
         def tag_arrived(done: int) -> None:  # tag while the next piece is read
-            _tag_arrived(buckets, tags, done, lambda i, a, b: key.tag(flat, a, b, version, i))
+            tag_completed(buckets, tags, done, lambda i, a, b: key.tag(flat, a, b, version, i))
 
         try:
             read_into(msg.where, flat, tag_arrived)
@@ -517,26 +438,3 @@ class Subscriber:
         self._thread.join(self.config.close_timeout)
         if self._tagger is not None:
             self._tagger.shutdown(wait=True)
-
-
-class _Connection:
-    """Our weights stream's connection and its key (fresh by both nonces)."""
-
-    __slots__ = ("key", "sock")
-
-    def __init__(self, sock: socket.socket, key: bytes):
-        self.sock, self.key = sock, key
-
-
-def _tag_arrived(buckets: list[tuple[int, int]], tags: list[Any], done: int, tag: Callable[[int, int, int], Any]) -> None:
-    """Append ``tag(i, start, end)`` for each bucket ``i`` that the first ``done`` bytes complete."""
-    while len(tags) < len(buckets) and buckets[len(tags)][1] <= done:
-        i = len(tags)
-        tags.append(tag(i, *buckets[i]))
-
-
-def _readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
-    try:
-        return list(select.select(socks, [], [], timeout)[0])
-    except (OSError, ValueError):  # closed meanwhile: the read says how
-        return socks

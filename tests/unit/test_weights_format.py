@@ -140,7 +140,7 @@ def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
     snap = Snapshot(Manifest(1, entries, total, 256, [], KEYED), flat, "cuda:0", sealed=False)
     publisher = Publisher(types.SimpleNamespace(config=Config(weights_timeout=20.0), loop=None))
     copies: list[Snapshot] = []
-    copier = threading.Thread(target=lambda: copies.append(publisher._host_copy(snap)))
+    copier = threading.Thread(target=lambda: copies.append(publisher.streams._host_copy(snap)))
     copier.start()
     copier.join(0.3)
     assert copier.is_alive() and not copies  # still waiting: nothing was copied yet
@@ -153,4 +153,4 @@ def test_the_host_copy_of_a_device_snapshot_waits_until_it_is_sealed():
     host.verify()
     got = host.tensors()
     assert torch.equal(got["w"], state["w"]) and torch.equal(got["b"], state["b"])
-    assert publisher._host_copy(snap) is host  # made once per version
+    assert publisher.streams._host_copy(snap) is host  # made once per version

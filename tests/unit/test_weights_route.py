@@ -14,7 +14,7 @@ import pytest
 from rlink_ucx.transport.session_state import SessionState
 from rlink_ucx.weights.hosts import note_refusal, note_served, peers_of
 from rlink_ucx.weights.membership import Membership
-from rlink_ucx.weights.publisher import _Stream
+from rlink_ucx.weights.streams import _Stream
 from rlink_ucx.weights.route import Route, delivery
 from rlink_ucx.weights.snapshot import BufferPool, snapshot
 from rlink_ucx.wire import messages as _wire
@@ -88,7 +88,7 @@ def test_the_fan_out_and_the_streams_follow_delivery(publisher, in_shared_memory
     publisher.server.sessions.update(sessions)
     routes = {sid: delivery(m, snap) for sid, m in members.items()}
     publisher.latest = snap
-    kept = {sid: publisher._keeps(_Stream(s, sock=None, key=b"", sent=4)) for sid, s in sessions.items()}  # type: ignore[arg-type]
+    kept = {sid: publisher.streams._keeps(_Stream(s, sock=None, key=b"", sent=4)) for sid, s in sessions.items()}  # type: ignore[arg-type]
 
     publisher._fan_out(snap)
     publisher.loop.run_until_complete(asyncio.sleep(0))  # run the sends queued for the loop

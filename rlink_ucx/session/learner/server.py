@@ -166,6 +166,7 @@ class LearnerServer:
         await self.rank_link.started(timeout)
 
     async def stop(self) -> None:
+        self.publisher.closing()  # sessions end now: nothing is taken over or relinked
         self.withdraw_token()
         if self.rank_link is not None:
             self.rank_link.close()

@@ -1,0 +1,121 @@
+"""The actor's end of its weights stream: the connection it subscribes through, opening a
+stream to the learner with both sides proving the session's key, and reading what comes on it
+(or on a relay's connection, ``relay.py``)."""
+
+from __future__ import annotations
+
+import hmac
+import select
+import socket
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from ..config import Config
+from ..errors import AuthError, ProtocolError, RLinkError, refusal
+from ..transport.control import ControlConnection
+from ..wire import auth as _auth
+from ..wire import keys as _keys
+from ..wire import messages as _wire
+
+__all__ = ["Connection", "Link", "Unproven", "open_stream", "read_reply", "readable", "tag_completed"]
+
+
+class Link(Protocol):
+    """The actor's connection as the subscriber sees it (a ``session.actor.link.ActorConnection``)."""
+
+    @property
+    def host(self) -> str: ...
+    @property
+    def port(self) -> int: ...
+    @property
+    def actor_id(self) -> int | None: ...
+    @property
+    def latest_version(self) -> int:
+        """The newest version the learner announced."""
+        ...
+
+    @property
+    def error(self) -> RLinkError | None:
+        """Set once the connection failed for good."""
+        ...
+
+    @property
+    def welcome(self) -> _wire.Welcome | None:
+        """Session id and ticket: opening a weights stream proves them."""
+        ...
+
+    @property
+    def control(self) -> ControlConnection | None: ...
+
+    weights_listener: Callable[[Any], None] | None  # gets the weights messages
+    subscription: Any  # the Subscribe message, repeated after a reconnect
+
+    def weights_key(self) -> bytes:
+        """The current session's weights key (``wire.keys.session_key``)."""
+        ...
+
+
+class Unproven(AuthError):
+    """The peer answering did not prove the key it had to."""
+
+
+class Connection:
+    """A weights stream's or a relay's connection, and its key (the stream's, fresh by both
+    nonces; for a relay, the relay's session id, 8 bytes)."""
+
+    __slots__ = ("key", "sock")
+
+    def __init__(self, sock: socket.socket, key: bytes):
+        self.sock, self.key = sock, key
+
+
+def open_stream(conn: Link, have: int, config: Config) -> Connection:
+    """Open a weights stream to the learner: both sides prove the session's weights key over
+    fresh nonces first. The learner then sends the newest version newer than ``have`` on it (or,
+    to an actor on shared memory with nothing newer, Version and closes it)."""
+    welcome = conn.welcome
+    assert welcome is not None
+    session_key = conn.weights_key()
+    sock = socket.create_connection((conn.host, conn.port), timeout=config.handshake_timeout)
+    try:
+        sock.settimeout(config.weights_timeout)
+        challenge = _wire.read_message(sock, config.max_preauth_bytes)
+        if not isinstance(challenge, _wire.Challenge):
+            raise ProtocolError(f"expected Challenge, got {type(challenge).__name__}")
+        nonce = _auth.new_nonce()
+        mac = _keys.stream_proof(session_key, "actor", challenge.nonce, nonce, welcome.session)
+        sock.sendall(_wire.encode(_wire.OpenStream(_wire.PROTOCOL_VERSION, welcome.session, mac, have, nonce)))
+        proof = _wire.read_message(sock, config.max_control_bytes)
+        if isinstance(proof, _wire.Error):
+            raise refusal(proof.kind, f"learner refused the weights stream: {proof.text}")
+        expected = _keys.stream_proof(session_key, "learner", challenge.nonce, nonce, welcome.session)
+        if not isinstance(proof, _wire.Proof) or not hmac.compare_digest(expected, proof.mac):
+            raise Unproven("the peer answering a weights stream did not prove the session's key (not the learner?)")
+    except BaseException:
+        sock.close()
+        raise
+    return Connection(sock, _keys.stream_key(session_key, challenge.nonce, nonce))
+
+
+def read_reply(sock: socket.socket, kind: Any, max_bytes: int) -> Any:
+    """The next message on a weights stream, which must be a ``kind``."""
+    msg = _wire.read_message(sock, max_bytes)
+    if isinstance(msg, _wire.Error):
+        raise refusal(msg.kind, f"learner refused the weights stream: {msg.text}")
+    if not isinstance(msg, kind):
+        raise ProtocolError(f"weights stream: unexpected {type(msg).__name__}")
+    return msg
+
+
+def tag_completed(buckets: list[tuple[int, int]], tags: list[Any], done: int, tag: Callable[[int, int, int], Any]) -> None:
+    """Append ``tag(i, start, end)`` for each bucket ``i`` that the first ``done`` bytes complete."""
+    while len(tags) < len(buckets) and buckets[len(tags)][1] <= done:
+        i = len(tags)
+        tags.append(tag(i, *buckets[i]))
+
+
+def readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
+    try:
+        return list(select.select(socks, [], [], timeout)[0])
+    except (OSError, ValueError):  # closed meanwhile: the read says how
+        return socks

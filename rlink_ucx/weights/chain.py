@@ -16,8 +16,11 @@ the downstream takes versions by stream from the learner.
 
 A streamer that has not confirmed the version it was sent for :func:`~.relay.stall_timeout`
 (stopped, or cut off) leaves the chain at the next version and the chain closes around it; it
-comes back once it caught up. A relay whose copies were refused gets strikes as a host copy
-does (``hosts.note_refusal``). Everything here runs under the publisher's lock.
+comes back once it caught up. A relay whose copy a reader refused gets a strike, as a host
+copy does (``hosts.strike``), unless it refused that version itself: a relay passes each piece
+on before it can check it, so every host behind an altering one refuses the version, and only
+the first of them names the culprit. The verdict waits :data:`BLAME_DELAY` for the refusals of
+one version to come in. Everything here runs under the publisher's lock.
 """
 
 from __future__ import annotations
@@ -32,11 +35,13 @@ from ..transport.session_state import SessionState
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
+from .hosts import strike
 from .relay import stall_timeout
 
 __all__ = ["RELAY_MIN_BYTES", "Chain"]
 
 RELAY_MIN_BYTES = 1 << 20  # below it the chain's hops cost more than the copies it saves
+BLAME_DELAY = 0.5  # seconds a refusal waits for the refusals of the hosts before it
 RETRY_SECONDS = (1.0, 60.0)  # a pair whose link failed is tried again after 1, 2, 4 ... 60 s
 
 Send = Callable[..., None]  # send(sessions, *messages) on their control connections
@@ -56,11 +61,14 @@ class Chain:
         self.config = config
         self.order: list[int] = []  # session ids, the head first
         self._asked: dict[bytes, _Asked] = {}  # link nonce -> the pair it links
+        self._blames: list[tuple[int, int, float]] = []  # (relay, version refused from it, when)
 
-    def relink(self, sessions: dict[int, Any], model_bytes: int, send: Send) -> None:
-        """Before a version goes out: link each streamer to the one before it in the chain,
-        and unlink those that left it."""
+    def relink(self, sessions: dict[int, Any], model_bytes: int, send: Send) -> list[Any]:
+        """Before a version goes out (and as streamers confirm one): link each streamer to the
+        one before it in the chain, and unlink those that left it. Returns the hosts' new
+        streamers where a relay was struck out (they take over, ``hosts.take_over``)."""
         now = time.monotonic()
+        successors = self._judge(sessions, now)
         chain = self._plan(sessions.values(), model_bytes, now)
         self.order = [s.id for s in chain]
         want = {s.id: (chain[i - 1].id if i else None) for i, s in enumerate(chain)}
@@ -78,6 +86,21 @@ class Chain:
             link = _auth.new_nonce()
             self._asked[link] = _Asked(desired, s.id, now)
             send([sessions[desired]], _wire.RelayServe(link))
+        return successors
+
+    def _judge(self, sessions: dict[int, Any], now: float) -> list[Any]:
+        """Strike each relay whose copy a reader refused, unless it refused that version too."""
+        successors, waiting = [], []
+        for relay, version, at in self._blames:
+            holder = sessions.get(relay)
+            if now - at < BLAME_DELAY:
+                waiting.append((relay, version, at))
+            elif holder is not None and holder.weights.relay_refused < version:
+                successor = strike(sessions, holder, version, relay=True)
+                if successor is not None:
+                    successors.append(successor)
+        self._blames = waiting
+        return successors
 
     def _plan(self, sessions: Iterable[Any], model_bytes: int, now: float) -> list[Any]:
         """The streamers that relay, in chain order (empty: no chain is worth it)."""
@@ -113,8 +136,12 @@ class Chain:
         send([down], _wire.RelayFrom(upstream.id, host, msg.port, msg.link, wrapped))
 
     def on_relayed(self, session: Any, msg: _wire.Relayed) -> None:
-        """The downstream linked to its relay (or failed to, or lost it)."""
+        """The downstream linked to its relay (or failed to, or lost it, or refused its copy)."""
         member = session.weights
+        if msg.refused > 0 and member.relay_read == msg.session:  # a copy we had it take from there
+            member.relay_refused = max(member.relay_refused, msg.refused)
+            member.relay_read = None
+            self._blames.append((msg.session, msg.refused, time.monotonic()))
         if msg.ok and member.relay_want == msg.session:
             member.relay_from, member.relay_failures = msg.session, 0
         elif not msg.ok and member.relay_want == msg.session:
@@ -126,6 +153,16 @@ class Chain:
         member.relay_failures += 1
         low, high = RETRY_SECONDS
         member.relay_retry_at = time.monotonic() + min(high, low * 2 ** (member.relay_failures - 1))
+
+    @staticmethod
+    def served(sessions: dict[int, Any], reader: Any, version: int) -> None:
+        """``reader`` confirmed ``version``: if it took it from a relay, that relay's strikes
+        start over."""
+        member = reader.weights
+        relay = sessions.get(member.relay_read) if member.relay_read is not None else None
+        if relay is not None and version >= member.sent:
+            relay.weights.relay_strikes = ()
+            member.relay_read = None
 
     def lost_stream(self, session: Any) -> None:
         """``session`` opened a weights stream of its own while linked: its relay failed it."""

@@ -26,7 +26,7 @@ from .route import Route, delivery
 from .shared import location
 
 __all__ = ["STRIKES", "elect", "hosts_report", "location_of", "note_refusal", "note_served", "peers_of", "serve_peers",
-           "take_over"]
+           "strike", "take_over"]
 
 
 STRIKES = 2  # versions in a row whose copy a peer refused, before its holder serves no more
@@ -48,11 +48,26 @@ def note_refusal(sessions: dict[int, Any], reader: Any, have: int) -> Any | None
     holder = sessions.get(member.mapped_from) if member.mapped_from is not None else None
     version = member.sent
     member.mapped_from = None
-    if holder is None or have >= version or holder.state is not SessionState.OPEN:
+    if holder is None or have >= version:
         return None
-    strikes = holder.weights.strikes
+    return strike(sessions, holder, version)
+
+
+def strike(sessions: dict[int, Any], holder: Any, version: int, relay: bool = False) -> Any | None:
+    """A copy of ``version`` that ``holder`` served (``relay``: passed on to another host) was
+    refused: at :data:`STRIKES` versions in a row of one kind it serves no more and takes
+    versions by stream; its host's new streamer is returned (None: unchanged). The kinds count
+    apart: its host's peers reading good copies must not clear what it passes on altered."""
+    if holder.state is not SessionState.OPEN:
+        return None
+    member = holder.weights
+    strikes = member.relay_strikes if relay else member.strikes
     if version not in strikes:
-        holder.weights.strikes = strikes = (*strikes, version)[-STRIKES:]
+        strikes = (*strikes, version)[-STRIKES:]
+        if relay:
+            member.relay_strikes = strikes
+        else:
+            member.strikes = strikes
     if len(strikes) < STRIKES:
         return None
     holder.weights.suspect, holder.weights.streamer = True, False

@@ -39,13 +39,19 @@ class Membership:
     # Relays between hosts (``chain.py``): whether its actor relays when asked (Subscribe), the
     # streamer it should take versions from and the one it does take them from (None: the
     # learner), its failed links in a row and when to try the next, and since when it is
-    # behind the version it was sent (out of the chain past ``relay.stall_timeout``).
+    # behind the version it was sent (out of the chain past ``relay.stall_timeout``), the relay
+    # it was told to take the last version from, the newest version it refused from its relay (a
+    # relay passing on what it refused is no culprit), and the versions in a row whose copy it
+    # passed on was refused (``hosts.strike``).
     relay: bool = False
     relay_want: int | None = None
     relay_from: int | None = None
     relay_failures: int = 0
     relay_retry_at: float = 0.0
     behind_since: float | None = None
+    relay_read: int | None = None
+    relay_refused: int = 0
+    relay_strikes: tuple[int, ...] = ()
     # Its subscription's key (``wire.keys.subscription_key``), set with ``shared``; never printed.
     key: bytes | None = field(default=None, repr=False)
     sent: int = 0  # newest version announced or sent to it

@@ -147,9 +147,10 @@ class Publisher:
             member = session.weights
             member.acked = max(member.acked, version)
             note_served(self.server.sessions, session, version)
+            self._chain.served(self.server.sessions, session, version)
             latest = self.latest
             if member.streamer and latest is not None:  # it may join the chain now, before the next version
-                self._chain.relink(self.server.sessions, latest.manifest.total_bytes, self._send)
+                self._relink(latest.manifest.total_bytes)
             if member.peers and not member.suspect and latest is not None and latest.version == version:
                 place = location_of(where, latest.manifest.total_bytes)
                 if place is not None:
@@ -177,7 +178,7 @@ class Publisher:
         """``session`` opened a weights stream for versions above ``have`` (lock held): if it
         was to read a peer's copy or take versions from a relay, that source failed it."""
         self._take_over(note_refusal(self.server.sessions, session, have))
-        self._chain.lost_stream(session)
+        self._chain.lost_stream(session)  # a relay's reader says what it refused in Relayed
 
     def on_relay_at(self, session: Member, msg: _wire.RelayAt) -> None:
         with self.cv:
@@ -187,6 +188,10 @@ class Publisher:
         with self.cv:
             self._chain.on_relayed(session, msg)
             self.cv.notify_all()
+
+    def _relink(self, model_bytes: int) -> None:
+        for successor in self._chain.relink(self.server.sessions, model_bytes, self._send):
+            self._take_over(successor)
 
     def _take_over(self, successor: Member | None) -> None:
         take_over(self.server.sessions, successor, self.latest, self._tell_peer, self._send)
@@ -251,7 +256,7 @@ class Publisher:
             subscribed = [s for s in sessions if s.weights.subscribed]
             for host in {s.weights.host for s in subscribed if s.weights.peers}:
                 elect(sessions, host)  # a streamer whose end was not reported yet is replaced
-            self._chain.relink(self.server.sessions, snap.manifest.total_bytes, self._send)
+            self._relink(snap.manifest.total_bytes)
             routes = {s.id: delivery(s.weights, snap) for s in subscribed}
             # Those routed to our shared memory read the version there; those with a weights
             # stream get it on the stream, from its own thread; those reading a peer's copy are
@@ -262,8 +267,8 @@ class Publisher:
             streaming = [s for s in subscribed if s.id in self.streams.by_session and routes[s.id] in _ON_STREAMS]
             for s in sharing + relayed:
                 s.weights.sent = snap.version
-            for s in relayed:  # whose copy it reads: a refusal strikes that relay (hosts.note_refusal)
-                s.weights.mapped_from = s.weights.relay_from
+            for s in relayed:  # whose copy it reads: a refusal strikes that relay (chain.py)
+                s.weights.relay_read = s.weights.relay_from
             keys = {s.id: key for s in sharing + relayed if (key := s.weights.key) is not None}  # subscribed: set
         others = [s for s in sessions if s not in sharing and s not in streaming and s.id not in from_peers
                   and s not in relayed]  # fmt: skip

@@ -46,7 +46,12 @@ _OPEN = object()  # event: open a weights stream now, whatever the announced ver
 
 
 class _RelayFailed(RLinkError):
-    """Our relay broke, stalled, or passed on a copy we refused: take the version by stream."""
+    """Our relay broke, stalled, or passed on a copy we refused (``refused``: its version):
+    take the version by stream."""
+
+    def __init__(self, text: str, refused: int = 0):
+        super().__init__(text)
+        self.refused = refused
 
 
 class Subscriber:
@@ -163,7 +168,7 @@ class Subscriber:
             try:
                 self._step()
             except _RelayFailed as exc:  # the learner has the version: take it from there now
-                self._lose_relay(tell=True)
+                self._lose_relay(tell=True, refused=exc.refused)
                 self._note_failure("relay_failures", exc)
                 self._inbox.put(_OPEN)
             except Exception as exc:  # noqa: BLE001 - logged and counted; the next version retries
@@ -239,13 +244,13 @@ class Subscriber:
         self._relay_in = Connection(sock, msg.session.to_bytes(8, "little"))
         self.io.soon(self._send, _wire.Relayed(msg.session, True))
 
-    def _lose_relay(self, *, tell: bool) -> None:
+    def _lose_relay(self, *, tell: bool, refused: int = 0) -> None:
         relay, self._relay_in = self._relay_in, None
         self._quiet_since = None
         if relay is not None:
             relay.sock.close()
             if tell:  # the learner relinks around it; we take versions by stream meanwhile
-                self.io.soon(self._send, _wire.Relayed(int.from_bytes(relay.key, "little"), False))
+                self.io.soon(self._send, _wire.Relayed(int.from_bytes(relay.key, "little"), False, refused))
 
     def _watch_relay(self) -> None:
         """A relay that sends nothing while a newer version is due is given up on."""
@@ -283,7 +288,8 @@ class Subscriber:
             snap.shared = where
             self._seal_and_expose("relayed", snap, subscription_key, wrapped, stall_timeout(self.config))
         except RLinkError as exc:  # refused, or not ours to check: the learner sends it itself
-            raise _RelayFailed(f"version {version} from the relay: {exc}") from exc
+            refused = version if exc is self.rejected else 0
+            raise _RelayFailed(f"version {version} from the relay: {exc}", refused) from exc
 
     def _receive(self, sock: socket.socket, manifest: Any, on_piece: Callable[[Any, int], None] | None = None
                  ) -> tuple[Any, list[Any] | None]:  # fmt: skip

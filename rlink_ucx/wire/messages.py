@@ -301,10 +301,12 @@ class RelayFrom(_Msg, frozen=True):
 
 class Relayed(_Msg, frozen=True):
     """Actor -> learner: ``session``'s relay accepted my proof and proved its own (``ok``), or
-    could not be reached or proven (not ``ok``): I take versions by stream meanwhile."""
+    could not be reached or proven, stalled or broke (not ``ok``): I take versions by stream
+    meanwhile. ``refused``: the version whose copy from it failed its tags or Seal (0: none)."""
 
     session: int
     ok: bool
+    refused: int = 0
 
 
 class RelayOpen(_Msg, frozen=True):

@@ -42,9 +42,11 @@ pytestmark = pytest.mark.skipif(not can_unshare(), reason="needs unshare --uts (
 class HostActor:
     """An actor process on host ``host`` and the lines it printed."""
 
-    def __init__(self, address: str, host: str, actor_id: int, mode: str = ""):
+    def __init__(self, address: str, host: str, actor_id: int, mode: str = "", relay: bool = False):
         self.host, self.actor_id, self.lines = host, actor_id, []
-        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+        # Without relays unless asked: these tests count one copy per host (test_relays.py: relays).
+        env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""),
+                   RLINK_WEIGHTS_RELAY="1" if relay else "0")  # fmt: skip
         self.proc = subprocess.Popen(
             ["unshare", "--uts", "sh", "-c",
              'hostname "$0" && exec "$1" -m tests.integration.host_copy_actor "$2" "$3" "$4"',

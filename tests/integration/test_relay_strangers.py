@@ -52,7 +52,8 @@ def test_a_stranger_churning_every_relay_and_learner_port_harms_nobody(hostile_l
         try:
             for host in hosts:  # host by host: the chain runs in this order
                 actors += [HostActor(learner.address, host, 10 * len(actors) + i, relay=True) for i in range(2)]
-                wait_for(lambda n=len(actors): len(learner.stats()["actors"]) == n and learner.wait_published(1, 0.1),
+                count = len(actors)
+                wait_for(lambda: len(learner.stats()["actors"]) == count and learner.wait_published(1, 0.1),
                          60, "the actors subscribed")  # fmt: skip
             version = 1
             while not linked(learner, hosts):  # the chain forms as the streamers confirm versions
@@ -75,7 +76,7 @@ def test_a_stranger_churning_every_relay_and_learner_port_harms_nobody(hostile_l
             print(json.dumps({"ports": ports, "churn": report, "open_files": files, "grown": grown}))
             assert max(grown.values()) < 20, (files, grown)
             sent = []
-            for version in range(version + 1, version + 4):  # still through the chain
+            for version in range(version + 1, version + 4):  # noqa: B020 - still through the chain
                 before = learner.stats()["weights"]["streamed_bytes"]
                 learner.publish(weights_of(version))
                 assert learner.wait_published(version, timeout=60), learner.stats()["weights"]

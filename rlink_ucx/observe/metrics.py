@@ -60,7 +60,7 @@ def sample(server: Any, timings: FetchTimings | None) -> dict[str, Any]:
         "version": server.version,
         "weights": {k: weights.get(k) or 0 for k in
                     ("published", "fanouts", "fanout_failures", "streamed", "streamed_bytes", "from_peers",
-                     "last_fanout_seconds")},
+                     "relayed", "last_fanout_seconds")},
         "staleness": cumulative(STALENESS_BOUNDS, dict(server.staleness.counts)),
     }  # fmt: skip
     if timings is not None:
@@ -102,6 +102,7 @@ _COUNTERS = (  # (name, help, key in sample()["total"] or sample())
     ("rlink_weights_streamed_bytes", "Bytes of weights sent on actors' weights streams.", "weights.streamed_bytes"),
     ("rlink_weights_from_peers", "Versions actors read from a copy another actor of their host holds.",
      "weights.from_peers"),
+    ("rlink_weights_relayed", "Versions actors took from the relay of the host before them.", "weights.relayed"),
 )  # fmt: skip
 _GAUGES = (
     ("rlink_connected_actors", "Actors connected now.", "connected_actors"),

@@ -114,7 +114,7 @@ def fake_sample(actors: int) -> dict:
         "rejected_connections": 0, "reconnects": 1, "lost_sessions": 0, "per_actor": per, "total": total,
         "torn_frames": 0, "stale_dropped": 0, "buffer_used_bytes": 0, "buffer_capacity_bytes": 1 << 20,
         "ready_steps": 0, "version": 7,
-        "weights": {"published": 7, "fanouts": 7, "fanout_failures": 0, "streamed": 1, "streamed_bytes": 10, "from_peers": 4,
+        "weights": {"published": 7, "fanouts": 7, "fanout_failures": 0, "streamed": 1, "streamed_bytes": 10, "from_peers": 4, "relayed": 6,
                     "last_fanout_seconds": 0.01},
         "staleness": cumulative((0, 1, 2, 3, 4, 8, 16, 32, 64, 128), {0: 10 * actors}),
         "latency": timings.latency.read(), "put_latency": timings.put_latency.read(), "fetch": timings.fetch.read(), "publish": timings.publish.read(),
@@ -147,6 +147,7 @@ def test_families_expose_bounded_actor_series_and_the_values_given():
     assert samples[("rlink_preauth_timeouts_total", ())] == 1
     assert samples[("rlink_policy_version", ())] == 7
     assert samples[("rlink_weights_from_peers_total", ())] == 4
+    assert samples[("rlink_weights_relayed_total", ())] == 6
     assert samples[("rlink_receive_to_fetch_seconds_count", ())] == 200
     assert samples[("rlink_receive_to_fetch_seconds_bucket", (("le", "0.001"),))] == 0
     assert samples[("rlink_receive_to_fetch_seconds_bucket", (("le", "0.0025"),))] == 200

@@ -14,8 +14,8 @@ link's key wrapped under the downstream's subscription key (``RelayFrom``); the 
 proves it to the upstream and says so (``Relayed``). Until then, and whenever a link fails,
 the downstream takes versions by stream from the learner.
 
-A streamer that has not confirmed the version it was sent for :func:`~.relay.stall_timeout`
-(stopped, or cut off) leaves the chain at the next version and the chain closes around it; it
+A streamer that has confirmed nothing for :func:`~.relay.stall_timeout` while behind the
+version it was sent (stopped, or cut off) leaves the chain at the next version and the chain closes around it; it
 comes back once it caught up. A relay whose copy a reader refused gets a strike, as a host
 copy does (``hosts.strike``), unless it refused that version itself: a relay passes each piece
 on before it can check it, so every host behind an altering one refuses the version, and only
@@ -111,11 +111,14 @@ class Chain:
             if not (s.state is SessionState.OPEN and member.subscribed and member.streamer and member.relay
                     and not member.suspect):  # fmt: skip
                 continue
-            if member.acked >= member.sent:
-                member.behind_since = None
-            elif member.behind_since is None:
-                member.behind_since = now
-            if member.behind_since is None or now - member.behind_since < stall:
+            # Behind, and confirming nothing new meanwhile (a learner publishing faster than the
+            # chain carries keeps every member behind the newest, each still moving on).
+            behind = member.behind
+            if member.acked >= member.sent or (behind is not None and member.acked > behind[1]):
+                member.behind = behind = None
+            if member.acked < member.sent and behind is None:
+                member.behind = behind = (now, member.acked)
+            if behind is None or now - behind[0] < stall:
                 chain.append(s)
         return chain if model_bytes >= RELAY_MIN_BYTES and len(chain) >= 2 else []
 

@@ -38,8 +38,8 @@ class Membership:
     suspect: bool = False
     # Relays between hosts (``chain.py``): whether its actor relays when asked (Subscribe), the
     # streamer it should take versions from and the one it does take them from (None: the
-    # learner), its failed links in a row and when to try the next, and since when it is
-    # behind the version it was sent (out of the chain past ``relay.stall_timeout``), the relay
+    # learner), its failed links in a row and when to try the next, since when it is behind the
+    # version it was sent, confirming nothing (out of the chain past ``relay.stall_timeout``), the relay
     # it was told to take the last version from, the newest version it refused from its relay (a
     # relay passing on what it refused is no culprit), and the versions in a row whose copy it
     # passed on was refused (``hosts.strike``).
@@ -48,7 +48,7 @@ class Membership:
     relay_from: int | None = None
     relay_failures: int = 0
     relay_retry_at: float = 0.0
-    behind_since: float | None = None
+    behind: tuple[float, int] | None = None  # since when it is behind, and what it had confirmed then
     relay_read: int | None = None
     relay_refused: int = 0
     relay_strikes: tuple[int, ...] = ()

@@ -144,6 +144,20 @@ def test_a_streamer_behind_past_the_stall_time_leaves_the_chain_and_comes_back_o
     assert chain.order == [1, 2, 3]
 
 
+def test_a_streamer_behind_the_newest_but_confirming_versions_stays_in_the_chain(monkeypatch):
+    """A learner publishing faster than the chain carries: every member is behind the newest,
+    each still confirms one version after another."""
+    sessions, chain, sent = three_hosts(), Chain(Config(weights_timeout=6.0)), Sent()
+    now = [100.0]
+    monkeypatch.setattr(chain_mod.time, "monotonic", lambda: now[0])
+    for acked in range(1, 10):
+        for s in sessions.values():
+            s.weights.sent, s.weights.acked = acked + 3, acked
+        chain.relink(sessions, MODEL, sent)
+        assert chain.order == [1, 2, 3]
+        now[0] += stall_timeout(chain.config) * 0.9
+
+
 def test_a_failed_link_is_tried_again_later_and_later(monkeypatch):
     sessions, chain, sent = three_hosts(), Chain(Config()), Sent()
     now = [50.0]

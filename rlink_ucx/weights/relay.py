@@ -100,7 +100,8 @@ class RelayServer:
         self._newest: Incoming | None = None
         self._closed = False
         self.stats = {"readers": 0, "relayed": 0, "refused": 0}
-        self._sock = socket.create_server((bind_host, 0), backlog=MAX_PENDING)
+        family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
+        self._sock = socket.create_server((bind_host, 0), family=family, backlog=MAX_PENDING)
         self.port = self._sock.getsockname()[1]
         self._thread = threading.Thread(target=self._listen, name="rlink-relay", daemon=True)
         self._thread.start()

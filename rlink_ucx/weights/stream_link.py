@@ -60,13 +60,13 @@ class Unproven(AuthError):
 
 
 class Connection:
-    """A weights stream's or a relay's connection, and its key (the stream's, fresh by both
-    nonces; for a relay, the relay's session id, 8 bytes)."""
+    """A weights stream's connection and its key (fresh by both nonces), or a relay's, its
+    link's key and the relaying actor's session id."""
 
-    __slots__ = ("key", "sock")
+    __slots__ = ("key", "session", "sock")
 
-    def __init__(self, sock: socket.socket, key: bytes):
-        self.sock, self.key = sock, key
+    def __init__(self, sock: socket.socket, key: bytes, session: int = 0):
+        self.sock, self.key, self.session = sock, key, session
 
 
 def open_stream(conn: Link, have: int, config: Config) -> Connection:

@@ -232,7 +232,8 @@ class Subscriber:
         """Take versions from the relay the learner names (port 0: from the learner again)."""
         self._lose_relay(tell=False)
         if msg.port == 0:
-            self._inbox.put(_OPEN) if self.conn.latest_version > self.have else None
+            if self.conn.latest_version > self.have:
+                self._inbox.put(_OPEN)
             return
         key = _keys.wrap_relay_key(self._subscription_key(), msg.link, msg.wrapped)
         try:
@@ -241,7 +242,7 @@ class Subscriber:
             self._note_failure("relay_failures", exc)
             self.io.soon(self._send, _wire.Relayed(msg.session, False))
             return
-        self._relay_in = Connection(sock, msg.session.to_bytes(8, "little"))
+        self._relay_in = Connection(sock, key, msg.session)
         self.io.soon(self._send, _wire.Relayed(msg.session, True))
 
     def _lose_relay(self, *, tell: bool, refused: int = 0) -> None:
@@ -250,7 +251,7 @@ class Subscriber:
         if relay is not None:
             relay.sock.close()
             if tell:  # the learner relinks around it; we take versions by stream meanwhile
-                self.io.soon(self._send, _wire.Relayed(int.from_bytes(relay.key, "little"), False, refused))
+                self.io.soon(self._send, _wire.Relayed(relay.session, False, refused))
 
     def _watch_relay(self) -> None:
         """A relay that sends nothing while a newer version is due is given up on."""

@@ -443,3 +443,27 @@ def test_the_inbox_keeps_only_the_newest_keys():
 
 def test_relay_nonces_are_fresh():
     assert len(_auth.new_nonce()) == len(LINK)
+
+
+def ipv6_loopback() -> bool:
+    try:
+        with socket.create_server(("::1", 0), family=socket.AF_INET6):
+            return True
+    except OSError:
+        return False
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
+def test_a_relay_on_an_ipv6_address():
+    server = RelayServer("::1", CONFIG)
+    try:
+        server.serve(LINK, KEY)
+        sock = dial("::1", server.port, LINK, KEY, 0, CONFIG)
+        done = Incoming(manifest(2, 4096), np.full(4096, 3, np.uint8))
+        done.advance(4096)
+        server.offer(done)
+        assert read_version(sock) == (2, bytes([3]) * 4096)
+        sock.close()
+    finally:
+        server.close()

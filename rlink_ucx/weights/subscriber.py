@@ -332,8 +332,8 @@ class Subscriber:
     def _open(self) -> None:
         try:
             self._stream = open_stream(self.conn, self.have, self.config)
-        except Unproven as exc:
-            raise self._refuse(exc) from None
+        except Unproven as exc:  # reported to the caller as what it is: an AuthError
+            raise self._refuse(AuthError(str(exc))) from None
         self.stats["connections"] += 1
 
     def _take(self, stream: Connection) -> None:

@@ -365,8 +365,9 @@ def test_a_connection_that_does_not_prove_itself_in_time_is_closed(relay):
         started = time.monotonic()
         sock.settimeout(CONFIG.handshake_timeout + 5)
         assert sock.recv(1) == b""
-        assert CONFIG.handshake_timeout - 0.3 <= time.monotonic() - started <= CONFIG.handshake_timeout + 2
-    wait(lambda: open_fds() <= before)
+        # Not before the deadline; soon after it (generous: a loaded machine runs the listener late).
+        assert CONFIG.handshake_timeout - 0.3 <= time.monotonic() - started <= CONFIG.handshake_timeout + 4.5
+    wait(lambda: open_fds() <= before, timeout=20)
 
 
 def closed(sock: socket.socket) -> bool:

@@ -184,7 +184,11 @@ class RelayServer:
             log.debug("relay connection refused: %s", exc)
             sock.close()
             return True
-        self._start_reader(sock, msg.have)
+        try:
+            self._start_reader(sock, msg.have)
+        except OSError as exc:  # it went away just now: the listener serves on
+            log.debug("relay reader lost at once: %s", exc)
+            sock.close()
         return True
 
     def _check_open(self, msg: Any, nonce: bytes) -> bytes:

@@ -1,13 +1,14 @@
-"""Plain torch.distributed process groups: the gloo baselines of ``rlink bench`` (the fan-out's
-plain broadcast, ``bench/peer_gloo.py``).
+"""Plain torch.distributed process groups built on a store, leaving ``init_process_group`` and
+the default group alone: the broadcast fan-out on trusted networks (``broadcast.py``,
+``cast_member.py``) and the gloo baselines of ``rlink bench`` (``bench/fanout.py``).
 
-The library builds no such group: gloo's and NCCL's listeners accept anyone's connections (gloo
-keeps every one, and aborts the process at the open-file limit), so versions travel on the
-actors' own proven weights streams (``weights/publisher.py``). Every group here is built
-directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore`` over the store it is
-given, leaving ``init_process_group`` and the default group alone. ``serve_store``/
-``connect_store`` make a plain ``TCPStore``, which anyone who reaches its port may read and
-write: for benchmarks on loopback only.
+Every group is built directly (``ProcessGroupGloo`` / ``ProcessGroupNCCL``) on a ``PrefixStore``
+over the store it is given. ``serve_store`` makes a plain ``TCPStore`` on one address, which
+anyone who reaches its port may read and write, and gloo's and NCCL's listeners accept
+anyone's connections (gloo keeps every one): only on a network whose every host you trust
+(SECURITY.md). The broadcast fan-out puts each group under a fresh random prefix that only
+travels on the authenticated control connections, so a stranger cannot guess its keys, but
+can still reach the listeners, read what they carry and break the group.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ def _delta(seconds: float) -> datetime.timedelta:
 
 
 def serve_store(host: str, timeout: float) -> tuple[Any, int]:
-    """A ``TCPStore`` server listening on ``host`` (port chosen by the OS); unauthenticated:
-    for benchmark baselines on loopback only."""
+    """A ``TCPStore`` server listening on ``host`` only (port chosen by the OS); unauthenticated
+    (see above)."""
     import torch.distributed as dist
 
     family = socket.AF_INET6 if ":" in host else socket.AF_INET

@@ -168,6 +168,7 @@ def run(count: int, per_host: int, mb: float, mbit: float, versions: int, timeou
             "seconds": seconds, "x_raw_transfer": seconds / raw, "learner_bytes": sent, "x_model_bytes": sent / nbytes,
             "all_confirmed": all(v["confirmed"] for v in r["versions"]),
             "every_version_exact": all(a["exact"] and a["versions"][-1] == versions + 1 for a in r["actors"]),
+            "broadcast": r["versions"][-1].get("broadcast"),  # the learner's group, after the last version
             "actors": r["actors"],
         }  # fmt: skip
     return report

@@ -199,8 +199,9 @@ class Caster:
             self.stats["group"] = gen
         prefix = f"{self._secret}/{gen}/"
         try:
-            from .groups import new_group
+            from .groups import load, new_group
 
+            load()
             store, port = self._store_at(host)
             for rank, s in enumerate(members, 1):
                 pub._send([s], _wire.BroadcastJoin(gen, host, port, prefix, rank, world, backend))

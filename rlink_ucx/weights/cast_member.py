@@ -86,10 +86,9 @@ class CastLink:
         self.leave()
         timeout = form_timeout(self.config)
         try:
-            import torch.distributed as dist
+            from .groups import connect_store, load, new_group
 
-            from .groups import connect_store, new_group
-
+            dist = load()
             store = connect_store(msg.host, msg.port, timeout)
             dist.PrefixStore(msg.prefix, store).set(f"ready/{msg.rank}", "1")  # type: ignore[attr-defined]
             group = new_group(store, msg.prefix, msg.rank, msg.world, backend=msg.backend, hostname=self._bind_host(),

@@ -17,7 +17,17 @@ import datetime
 import socket
 from typing import Any
 
-__all__ = ["connect_store", "new_group", "serve_store"]
+__all__ = ["connect_store", "load", "new_group", "serve_store"]
+
+
+def load() -> Any:
+    """torch.distributed, imported under the lock every framework import of rlink's takes
+    (``wire.frameworks.IMPORT_LOCK``: torch imported by two threads at once aborts)."""
+    from ..wire.frameworks import IMPORT_LOCK
+
+    with IMPORT_LOCK:
+        import torch.distributed as dist
+    return dist
 
 
 def _delta(seconds: float) -> datetime.timedelta:

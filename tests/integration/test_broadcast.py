@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -116,3 +118,52 @@ def test_a_member_killed_or_stopped_never_holds_publish_and_the_group_forms_agai
     for actor_id in alive:
         assert all(v == "exact" for v in cluster.versions(actor_id).values()), cluster.lines[actor_id]
     assert cast["failures"] + cast["form_failures"] >= 1, cast
+
+
+@pytest.mark.timeout(300)
+def test_two_learner_ranks_each_broadcast_to_their_own_actors(tmp_path):
+    """``Learner(distributed=True)``: two ranks on host 0, each with its own broadcast group of
+    its own actors' hosts' streamers; actors on two other hosts know only rank 0's address."""
+    from tests.integration.test_many_learners import ACTOR, JOB, clean_env, finish, results, wait_files
+
+    versions, per_host = 12, 4
+    common = {"RLINK_TOKEN": "cast-ranks-" + "x" * 32, "RLINK_WEIGHTS_FANOUT": "broadcast", "RLINK_WEIGHTS_TIMEOUT": "10",
+              "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}  # fmt: skip
+    with Hosts(2, None) as hosts:
+        ranks = [hosts.start(0, [sys.executable, str(JOB), "--out", str(tmp_path), "--address",
+                                 f"{hosts.address(0)}:0", "--versions", str(versions), "--publish-every", "1.0",
+                                 "--seconds", "120"], cwd=str(JOB.parents[2]),
+                             env=clean_env(RANK=str(r), LOCAL_RANK=str(r), **common),
+                             stdout=open(tmp_path / f"rank{r}.log", "w"), stderr=subprocess.STDOUT)  # noqa: SIM115
+                 for r in range(2)]  # fmt: skip
+        acts: list[Any] = []
+        try:
+            wait_files(tmp_path, ["address"], 90, ranks)
+            for host in (1, 2):
+                for i in range(per_host):
+                    index = (host - 1) * per_host + i
+                    acts.append(hosts.start(host, [sys.executable, str(ACTOR), "--out", str(tmp_path), "--index",
+                                                   str(index), "--steps", "6000", "--versions", str(versions),
+                                                   "--pace", "0.002"], cwd=str(JOB.parents[2]), env=clean_env(**common),
+                                            stdout=open(tmp_path / f"actor{index}.log", "w"),  # noqa: SIM115
+                                            stderr=subprocess.STDOUT))  # fmt: skip
+            wait_files(tmp_path, [f"actor{i}.connected" for i in range(2 * per_host)], 90, [*ranks, *acts])
+            (tmp_path / "go").touch()
+            finish(acts, 150)
+            finish(ranks, 60)
+        finally:
+            for p in [*ranks, *acts]:
+                p.kill()
+    got = results(tmp_path, 2 * per_host)
+    for r in got:
+        assert r["error"] is None and r["seen"][-1] == versions and r["w"] == versions and r["exact"], r
+    by_rank: dict[int, list[dict]] = {0: [], 1: []}
+    for r in got:
+        by_rank[r["learner_rank"]].append(r)
+    for rank, mine in by_rank.items():  # each rank's own actors, each rank's own group
+        assert mine, by_rank
+        cast = [r["weights"]["broadcast"] for r in mine]
+        print(rank, [(r["index"], r["weights"]["broadcast"], r["weights"]["shared_reads"], r["weights"]["streamed"])
+                     for r in mine])  # fmt: skip
+        hosts_of_rank = {r["index"] // per_host for r in mine}
+        assert sum(c > 0 for c in cast) == len(hosts_of_rank), (rank, cast, [r["index"] for r in mine])

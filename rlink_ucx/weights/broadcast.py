@@ -260,6 +260,10 @@ class Caster:
                 snap.wait_ready(i + 1, self.config.weights_timeout)
                 wait_work(group.broadcast(_tensor(snap.flat, a, b), 0), timeout, self._backend)
         except Exception as exc:  # noqa: BLE001 - a member died, stalled or broke the group
+            if self._backend == "nccl":
+                from .groups import abort
+
+                abort(group)
             with pub.cv:
                 if gen == self._gen and self._group is group:
                     self._drop(f"version {snap.version}: {exc!r}")

@@ -90,7 +90,7 @@ class CastLink:
 
             dist = load()
             store = connect_store(msg.host, msg.port, timeout)
-            dist.PrefixStore(msg.prefix, store).set(f"ready/{msg.rank}", "1")  # type: ignore[attr-defined]
+            dist.PrefixStore(msg.prefix, store).set(f"ready/{msg.rank}", "1")
             group = new_group(store, msg.prefix, msg.rank, msg.world, backend=msg.backend, hostname=self._bind_host(),
                               timeout=timeout)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - no torch, no store, or the group did not form
@@ -126,6 +126,10 @@ class CastLink:
                 else:
                     wait_work(group.group.broadcast(torch.from_numpy(flat[a:b]), 0), timeout, "gloo")
         except Exception as exc:
+            if group.backend == "nccl":
+                from .groups import abort
+
+                abort(group.group)
             self.leave()
             self._send(_wire.BroadcastJoined(msg.group, False))
             raise RLinkError(f"broadcast of version {manifest.version} failed: {exc!r}") from exc

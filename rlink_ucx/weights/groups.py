@@ -17,7 +17,7 @@ import datetime
 import socket
 from typing import Any
 
-__all__ = ["connect_store", "load", "new_group", "serve_store"]
+__all__ = ["abort", "connect_store", "load", "new_group", "serve_store"]
 
 
 def load() -> Any:
@@ -63,9 +63,11 @@ def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, h
     import torch.distributed as dist
 
     prefixed = dist.PrefixStore(prefix, store)  # type: ignore[attr-defined]  # imported from torch._C, as TCPStore
-    if backend == "nccl":  # NCCL connects at the first collective, within ``timeout``
+    if backend == "nccl":  # NCCL connects at the first collective
         opts = dist.ProcessGroupNCCL.Options()
-        opts._timeout = _delta(timeout)
+        # torch's watchdog may end the process once a collective outlives this: callers bound
+        # their waits by ``timeout`` and abort the group first (:func:`abort`).
+        opts._timeout = _delta(4 * timeout)
         return dist.ProcessGroupNCCL(prefixed, rank, world, opts)
     opts = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # private: torch's stubs leave it out
     opts._timeout = _delta(timeout)
@@ -73,3 +75,14 @@ def new_group(store: Any, prefix: str, rank: int, world: int, *, backend: str, h
     group = dist.ProcessGroupGloo(prefixed, rank, world, opts)
     group._set_default_timeout(_delta(timeout))
     return group
+
+
+def abort(group: Any) -> None:
+    """End a group whose collective failed or timed out, where the backend can (NCCL: its
+    kernels stop spinning on the GPU); gloo's ends once its own timeout passed."""
+    end = getattr(group, "abort", None) or getattr(group, "_abort", None)
+    if end is not None:
+        try:
+            end()
+        except Exception:  # noqa: BLE001, S110 - already broken: nothing more to do
+            pass

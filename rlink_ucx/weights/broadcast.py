@@ -96,7 +96,7 @@ class Caster:
     def _fit(self, s: Any, now: float) -> bool:
         member = s.weights
         if not (s.state is SessionState.OPEN and member.subscribed and member.streamer and member.cast
-                and not member.suspect and now >= member.cast_retry_at):  # fmt: skip
+                and not member.suspect and now >= member.cast_retry[1]):  # fmt: skip
             return False
         if member.acked >= member.sent:
             member.behind_since = None
@@ -121,9 +121,9 @@ class Caster:
 
     def _fail(self, session: Any) -> None:
         member = session.weights
-        member.cast_failures += 1
+        failures = member.cast_retry[0] + 1
         low, high = RETRY_SECONDS
-        member.cast_retry_at = time.monotonic() + min(high, low * 2 ** (member.cast_failures - 1))
+        member.cast_retry = (failures, time.monotonic() + min(high, low * 2 ** (failures - 1)))
 
     def _drop(self, why: str) -> None:
         """Let the group go: its members take versions by stream until the next one forms."""
@@ -172,7 +172,10 @@ class Caster:
                     self._broadcast(*job)
             except Exception as exc:  # the thread must outlive any one failure
                 log.exception("broadcast fan-out failed")
-                self.stats["last_error"] = repr(exc)[:500]
+                with cv:
+                    self._forming = False
+                    self._drop("it failed")
+                    self.stats["last_error"] = repr(exc)[:500]
         with cv:
             self._drop("the learner closes")
             self._dropped, self._store = [], None
@@ -226,8 +229,10 @@ class Caster:
                     self._leave(s, gen)
                 return
             self._group, self._members, self._backend = group, ids, backend
+            newest = pub.pending or pub.latest  # its fan-out may have routed them by stream already
+            first = (newest.version if newest is not None else 0) + 1
             for rank, s in enumerate(members, 1):
-                s.weights.cast_rank, s.weights.cast_failures = rank, 0
+                s.weights.cast_rank, s.weights.cast_retry, s.weights.cast_first = rank, (0, 0.0), first
             self.stats.update(members=len(members), backend=backend)
             self.stats["formed"] += 1
             pub.cv.notify_all()

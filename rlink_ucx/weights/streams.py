@@ -149,7 +149,10 @@ class Streams:
                 if snap is not None and snap.version > stream.sent:
                     # Linked to a relay (or in the broadcast group) meanwhile: it brings this version; a copy here as well
                     # would race it, and a refused relay copy would go unnoticed.
-                    return None if delivery(stream.session.weights, snap) in _ELSEWHERE else snap
+                    route = delivery(stream.session.weights, snap)
+                    if route is Route.BROADCAST and snap.version < stream.session.weights.cast_first:
+                        return snap  # routed by stream before the group formed: the group will not bring it
+                    return None if route in _ELSEWHERE else snap
                 if not self._keeps(stream):
                     return None
                 pub.cv.wait(0.25)

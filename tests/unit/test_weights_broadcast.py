@@ -41,6 +41,7 @@ class Pub:
         self.cv = threading.Condition()
         self.server = SimpleNamespace(sessions={s.id: s for s in sessions})
         self.latest: Any = None
+        self.pending: Any = None
         self.sent: list[tuple[int, Any]] = []
         self.inboxes: dict[int, queue.SimpleQueue[Any]] = {s.id: queue.SimpleQueue() for s in sessions}
 
@@ -83,7 +84,7 @@ def test_the_relay_setting_never_forms_a_group(no_thread):
 
 def test_the_group_holds_the_streamers_that_offered_and_are_caught_up(no_thread):
     sessions = [session(3), session(1), session(2, suspect=True), session(4, cast=False), session(5),
-                session(6, cast_retry_at=time.monotonic() + 60), session(7, sent=3, acked=2)]  # fmt: skip
+                session(6, cast_retry=(1, time.monotonic() + 60)), session(7, sent=3, acked=2)]  # fmt: skip
     sessions[4].state = SessionState.CLOSED
     pub = Pub(config(), sessions)
     caster = Caster(pub)
@@ -125,8 +126,8 @@ def test_a_member_that_could_not_join_waits_before_it_is_asked_again(no_thread):
     caster.on_joined(sessions[1], _wire.BroadcastJoined(2, False))  # an older group's: ignored
     assert caster._group is not None
     locked(pub, caster.on_joined, sessions[1], _wire.BroadcastJoined(3, False))
-    assert caster._group is None and sessions[1].weights.cast_failures == 1
-    assert 0.5 < sessions[1].weights.cast_retry_at - time.monotonic() <= 1.0
+    assert caster._group is None and sessions[1].weights.cast_retry[0] == 1
+    assert 0.5 < sessions[1].weights.cast_retry[1] - time.monotonic() <= 1.0
     locked(pub, caster.plan, pub.server.sessions, "gloo")
     assert caster._want == ([1], "gloo")
 
@@ -185,6 +186,7 @@ def test_a_group_forms_over_loopback_and_each_version_goes_bucket_by_bucket():
             caster.plan(pub.server.sessions, "gloo")
         _until(lambda: caster.stats["members"] == 2, 30)
         assert [s.weights.cast_rank for s in sessions] == [1, 2]
+        assert [s.weights.cast_first for s in sessions] == [1, 1]  # nothing published before it formed
         _until(lambda: all(m.replies for m in members), 10)  # each says so once its end is built
         assert all(m.replies == [_wire.BroadcastJoined(1, True)] for m in members)
         state = {"w": np.arange(300_000, dtype=np.float32), "b": np.ones(7, np.int64)}
@@ -227,9 +229,9 @@ def test_a_member_that_never_comes_is_left_out_for_a_while():
         with pub.cv:
             caster.plan(pub.server.sessions, "gloo")
         _until(lambda: caster.stats["form_failures"] == 1, 30)
-        assert sessions[1].weights.cast_retry_at > time.monotonic() and sessions[0].weights.cast_retry_at == 0
+        assert sessions[1].weights.cast_retry[1] > time.monotonic() and sessions[0].weights.cast_retry == (0, 0.0)
         with pub.cv:
-            pub.latest = SimpleNamespace(device="cpu")  # the thread plans again between versions
+            pub.latest = SimpleNamespace(device="cpu", version=1)  # the thread plans again between versions
         _until(lambda: caster.stats["members"] == 1, 30)  # without the absent one
         assert sessions[0].weights.cast_rank == 1 and sessions[1].weights.cast_rank == 0
     finally:

@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
-from rlink_ucx import Config, Learner  # noqa: E402 - after the skip
+from rlink_ucx import Config, Learner
 
 VERSIONS = 8
 FLOATS = 1 << 20  # 4 MiB a version

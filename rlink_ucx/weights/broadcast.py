@@ -37,7 +37,7 @@ from typing import Any
 
 from ..transport.session_state import SessionState
 from ..wire import messages as _wire
-from .cast_member import bucket_timeout, form_timeout, wait_work
+from .cast_member import bucket_timeout, connect, form_timeout, wait_work
 from .relay import stall_timeout
 
 __all__ = ["Caster", "backend_of"]
@@ -201,6 +201,7 @@ class Caster:
             gen, world = self._gen, len(members) + 1
             self.stats["group"] = gen
         prefix = f"{self._secret}/{gen}/"
+        group: Any = None
         try:
             from .groups import load, new_group
 
@@ -209,7 +210,14 @@ class Caster:
             for rank, s in enumerate(members, 1):
                 pub._send([s], _wire.BroadcastJoin(gen, host, port, prefix, rank, world, backend))
             group = new_group(store, prefix, 0, world, backend=backend, hostname=host, timeout=form_timeout(self.config))
+            latest = pub.latest
+            connect(group, backend, latest.flat.device if latest is not None and backend == "nccl" else None,
+                    form_timeout(self.config))  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - a member that did not come, or no store here
+            if group is not None and backend == "nccl":
+                from .groups import abort
+
+                abort(group)
             missing = self._missing(prefix, len(members))
             with pub.cv:
                 self._forming = False

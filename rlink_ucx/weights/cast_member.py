@@ -25,7 +25,7 @@ from ..config import Config
 from ..errors import RLinkError
 from ..wire import messages as _wire
 
-__all__ = ["CastLink", "bucket_timeout", "form_timeout", "wait_work"]
+__all__ = ["CastLink", "bucket_timeout", "connect", "form_timeout", "wait_work"]
 
 log = logging.getLogger(__name__)
 
@@ -53,6 +53,15 @@ def wait_work(work: Any, timeout: float, backend: str) -> None:
             raise RLinkError(f"NCCL broadcast did not complete within {timeout:.3g}s")
         time.sleep(0.0005)
     work.wait()  # raises what it failed with
+
+
+def connect(group: Any, backend: str, device: Any, timeout: float) -> None:
+    """NCCL connects a group at its first collective: one byte broadcast right after forming
+    makes a member that never comes a failure to form (within ``timeout``), on every rank."""
+    if backend == "nccl":
+        import torch
+
+        wait_work(group.broadcast(torch.zeros(1, dtype=torch.uint8, device=device), 0), timeout, backend)
 
 
 class _Group:
@@ -93,6 +102,10 @@ class CastLink:
             dist.PrefixStore(msg.prefix, store).set(f"ready/{msg.rank}", "1")
             group = new_group(store, msg.prefix, msg.rank, msg.world, backend=msg.backend, hostname=self._bind_host(),
                               timeout=timeout)  # fmt: skip
+            if msg.backend == "nccl":
+                import torch
+
+                connect(group, msg.backend, torch.device("cuda", torch.cuda.current_device()), timeout)
         except Exception as exc:  # noqa: BLE001 - no torch, no store, or the group did not form
             log.info("could not join broadcast group %d: %s", msg.group, exc)
             self._left = msg.group

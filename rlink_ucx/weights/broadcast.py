@@ -113,7 +113,7 @@ class Caster:
     def on_joined(self, session: Any, msg: _wire.BroadcastJoined) -> None:
         """A member could not join, or left after a broadcast failed: it waits a while, and
         the group is formed again without it."""
-        if msg.ok or msg.group != self._gen:
+        if not self.enabled or msg.ok or msg.group != self._gen:
             return
         self._fail(session)
         if session.id in self._members:

@@ -93,6 +93,9 @@ class CastLink:
                 self.leave()
             return
         self.leave()
+        if self.config.weights_fanout != "broadcast":  # never offered: the learner's word is not enough
+            self._send(_wire.BroadcastJoined(msg.group, False))
+            return
         timeout = form_timeout(self.config)
         try:
             from .groups import connect_store, load, new_group

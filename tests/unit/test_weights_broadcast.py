@@ -238,3 +238,19 @@ def test_a_member_that_never_comes_is_left_out_for_a_while():
         caster.close()
         for m in members:
             m.stop = True
+
+
+def test_an_actor_that_did_not_opt_in_never_joins():
+    replies: list[Any] = []
+    conn = SimpleNamespace(control=None)
+    link = CastLink(Config(weights_fanout="relay"), conn, replies.append)
+    link.join(_wire.BroadcastJoin(3, "127.0.0.1", 9, "p/", 1, 2, "gloo"))
+    assert not link.active and replies == [_wire.BroadcastJoined(3, False)]
+
+
+def test_a_learner_without_the_setting_ignores_broadcast_replies(no_thread):
+    sessions = [session(1)]
+    pub = Pub(Config(weights_fanout="relay"), sessions)
+    caster = Caster(pub)
+    locked(pub, caster.on_joined, sessions[0], _wire.BroadcastJoined(0, False))
+    assert sessions[0].weights.cast_retry == (0, 0.0)

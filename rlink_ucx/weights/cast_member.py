@@ -80,7 +80,6 @@ class CastLink:
         self._conn = conn  # the actor's connection: we listen where its control connection comes from
         self._send = send  # a message to the learner, on the control connection
         self._group: _Group | None = None
-        self._left = 0  # the newest group we left or could not join
 
     @property
     def active(self) -> bool:
@@ -111,7 +110,6 @@ class CastLink:
                 connect(group, msg.backend, torch.device("cuda", torch.cuda.current_device()), timeout)
         except Exception as exc:  # noqa: BLE001 - no torch, no store, or the group did not form
             log.info("could not join broadcast group %d: %s", msg.group, exc)
-            self._left = msg.group
             self._send(_wire.BroadcastJoined(msg.group, False))
             return
         self._group = _Group(msg.group, group, msg.backend, store)
@@ -156,6 +154,5 @@ class CastLink:
         return str(control.sock.getsockname()[0]) if control is not None else ""
 
     def leave(self) -> None:
-        group, self._group = self._group, None
-        if group is not None:
-            self._left = group.id
+        """Let our end of the group go (a gloo end closes once no collective of it is running)."""
+        self._group = None

@@ -8,6 +8,10 @@
 #                         its time and limit, the file it wrote; the targets where measured
 #   env.txt               nvidia-smi, Python packages, `rlink info` (UCX transports, auto's pick)
 #   logs.txt              each step's output: pytest -rs (skip reasons), the benchmarks' tables
+#                         (the GPU tests include the broadcast fan-out on NCCL,
+#                         tests/gpu/test_broadcast_nccl.py: Config(weights_fanout="broadcast")
+#                         with a CUDA model; on one GPU it checks the fall-back to streams, with
+#                         two the versions going by NCCL broadcast)
 #   gpu-throughput.json   bench/throughput.py --device cuda:0: rlink planes, CUDA steps -> batches
 #                         on the GPU, against a raw socket
 #   ucx-d2d.json          bench/ucx_d2d.py: raw ucxx, CUDA buffer -> CUDA buffer between two

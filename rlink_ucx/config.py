@@ -122,6 +122,15 @@ class Config:
     # like the learner's port). False: it never listens, and its host takes versions from the
     # learner. Needs weights_shared_memory.
     weights_relay: bool = True
+    # How the learner sends each version's bytes to the hosts off its own: "relay" (the default)
+    # is the above; "broadcast" is for a cluster whose network you trust: the learner and each
+    # host's streamer form a torch.distributed group of their own (NCCL for a CUDA model, else
+    # gloo) and the bytes go by broadcast (weights/broadcast.py, docs/weights.md). Keys and Seals
+    # still travel on the authenticated control connections and actors check every tag, but
+    # the group's store and gloo/NCCL listeners accept anyone who reaches them: a stranger on the
+    # network can read the model's bytes and can break the group (SECURITY.md). Needs torch
+    # on the learner and the actors' hosts; the actors' setting says whether they take part.
+    weights_fanout: str = "relay"
 
     # --- transport ------------------------------------------------------------------------
     shm_ring_bytes: int = 8 * MiB  # per same-host actor on the shm plane
@@ -168,6 +177,8 @@ class Config:
         if not re.fullmatch(r"[a-z0-9_]{1,15}", self.tcp_congestion):
             raise ConfigError(f'Config.tcp_congestion must be "auto", "system" or a congestion control\'s name '
                               f"(lowercase letters, digits, _), got {self.tcp_congestion!r}")  # fmt: skip
+        if self.weights_fanout not in ("relay", "broadcast"):
+            raise ConfigError(f'Config.weights_fanout must be "relay" or "broadcast", got {self.weights_fanout!r}')
         if self.frame_bytes > self.max_frame_bytes:
             raise ConfigError("Config.frame_bytes must not exceed Config.max_frame_bytes")
 

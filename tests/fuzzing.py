@@ -80,6 +80,8 @@ def valid_examples() -> list[Any]:
         _wire.RankActors([1, 2, 3]), _wire.StatsRequest(), _wire.StatsReply({"rank": 0, "actors": [], "ranks": {1: {}}}),
         _wire.RelayServe(nonce), _wire.RelayAt(nonce, 9), _wire.RelayFrom(2, "127.0.0.1", 9, nonce, mac),
         _wire.Relayed(2, True), _wire.RelayOpen(PV, nonce, mac, nonce, 1),
+        _wire.BroadcastJoin(1, "127.0.0.1", 9, "ab" * 16 + "/1/", 1, 3, "gloo"), _wire.BroadcastJoined(1, True),
+        _wire.Broadcast(1, manifest),
     ]  # fmt: skip
 
 
@@ -184,7 +186,7 @@ def framed(body: bytes) -> bytes:
 PREAUTH_TYPES = (_wire.Login, _wire.Attach, _wire.OpenStream)
 HELLO_TYPES = (_wire.Hello,)
 SESSION_TYPES = (_wire.Sync, _wire.Propose, _wire.Returned, _wire.Got, _wire.Subscribe, _wire.Bye, _wire.Heartbeat,
-                 _wire.RelayAt, _wire.Relayed)  # fmt: skip
+                 _wire.RelayAt, _wire.Relayed, _wire.BroadcastJoined)  # fmt: skip
 RELAY_TYPES = (_wire.RelayOpen,)  # what an actor's relay listener expects (weights/relay.py)
 
 

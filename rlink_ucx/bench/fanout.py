@@ -41,7 +41,7 @@ def _plain_receiver(port: int, rank: int, world: int, numel: int, reps: int, res
     import torch
     import torch.distributed as dist
 
-    from .process_group import connect_store, new_group
+    from ..weights.groups import connect_store, new_group
 
     group = new_group(connect_store("127.0.0.1", port, 60), "plain/", rank, world, backend="gloo",
                       hostname="127.0.0.1", timeout=60)  # fmt: skip
@@ -57,7 +57,7 @@ class PlainBroadcast:
     def __init__(self, numel: int, subscribers: int, reps: int, device: str = "cpu"):
         import torch
 
-        from .process_group import new_group, serve_store
+        from ..weights.groups import new_group, serve_store
 
         store, port = serve_store("127.0.0.1", 60)
         ctx = mp.get_context("spawn")

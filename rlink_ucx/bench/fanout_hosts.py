@@ -9,7 +9,11 @@ with their own host names, every link shaped to ``--mbit``, ``netns.py``): the l
 - ``per-host``: one actor per host takes it from the learner, the others read its copy
   (``Config(weights_relay=False)``);
 - ``relay``: as ``per-host``, but the hosts pass each version on along a chain, so the learner
-  sends it about once (docs/weights.md).
+  sends it about once (docs/weights.md);
+- ``broadcast``: as ``per-host``, but the learner and the hosts' streamers form a
+  torch.distributed group (gloo) and each version's bytes go by broadcast
+  (``Config(weights_fanout="broadcast")`` on the learner and the actors; for trusted networks
+  only, docs/weights.md). Timed once the group holds every host.
 
 For each version after the first: the seconds from ``publish`` until every actor confirmed it
 (``wait_published``), and the bytes the learner's link sent meanwhile, against the model's
@@ -37,29 +41,37 @@ from .netns import Hosts, available
 
 __all__ = ["build_parser", "main", "run"]
 
-MODES = {"star": "00", "per-host": "10", "relay": "11"}  # -> the actors' weights_shared_memory, weights_relay
+# -> the actors' weights_shared_memory, weights_relay, and weights_fanout="broadcast" (the learner's too)
+MODES = {"star": "000", "per-host": "100", "relay": "110", "broadcast": "101"}
 
 
 def _state(floats: int, version: int) -> dict[str, Any]:
     return {"w": np.full(floats, version, np.float32)}
 
 
-def learner_main(device: str, floats: int, actors: int, versions: int, timeout: float) -> None:
-    """On host 0: publish ``versions`` versions after the first, once ``actors`` subscribed; one
-    JSON line per version (seconds until all confirmed, bytes sent on ``device``)."""
-    from rlink_ucx import Learner
+def learner_main(device: str, floats: int, actors: int, versions: int, timeout: float, flags: str = "000",
+                 hosts: int = 0) -> None:  # fmt: skip
+    """On host 0: publish ``versions`` versions after the first, once ``actors`` subscribed (and,
+    broadcasting, once the group holds ``hosts`` members); one JSON line per version (seconds
+    until all confirmed, bytes sent on ``device``)."""
+    from rlink_ucx import Config, Learner
 
     def sent() -> int:
         with open(f"/sys/class/net/{device}/statistics/tx_bytes") as f:
             return int(f.read())
 
-    with Learner("0.0.0.0:0", transport="tcp") as learner:
+    config = Config(weights_fanout="broadcast" if flags[2] == "1" else "relay")
+    with Learner("0.0.0.0:0", transport="tcp", config=config) as learner:
         print(f"listening {learner.address.rsplit(':', 1)[1]}", flush=True)
         learner.publish(_state(floats, 1))
         deadline = time.monotonic() + timeout
         while sum(a["weights_version"] >= 1 for a in learner.stats()["actors"]) < actors:  # each has version 1
             if time.monotonic() > deadline:
                 raise SystemExit(f"only {learner.stats()['connected_actors']} of {actors} actors came")
+            time.sleep(0.05)
+        while flags[2] == "1" and learner.stats()["weights"]["broadcast"]["members"] < hosts:
+            if time.monotonic() > deadline:
+                raise SystemExit(f"the broadcast group never held {hosts} hosts: {learner.stats()['weights']['broadcast']}")
             time.sleep(0.05)
         for version in range(2, versions + 2):
             state = _state(floats, version)
@@ -68,7 +80,8 @@ def learner_main(device: str, floats: int, actors: int, versions: int, timeout: 
             confirmed = learner.wait_published(version, timeout=timeout)
             seconds = time.monotonic() - started
             print(json.dumps({"version": version, "seconds": seconds, "sent": sent() - before, "confirmed": confirmed,
-                              "relay": learner.stats()["weights"]["relay"]}), flush=True)  # fmt: skip
+                              "relay": learner.stats()["weights"]["relay"],
+                              "broadcast": learner.stats()["weights"]["broadcast"]}), flush=True)  # fmt: skip
             time.sleep(0.2)  # let the peers' reads end before the next version's buffers
 
 
@@ -77,7 +90,8 @@ def actor_main(address: str, actor_id: int, flags: str, timeout: float) -> None:
     from rlink_ucx import Actor, Closed, Config
 
     seen, exact = [], True
-    config = Config(weights_shared_memory=flags[0] == "1", weights_relay=flags[1] == "1")
+    config = Config(weights_shared_memory=flags[0] == "1", weights_relay=flags[1] == "1",
+                    weights_fanout="broadcast" if flags[2] == "1" else "relay")  # fmt: skip
     with Actor(address, transport="tcp", actor_id=actor_id, config=config) as actor:
         version = 0
         try:
@@ -111,7 +125,8 @@ def _one_mode(hosts: Hosts, mode: str, per_host: int, floats: int, versions: int
     env = dict(os.environ, RLINK_TOKEN=secrets.token_urlsafe(32), PYTHONPATH=os.pathsep.join(sys.path))
     me = [sys.executable, "-m", "rlink_ucx.bench.fanout_hosts"]
     learner = hosts.start(0, [*me, "--learner", hosts.device(0), str(floats), str(hosts.count * per_host),
-                              str(versions), str(timeout)], stdout=subprocess.PIPE, text=True, env=env)  # fmt: skip
+                              str(versions), str(timeout), MODES[mode], str(hosts.count)], stdout=subprocess.PIPE,
+                          text=True, env=env)  # fmt: skip
     actors: list[subprocess.Popen[Any]] = []
     try:
         assert learner.stdout is not None
@@ -134,7 +149,7 @@ def _one_mode(hosts: Hosts, mode: str, per_host: int, floats: int, versions: int
 
 
 def run(count: int, per_host: int, mb: float, mbit: float, versions: int, timeout: float = 120.0,
-        modes: tuple[str, ...] = tuple(MODES)) -> dict[str, Any]:  # fmt: skip
+        modes: tuple[str, ...] = ("star", "per-host", "relay")) -> dict[str, Any]:  # fmt: skip
     """Each mode on one set of hosts; the raw transfer, timed first, is their yardstick."""
     why = available()
     if why:
@@ -155,6 +170,7 @@ def run(count: int, per_host: int, mb: float, mbit: float, versions: int, timeou
             "every_version_exact": all(a["exact"] and a["versions"][-1] == versions + 1 for a in r["actors"]),
             "per_version": [{"version": v["version"], "seconds": v["seconds"], "x_model_bytes": v["sent"] / nbytes,
                              "relay": v.get("relay")} for v in r["versions"]],
+            "broadcast": r["versions"][-1].get("broadcast"),  # the learner's group, after the last version
             "actors": r["actors"],
         }  # fmt: skip
     return report
@@ -179,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--mb", type=float, default=8.0, help="model size, MiB")
     parser.add_argument("--mbit", type=float, default=400.0, help="every link's rate, Mbit/s")
     parser.add_argument("--versions", type=int, default=3, help="versions timed per mode")
-    parser.add_argument("--modes", default=",".join(MODES), help="comma list of " + ", ".join(MODES))
+    parser.add_argument("--modes", default="star,per-host,relay",
+                        help="comma list of " + ", ".join(MODES) + " (broadcast: needs torch; trusted networks only)")
     parser.add_argument("--json", help="write the report here")
     return parser
 
@@ -187,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if argv[:1] == ["--learner"]:
-        learner_main(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), float(argv[5]))
+        learner_main(argv[1], int(argv[2]), int(argv[3]), int(argv[4]), float(argv[5]), argv[6], int(argv[7]))
         return 0
     if argv[:1] == ["--actor"]:
         actor_main(argv[1], int(argv[2]), argv[3], float(argv[4]))

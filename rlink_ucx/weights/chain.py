@@ -104,6 +104,8 @@ class Chain:
 
     def _plan(self, sessions: Iterable[Any], model_bytes: int, now: float) -> list[Any]:
         """The streamers that relay, in chain order (empty: no chain is worth it)."""
+        if self.config.weights_fanout == "broadcast":
+            return []  # hosts outside the broadcast group take versions by stream (broadcast.py)
         stall = stall_timeout(self.config)
         chain = []
         for s in sorted(sessions, key=lambda s: s.id):

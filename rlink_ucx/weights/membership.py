@@ -52,6 +52,14 @@ class Membership:
     relay_read: int | None = None
     relay_refused: int = 0
     relay_strikes: tuple[int, ...] = ()
+    # Broadcast on a trusted network (``broadcast.py``): whether its actor joins the learner's
+    # group when asked (Subscribe), its rank in the group the learner holds now (0: none), and
+    # when it may be asked again after failing to join or to take a version; the first version
+    # the group brings it (older ones still come by stream, if it lacks them).
+    cast: bool = False
+    cast_rank: int = 0
+    cast_first: int = 0
+    cast_retry: tuple[int, float] = (0, 0.0)  # failures in a row, and when it may be asked again
     # Its subscription's key (``wire.keys.subscription_key``), set with ``shared``; never printed.
     key: bytes | None = field(default=None, repr=False)
     sent: int = 0  # newest version announced or sent to it

@@ -32,6 +32,7 @@ from ..transport.session_state import SessionState
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
+from .broadcast import Caster, backend_of
 from .chain import Chain
 from .hosts import elect, hosts_report, location_of, note_refusal, note_served, serve_peers, take_over
 from .membership import Member, Owner
@@ -62,6 +63,7 @@ class Publisher:
         self._ending = False  # the learner is closing: its sessions end, nobody takes over
         self.streams = Streams(self)  # the actors' weights streams
         self._chain = Chain(self.config)  # hosts passing versions on to each other
+        self._cast = Caster(self)  # or, on a trusted network, a broadcast group of them
         self.stats: dict[str, Any] = {
             "published": 0, "fanouts": 0, "skipped_versions": 0, "fanout_failures": 0, "shared": 0, "streams": 0,
             "streamed": 0, "streamed_bytes": 0, "bytes_per_version": {}, "from_peers": 0, "relayed": 0, "last_fanout_seconds": None,
@@ -151,6 +153,7 @@ class Publisher:
             latest = self.latest
             if member.streamer and latest is not None:  # it may join the chain now, before the next version
                 self._relink(latest.manifest.total_bytes)
+                self._cast.plan(self.server.sessions, backend_of(latest))
             if member.peers and not member.suspect and latest is not None and latest.version == version:
                 place = location_of(where, latest.manifest.total_bytes)
                 if place is not None:
@@ -189,6 +192,10 @@ class Publisher:
             self._chain.on_relayed(session, msg)
             self.cv.notify_all()
 
+    def on_broadcast_joined(self, session: Member, msg: _wire.BroadcastJoined) -> None:
+        with self.cv:
+            self._cast.on_joined(session, msg)
+
     def _relink(self, model_bytes: int) -> None:
         for successor in self._chain.relink(self.server.sessions, model_bytes, self._send):
             self._take_over(successor)
@@ -219,6 +226,7 @@ class Publisher:
             # Off our host, actors that can read memfds share copies among their host's actors.
             member.host, member.peers = session.hello.host, bool(msg.shared) and not local
             member.relay = member.peers and bool(msg.relay)
+            member.cast = member.peers and bool(msg.broadcast)  # joins the broadcast group when asked
             # The actor opens its weights stream for the current version right away (on shared
             # memory: until it acknowledges it, versions are not mapped for it).
             member.sent = self.server.version
@@ -257,6 +265,7 @@ class Publisher:
             for host in {s.weights.host for s in subscribed if s.weights.peers}:
                 elect(sessions, host)  # a streamer whose end was not reported yet is replaced
             self._relink(snap.manifest.total_bytes)
+            self._cast.plan(self.server.sessions, backend_of(snap))
             routes = {s.id: delivery(s.weights, snap) for s in subscribed}
             # Those routed to our shared memory read the version there; those with a weights
             # stream get it on the stream, from its own thread; those reading a peer's copy are
@@ -264,14 +273,16 @@ class Publisher:
             sharing = [s for s in subscribed if routes[s.id] is Route.SHARED]
             from_peers = {s.id for s in subscribed if routes[s.id] is Route.FROM_PEER}
             relayed = [s for s in subscribed if routes[s.id] is Route.RELAY]
+            cast = [s for s in subscribed if routes[s.id] is Route.BROADCAST]  # bytes by broadcast (broadcast.py)
+            self._cast.submit(snap, cast)
             streaming = [s for s in subscribed if s.id in self.streams.by_session and routes[s.id] in _ON_STREAMS]
-            for s in sharing + relayed:
+            for s in sharing + relayed + cast:
                 s.weights.sent = snap.version
             for s in relayed:  # whose copy it reads: a refusal strikes that relay (chain.py)
                 s.weights.relay_read = s.weights.relay_from
-            keys = {s.id: key for s in sharing + relayed if (key := s.weights.key) is not None}  # subscribed: set
+            keys = {s.id: key for s in sharing + relayed + cast if (key := s.weights.key) is not None}  # subscribed: set
         others = [s for s in sessions if s not in sharing and s not in streaming and s.id not in from_peers
-                  and s not in relayed]  # fmt: skip
+                  and s not in relayed and s not in cast]  # fmt: skip
         if sharing:  # every bucket copied: they read while the tags are computed
             snap.wait_ready(len(snap.manifest.buckets()), timeout)
             self._map(sharing, snap, keys)
@@ -280,13 +291,15 @@ class Publisher:
             self._send([s], self.seal(keys[s.id], snap)[1])
         for s in relayed:  # its bytes come through the chain, its key and Seal from us
             self._send([s], _wire.Version(snap.version), *self.seal(keys[s.id], snap))
+        for s in cast:  # its Broadcast comes from the broadcast thread, before the bytes
+            self._send([s], *self.seal(keys[s.id], snap))
         self.stats["shared"] += len(sharing)
         self.stats["relayed"] += len(relayed)
         # Once complete: the others open a weights stream for it; those with one have it on its
         # way there (so ``get_remote_model(latest=True)`` knows of it, and one whose stream
         # broke, or that refused what came on it, opens a new one).
         self._send(others + streaming, _wire.Version(snap.version))
-        self._await_confirmations(snap, sharing + streaming + relayed)
+        self._await_confirmations(snap, sharing + streaming + relayed + cast)
 
     def _await_confirmations(self, snap: Snapshot, members: list[Member]) -> None:
         """Wait (bounded) until ``members`` verified ``snap``: an actor on shared memory that does
@@ -342,6 +355,7 @@ class Publisher:
             "bytes_per_version": dict(self.stats["bytes_per_version"]),
             "hosts": hosts_report(list(self.server.sessions.values()), self.server.version),
             "relay": self._chain.report(self.server.sessions),
+            "broadcast": self._cast.report(),
         }
 
     def closing(self) -> None:
@@ -354,5 +368,6 @@ class Publisher:
             self.closed = True
             self.cv.notify_all()
         self.streams.close()
+        self._cast.close()
         if self._thread is not None:
             self._thread.join(self.config.close_timeout)

@@ -35,6 +35,10 @@ class Route(enum.Enum):
     # A host's streamer linked to the streamer of the host before it in the chain
     # (``chain.py``): the bytes come from that relay, the version's key and Seal from the learner.
     RELAY = "relay"
+    # A host's streamer in the learner's broadcast group (``broadcast.py``,
+    # ``Config.weights_fanout="broadcast"``): the bytes come by broadcast, the version's key and
+    # Seal from the learner.
+    BROADCAST = "broadcast"
 
 
 class _Version(Protocol):
@@ -48,6 +52,8 @@ def delivery(member: Membership, version: _Version | None) -> Route:
     publisher's lock: ``member``'s fields are the publisher's to write."""
     if member.peers and not member.suspect:  # off the learner's host: shared copies, whatever the learner's memory
         if member.streamer:
+            if member.cast_rank:
+                return Route.BROADCAST
             return Route.RELAY if member.relay_from is not None else Route.STREAM
         return Route.CATCH_UP if member.key is None or member.acked < member.sent else Route.FROM_PEER
     if not member.shared or (version is not None and version.shared is None):

@@ -12,12 +12,15 @@ from typing import Any, Protocol
 
 from ..config import Config
 from ..errors import AuthError, ProtocolError, RLinkError, refusal
+from ..errors import TimeoutError as RLinkTimeout
 from ..transport.control import ControlConnection
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
+from .mac import VersionKey
 
-__all__ = ["Connection", "Link", "Unproven", "open_stream", "read_reply", "readable", "tag_completed"]
+__all__ = ["Connection", "Link", "Unproven", "open_seal", "open_stream", "read_reply", "readable", "tag_completed",
+           "timed_out"]
 
 
 class Link(Protocol):
@@ -119,3 +122,26 @@ def readable(socks: list[socket.socket], timeout: float) -> list[socket.socket]:
         return list(select.select(socks, [], [], timeout)[0])
     except (OSError, ValueError):  # closed meanwhile: the read says how
         return socks
+
+
+def open_seal(key: bytes, manifest: Any, wrapped: _wire.WeightsKey, seal: _wire.Seal) -> VersionKey:
+    """The version's key, once the Seal's MAC under ``key`` covers it, its manifest and tags
+    (AuthError: it does not)."""
+    version = manifest.version
+    if wrapped.version != version or seal.version != version:
+        raise ProtocolError(f"weights key or Seal for version {seal.version}, expected {version}")
+    mac = _keys.seal_mac(key, version, manifest, wrapped.wrapped, list(seal.tags))
+    if not hmac.compare_digest(mac, seal.mac):
+        raise AuthError(f"weights version {version}: its Seal does not verify under this "
+                        "actor's key (not from the learner, or altered)")  # fmt: skip
+    return VersionKey(_keys.wrap(key, version, wrapped.wrapped))
+
+
+def timed_out(newest: int, have: int, rejected: RLinkError | None, newer_than: int | None) -> RLinkError:
+    """What an actor's wait for weights that ran out raises: a version refused as altered, else
+    a timeout (``newest``: the version the learner announced; ``have``: ours)."""
+    if rejected is not None and newest > have:
+        return type(rejected)(f"weights version {newest} was refused: {rejected}")
+    limit = f"no weights version newer than {newer_than}" if newer_than is not None else "no weights"
+    return RLinkTimeout(f"{limit} in time: the learner has version {newest}, this actor "
+                        f"{have or 'none'}" + ("" if newest else " (nothing published yet)"))  # fmt: skip

@@ -30,6 +30,8 @@ from .snapshot import Snapshot
 
 __all__ = ["Streams"]
 
+_ELSEWHERE = (Route.RELAY, Route.BROADCAST)  # routes whose bytes do not come from the learner's streams
+
 log = logging.getLogger(__name__)
 
 
@@ -145,9 +147,12 @@ class Streams:
             while not (pub.closed or stream.ended or stream.session.state is not SessionState.OPEN):
                 snap: Snapshot | None = pub.pending if pub.pending is not None and pub.pending.failed is None else pub.latest
                 if snap is not None and snap.version > stream.sent:
-                    # Linked to a relay meanwhile: it brings this version; a copy here as well
+                    # Linked to a relay (or in the broadcast group) meanwhile: it brings this version; a copy here as well
                     # would race it, and a refused relay copy would go unnoticed.
-                    return None if delivery(stream.session.weights, snap) is Route.RELAY else snap
+                    route = delivery(stream.session.weights, snap)
+                    if route is Route.BROADCAST and snap.version < stream.session.weights.cast_first:
+                        return snap  # routed by stream before the group formed: the group will not bring it
+                    return None if route in _ELSEWHERE else snap
                 if not self._keeps(stream):
                     return None
                 pub.cv.wait(0.25)

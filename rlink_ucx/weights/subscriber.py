@@ -15,7 +15,7 @@ listens nowhere until the learner asks it to relay.
 from __future__ import annotations
 
 import concurrent.futures
-import hmac
+import importlib.util
 import logging
 import socket
 import threading
@@ -25,19 +25,29 @@ from typing import Any
 
 from ..config import Config
 from ..errors import AuthError, Closed, ProtocolError, RLinkError
-from ..errors import TimeoutError as RLinkTimeout
 from ..transport.loop import IOThread
 from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 from ..wire.frameworks import Adapter
+from .cast_member import CastLink
 from .inbox import Inbox
 from .mac import VersionKey, check_tags
 from .relay import RelayServer, dial, receive, stall_timeout
 from .shared import available as shared_available
 from .shared import holder_gone, read_into
 from .snapshot import BufferPool, Snapshot
-from .stream_link import Connection, Link, Unproven, open_stream, read_reply, readable, tag_completed
+from .stream_link import (
+    Connection,
+    Link,
+    Unproven,
+    open_seal,
+    open_stream,
+    read_reply,
+    readable,
+    tag_completed,
+    timed_out,
+)
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +83,8 @@ class Subscriber:
         self._quiet_since: float | None = None  # since when a newer version is due from our relay
         self._tagger: concurrent.futures.ThreadPoolExecutor | None = None  # tags buckets while the next arrive
         self.rejected: RLinkError | None = None  # the last version refused as altered or unproven
-        self.stats: dict[str, Any] = {"connections": 0, "shared_reads": 0, "streamed": 0, "relayed": 0,
+        self._cast = CastLink(config, conn, lambda msg: io.soon(self._send, msg))  # broadcast.py's group
+        self.stats: dict[str, Any] = {"connections": 0, "shared_reads": 0, "streamed": 0, "relayed": 0, "broadcast": 0,
                                       "relay_failures": 0, "failures": 0, "rejected": 0,
                                       "last_error": None}  # fmt: skip
         conn.weights_listener = self.deliver
@@ -82,7 +93,8 @@ class Subscriber:
         self._thread = threading.Thread(target=self._run, name="rlink-weights", daemon=True)
         self._thread.start()
         shared = config.weights_shared_memory and shared_available()  # the learner decides if we share its host
-        conn.subscription = _wire.Subscribe(self._nonce, shared, config.weights_relay)  # repeated after a reconnect
+        cast = shared and config.weights_fanout == "broadcast" and importlib.util.find_spec("torch") is not None
+        conn.subscription = _wire.Subscribe(self._nonce, shared, config.weights_relay, cast)  # repeated after a reconnect
         io.soon(self._send, conn.subscription)
         self._inbox.put(_OPEN)
 
@@ -130,7 +142,7 @@ class Subscriber:
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise self._timeout(newer_than) from self.rejected
+                    raise timed_out(self.conn.latest_version, self.have, self.rejected, newer_than) from self.rejected
                 self._cv.wait(min(left, 0.25))
             return ready
 
@@ -152,16 +164,6 @@ class Subscriber:
         if error is not None:
             raise type(error)(str(error)) from error
 
-    def _timeout(self, newer_than: int | None) -> RLinkError:
-        """What a wait that ran out raises: a version refused as altered, else a timeout."""
-        newest = self.conn.latest_version
-        rejected = self.rejected
-        if rejected is not None and newest > self.have:
-            return type(rejected)(f"weights version {newest} was refused: {rejected}")
-        limit = f"no weights version newer than {newer_than}" if newer_than is not None else "no weights"
-        return RLinkTimeout(f"{limit} in time: the learner has version {newest}, this actor "
-                            f"{self.have or 'none'}" + ("" if newest else " (nothing published yet)"))  # fmt: skip
-
     # --- weights thread -----------------------------------------------------------------------
     def _run(self) -> None:
         while not self._closed:
@@ -179,6 +181,7 @@ class Subscriber:
                     self._inbox.put(_OPEN)
         self._drop_stream()
         self._lose_relay(tell=False)
+        self._cast.leave()
         if self._relay is not None:
             self._relay.close()
 
@@ -202,6 +205,12 @@ class Subscriber:
             self._serve_relay(msg)
         elif isinstance(msg, _wire.RelayFrom):
             self._relay_from(msg)
+        elif isinstance(msg, _wire.BroadcastJoin):
+            self._cast.join(msg)
+            if not self._cast.active and self._stream is None and self.conn.latest_version > self.have:
+                self._inbox.put(_OPEN)  # left the group: the learner sends versions by stream again
+        elif isinstance(msg, _wire.Broadcast):
+            self._take_cast(msg)
 
     def _note_failure(self, counter: str, exc: Exception) -> None:
         self.stats[counter] += 1
@@ -278,19 +287,37 @@ class Subscriber:
         except (OSError, EOFError, ProtocolError) as exc:
             raise _RelayFailed(f"relay connection: {exc!r}") from exc
         version = manifest.version
-        if version <= self.have:
-            return
-        subscription_key = self._subscription_key()
         try:
-            wrapped = self._inbox.wait_for(_wire.WeightsKey, version, stall_timeout(self.config))
-            key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))
-            tags = [key.tag(flat, a, b, version, i) for i, (a, b) in enumerate(manifest.buckets())]
-            snap = Snapshot(manifest, flat, "cpu", key=key, tags=tags)
-            snap.shared = where
-            self._seal_and_expose("relayed", snap, subscription_key, wrapped, stall_timeout(self.config))
+            self._check_elsewhere("relayed", manifest, flat, where)
         except RLinkError as exc:  # refused, or not ours to check: the learner sends it itself
             refused = version if exc is self.rejected else 0
             raise _RelayFailed(f"version {version} from the relay: {exc}", refused) from exc
+
+    def _take_cast(self, msg: _wire.Broadcast) -> None:
+        """Take one version by broadcast in the learner's group (``cast_member.py``), then check
+        it under the key and Seal the learner sent us for it; refused: by stream."""
+        got = self._cast.take(msg, self._pool)
+        if got is not None:
+            try:
+                self._check_elsewhere("broadcast", msg.manifest, *got)
+            except RLinkError:
+                self._inbox.put(_OPEN)  # this version by stream; later ones by broadcast still
+                raise
+
+    def _check_elsewhere(self, path: str, manifest: Any, flat: Any, where: list[Any] | None) -> None:
+        """Expose a version whose bytes came from elsewhere than the learner once every bucket
+        matches its tag under the key and Seal from our control connection (``path``: counted
+        under it)."""
+        version = manifest.version
+        if version <= self.have:
+            return
+        subscription_key = self._subscription_key()
+        wrapped = self._inbox.wait_for(_wire.WeightsKey, version, stall_timeout(self.config))
+        key = VersionKey(_keys.wrap(subscription_key, version, wrapped.wrapped))
+        tags = [key.tag(flat, a, b, version, i) for i, (a, b) in enumerate(manifest.buckets())]
+        snap = Snapshot(manifest, flat, "cpu", key=key, tags=tags)
+        snap.shared = where
+        self._seal_and_expose(path, snap, subscription_key, wrapped, stall_timeout(self.config))
 
     def _receive(self, sock: socket.socket, manifest: Any, on_piece: Callable[[Any, int], None] | None = None
                  ) -> tuple[Any, list[Any] | None]:  # fmt: skip
@@ -318,16 +345,16 @@ class Subscriber:
         self.stats["rejected"] += 1
         return exc
 
-    def _open_seal(self, key: bytes, manifest: Any, wrapped: _wire.WeightsKey, seal: _wire.Seal) -> VersionKey:
-        """The version's key, once the Seal's MAC under ``key`` covers it, its manifest and tags."""
-        version = manifest.version
-        if wrapped.version != version or seal.version != version:
-            raise ProtocolError(f"weights key or Seal for version {seal.version}, expected {version}")
-        mac = _keys.seal_mac(key, version, manifest, wrapped.wrapped, list(seal.tags))
-        if not hmac.compare_digest(mac, seal.mac):
-            raise self._refuse(AuthError(f"weights version {version}: its Seal does not verify under this "
-                                         "actor's key (not from the learner, or altered)"))  # fmt: skip
-        return VersionKey(_keys.wrap(key, version, wrapped.wrapped))
+    def _verify(self, key: bytes, snap: Snapshot, wrapped: _wire.WeightsKey, seal: _wire.Seal) -> None:
+        """Refuse ``snap`` (``rejected``) unless its Seal verifies under ``key`` and every tag matches."""
+        try:
+            open_seal(key, snap.manifest, wrapped, seal)  # a ProtocolError: not this version's Seal
+        except AuthError as exc:
+            raise self._refuse(exc) from None
+        try:
+            check_tags(list(seal.tags), snap.tags, snap.version)
+        except ProtocolError as exc:
+            raise self._refuse(exc) from None
 
     def _open(self) -> None:
         try:
@@ -343,7 +370,7 @@ class Subscriber:
         try:
             if not sock.recv(1, socket.MSG_PEEK):  # the learner closed it between versions
                 self._drop_stream()
-                if self.conn.latest_version > self.have and self._relay_in is None:
+                if self.conn.latest_version > self.have and self._relay_in is None and not self._cast.active:
                     self._inbox.put(_OPEN)
                 return
         except OSError:
@@ -371,11 +398,7 @@ class Subscriber:
         seal = self._read(sock, _wire.Seal)
         snap = Snapshot(manifest, flat, "cpu", key=key, tags=[t.result() for t in tags])
         snap.shared = where
-        self._open_seal(stream.key, manifest, wrapped, seal)
-        try:
-            check_tags(list(seal.tags), snap.tags, version)
-        except ProtocolError as exc:
-            raise self._refuse(exc) from None
+        self._verify(stream.key, snap, wrapped, seal)
         self.stats["streamed"] += 1
         self._expose(snap)
 
@@ -424,11 +447,7 @@ class Subscriber:
         and the tags we computed (``snap.tags``) against it, and expose ``snap``, counted under
         ``path``."""
         seal = self._inbox.wait_for(_wire.Seal, snap.version, timeout or self.config.weights_timeout)
-        self._open_seal(subscription_key, snap.manifest, wrapped, seal)
-        try:
-            check_tags(list(seal.tags), snap.tags, snap.version)
-        except ProtocolError as exc:
-            raise self._refuse(exc) from None
+        self._verify(subscription_key, snap, wrapped, seal)
         self.stats[path] += 1
         self._expose(snap)
 

@@ -57,6 +57,12 @@ def default_format() -> str:
     return "torch" if importable("torch") else "numpy"
 
 
+# Held while rlink imports a framework on one of its threads: torch imported by two threads at
+# once (a get_remote_model's adapter and the broadcast group's join, weights/cast_member.py)
+# hands one of them a half-initialised module, and the process aborts.
+IMPORT_LOCK = threading.RLock()
+
+
 def require(fmt: str) -> ModuleType | None:
     """The framework module of ``fmt`` (None for numpy). ConfigError for an unknown format or a
     framework that cannot be imported, naming the extra that installs it."""
@@ -65,7 +71,8 @@ def require(fmt: str) -> ModuleType | None:
     if fmt == "numpy":
         return None
     try:
-        return importlib.import_module(fmt)
+        with IMPORT_LOCK:
+            return importlib.import_module(fmt)
     except ImportError as exc:
         raise ConfigError(f'format={fmt!r} needs {fmt}, which cannot be imported here ({exc}): '
                           f'pip install "rlink-ucx[{_EXTRAS[fmt]}]"') from exc  # fmt: skip

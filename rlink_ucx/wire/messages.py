@@ -13,7 +13,7 @@ from .manifest import Manifest
 
 # Sent in the handshake and in every frame header; each side refuses a peer of another version.
 # Bump it with any change to a message or the frame header (docs/architecture.md lists them).
-PROTOCOL_VERSION = 13
+PROTOCOL_VERSION = 14
 
 
 class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
@@ -181,11 +181,13 @@ class Subscribe(_Msg, frozen=True):
     subscription's key fresh (``wire/keys.py``); ``shared``: the actor can read versions from
     the learner's sealed shared memory (the learner decides whether it shares its host);
     ``relay``: it passes versions on to another host's actor when the learner asks
-    (``RelayServe``)."""
+    (``RelayServe``); ``broadcast``: it joins the learner's broadcast group when asked
+    (``BroadcastJoin``, ``Config.weights_fanout="broadcast"``)."""
 
     nonce: bytes
     shared: bool = False
     relay: bool = False
+    broadcast: bool = False
 
 
 class Version(_Msg, frozen=True):
@@ -322,6 +324,42 @@ class RelayOpen(_Msg, frozen=True):
     have: int = 0
 
 
+# --- weights by broadcast on a trusted network (weights/broadcast.py, weights/cast_member.py) -----
+class BroadcastJoin(_Msg, frozen=True):
+    """Learner -> a host's streamer: join broadcast group ``group`` as ``rank`` of ``world``
+    (the learner is rank 0), over the torch.distributed store at ``host``:``port`` under
+    ``prefix`` (random, per group), with ``backend`` ("gloo" or "nccl"). ``world`` 0: leave
+    any group. Answered with BroadcastJoined."""
+
+    group: int
+    host: str
+    port: int
+    prefix: str
+    rank: int
+    world: int
+    backend: str
+
+
+class BroadcastJoined(_Msg, frozen=True):
+    """Actor -> learner: I joined ``group`` (``ok``), or could not, or left it after a
+    broadcast failed (not ``ok``): I take versions by stream meanwhile."""
+
+    group: int
+    ok: bool
+
+
+class Broadcast(_Msg, frozen=True):
+    """Learner -> a member of broadcast group ``group``: ``manifest``'s bytes follow by
+    broadcast in the group, bucket by bucket; WeightsKey and Seal come on this connection."""
+
+    group: int
+    manifest: Manifest
+
+    @property
+    def version(self) -> int:
+        return self.manifest.version
+
+
 class AttachProof(_Msg, frozen=True):
     """Learner -> actor, right before Ready: proof (under the session's weights key, which
     takes the token) that the learner itself attached this session's data connection."""
@@ -345,7 +383,7 @@ Message: TypeAlias = (
     Challenge | Login | Proof | Attach | Hello | Welcome | Propose | Accept | Reject | Ready | Credit | Sync | Ack |
     Heartbeat | Bye | Error | Subscribe | Version | Publish | Got | OpenStream | Revoke | Returned | WeightsKey |
     Seal | AttachProof | Mapped | Redirect | RankHello | RankWelcome | RankActors | StatsRequest | StatsReply | RelayServe | RelayAt | RelayFrom |
-    Relayed | RelayOpen
+    Relayed | RelayOpen | BroadcastJoin | BroadcastJoined | Broadcast
 )
 
 _encoder = msgspec.msgpack.Encoder()

@@ -82,6 +82,7 @@ def _follow(actor, until: int, result: dict) -> None:
         if version and (not seen or seen[-1] != version):
             seen.append(version)
             result["w"] = float(np.asarray(state["w"])[0])
+            result["exact"] = result.get("exact", True) and bool(np.all(np.asarray(state["w"]) == np.float32(version)))
         time.sleep(0.002)
 
 

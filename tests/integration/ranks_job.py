@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gloo", action="store_true", help="the job makes its own default process group (gloo)")
     p.add_argument("--nofile", type=int, default=0, help="RLIMIT_NOFILE of this rank (0: as inherited)")
     p.add_argument("--no-torch", action="store_true", help="run as if torch were not installed")
+    p.add_argument("--publish-every", type=float, default=0.3, help="seconds between versions")
     args = p.parse_args(argv)
     if args.no_torch:
         sys.modules["torch"] = None  # type: ignore[assignment]  # every `import torch` raises ImportError
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             go = os.path.exists(os.path.join(args.out, "go"))  # every actor connected and subscribed
             if go and placement is None:  # rank 0's view of the ranks while every one lives
                 placement = learner.stats().get("ranks")
-            if go and len(published) < args.versions and time.monotonic() - last_publish > 0.3:
+            if go and len(published) < args.versions and time.monotonic() - last_publish > args.publish_every:
                 _barrier()  # the ranks publish in lockstep, as DDP steps
                 weights = _tensor(np.full(4, len(published) + 1, np.float32))
                 published.append(learner.publish({"w": weights}, wait=True, timeout=30))

@@ -19,7 +19,8 @@ __all__ = ["ControlReader"]
 
 # Weights messages on the control connection go to the subscriber (a version's bytes come on its
 # weights stream or from shared memory).
-_WEIGHTS = (_wire.Version, _wire.Mapped, _wire.WeightsKey, _wire.Seal, _wire.RelayServe, _wire.RelayFrom)
+_WEIGHTS = (_wire.Version, _wire.Mapped, _wire.WeightsKey, _wire.Seal, _wire.RelayServe, _wire.RelayFrom,
+            _wire.BroadcastJoin, _wire.Broadcast)
 
 
 class ControlReader:
@@ -84,7 +85,7 @@ class ControlReader:
         s = self._state
         if isinstance(msg, _wire.Version):
             s.latest_version = max(s.latest_version, msg.version)
-        elif isinstance(msg, _wire.Mapped):
+        elif isinstance(msg, (_wire.Mapped, _wire.Broadcast)):
             s.latest_version = max(s.latest_version, msg.manifest.version)
         if s.weights_listener is not None:
             s.weights_listener(msg)

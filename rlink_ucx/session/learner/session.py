@@ -122,6 +122,8 @@ class LearnerSession:
                 self.server.publisher.on_relay_at(self, msg)
             elif isinstance(msg, _wire.Relayed):
                 self.server.publisher.on_relayed(self, msg)
+            elif isinstance(msg, _wire.BroadcastJoined):
+                self.server.publisher.on_broadcast_joined(self, msg)
             elif isinstance(msg, _wire.Bye):
                 self.close("actor said goodbye: " + msg.reason[:200], lost=False)
                 return

@@ -38,6 +38,7 @@ from typing import Any
 from ..transport.session_state import SessionState
 from ..wire import messages as _wire
 from .cast_member import bucket_timeout, connect, form_timeout, wait_work
+from .membership import stalled
 from .relay import stall_timeout
 
 __all__ = ["Caster", "backend_of"]
@@ -98,11 +99,7 @@ class Caster:
         if not (s.state is SessionState.OPEN and member.subscribed and member.streamer and member.cast
                 and not member.suspect and now >= member.cast_retry[1]):  # fmt: skip
             return False
-        if member.acked >= member.sent:
-            member.behind_since = None
-        elif member.behind_since is None:
-            member.behind_since = now
-        return member.behind_since is None or now - member.behind_since < stall_timeout(self.config)
+        return not stalled(member, now, stall_timeout(self.config))
 
     def submit(self, snap: Any, members: list[Any]) -> None:
         """Broadcast ``snap`` to ``members`` (routed ``Route.BROADCAST``) on our thread."""

@@ -36,6 +36,7 @@ from ..wire import auth as _auth
 from ..wire import keys as _keys
 from ..wire import messages as _wire
 from .hosts import strike
+from .membership import stalled
 from .relay import stall_timeout
 
 __all__ = ["RELAY_MIN_BYTES", "Chain"]
@@ -113,14 +114,7 @@ class Chain:
             if not (s.state is SessionState.OPEN and member.subscribed and member.streamer and member.relay
                     and not member.suspect):  # fmt: skip
                 continue
-            # Behind, and confirming nothing new meanwhile (a learner publishing faster than the
-            # chain carries keeps every member behind the newest, each still moving on).
-            behind = member.behind
-            if member.acked >= member.sent or (behind is not None and member.acked > behind[1]):
-                member.behind = behind = None
-            if member.acked < member.sent and behind is None:
-                member.behind = behind = (now, member.acked)
-            if behind is None or now - behind[0] < stall:
+            if not stalled(member, now, stall):
                 chain.append(s)
         return chain if model_bytes >= RELAY_MIN_BYTES and len(chain) >= 2 else []
 

@@ -66,6 +66,19 @@ class Membership:
     acked: int = 0  # newest version it confirmed complete and verified
 
 
+def stalled(member: Membership, now: float, stall: float) -> bool:
+    """Whether ``member`` is behind the version it was sent and has confirmed nothing for
+    ``stall`` seconds (a stopped or cut-off actor), as against merely behind the newest while
+    still confirming one version after another (a learner publishing faster than it reads).
+    Notes since when in ``member.behind``; the publisher's lock is held."""
+    behind = member.behind
+    if member.acked >= member.sent or (behind is not None and member.acked > behind[1]):
+        member.behind = behind = None
+    if member.acked < member.sent and behind is None:
+        member.behind = behind = (now, member.acked)
+    return behind is not None and now - behind[0] >= stall
+
+
 class Member(Protocol):
     """One actor's session as the publisher sees it (a ``session.Member``)."""
 

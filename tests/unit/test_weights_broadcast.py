@@ -91,7 +91,7 @@ def test_the_group_holds_the_streamers_that_offered_and_are_caught_up(no_thread)
     locked(pub, caster.plan, pub.server.sessions, "gloo")
     assert caster._want == ([1, 3, 7], "gloo")  # 7 is behind, but not for stall_timeout yet
     caster._want, caster._forming = None, False
-    pub.server.sessions[7].weights.behind_since = time.monotonic() - 60
+    pub.server.sessions[7].weights.behind = (time.monotonic() - 60, 2)  # behind for a minute, confirming nothing
     locked(pub, caster.plan, pub.server.sessions, "gloo")
     assert caster._want == ([1, 3], "gloo")
 

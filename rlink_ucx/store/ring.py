@@ -169,13 +169,16 @@ class StepRing:
         with self._ready:
             seg = self._reserve_locked(n, actor_id, seq, version, put_at)
             chunk, offset = divmod(seg.start, self.chunk_steps)
-            runs = [(chunk, offset, n)] if offset + n <= self.chunk_steps else self._seg_chunks(seg, 0, n)
+            # Almost always one run: the frame lies in one chunk. Not when its space was claimed
+            # in pieces around a frame still arriving (``seg.runs``): it goes to those pieces.
+            one = seg.runs is None and offset + n <= self.chunk_steps
+            runs = [(chunk, offset, n)] if one else self._seg_chunks(seg, 0, n)
             pos = 0
             for f, sb in enumerate(sizes):
                 src = parts[f] if parts is not None else whole[pos : pos + n * sb]
                 pos += n * sb
                 at = 0
-                for c, o, k in runs:  # almost always one: the frame lies in one chunk
+                for c, o, k in runs:
                     self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
                     at += k * sb
             freed = self._commit_locked(seg, time.monotonic())

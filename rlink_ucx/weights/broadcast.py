@@ -11,8 +11,9 @@ it to its host's peers (``cast_member.py``). The bytes on the wire are not encry
 group's listeners take anyone's connection: SECURITY.md says what that exposes.
 
 Forming: before each version goes out, and as streamers confirm one, :meth:`Caster.plan` picks
-the members (and again every :data:`REPLAN_SECONDS` between versions): the open streamers that offered, are caught up (or behind for less than
-``relay.stall_timeout``) and not waiting out a failure. When they differ from the group's, the
+the members (and again every :data:`REPLAN_SECONDS` between versions): the open streamers that
+offered, have not stalled (``membership.stalled``: behind the version they were sent and
+confirming nothing for ``relay.stall_timeout``) and are not waiting out a failure. When they differ from the group's, the
 group is dropped (its members take versions by stream meanwhile) and a new one formed under a
 fresh random prefix: the learner sends each ``BroadcastJoin`` (store address, prefix, rank,
 world, backend) and builds its own end, within :func:`~.cast_member.form_timeout`. A member that

@@ -20,6 +20,7 @@ import pytest
 from rlink_ucx import Actor, ConfigError, Learner, RLinkDataset
 from rlink_ucx.bench import procfs
 from tests.integration.metrics_procs import TOKEN, counting_actor, wrong_token_actor
+from tests.sockets import ipv6_loopback
 from tests.waiting import wait_until
 
 prometheus_client = pytest.importorskip("prometheus_client")
@@ -46,14 +47,6 @@ def value(samples: dict, name: str, **labels: str) -> float:
 def listening_ports() -> set[int]:
     """TCP ports this process listens on."""
     return set(procfs.listening_ports())
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.create_server(("::1", 0), family=socket.AF_INET6):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(180)

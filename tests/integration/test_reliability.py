@@ -34,6 +34,7 @@ from tests.integration.procs import (
     steady_actor,
 )
 from tests.integration.test_datapath import join_all
+from tests.sockets import closed_by_peer
 from tests.waiting import wait_for
 
 # Actors that reach the learner through a fault proxy connect to the proxy's port, where no
@@ -210,26 +211,13 @@ def test_500_idle_connections_and_a_2_40_byte_claim_are_refused_without_memory_g
         got = [dataset.fetch(timeout=10)["x"].tolist() for _ in range(10)]
         assert [x for b in got for x in b] == list(range(1000))
         assert claim.recv(4096) == b"" or True  # refused: closed by the learner (data may precede EOF)
-        wait_for(lambda: all(_closed(s) for s in idle[:20]), 10, "idle connections were not dropped")
+        wait_for(lambda: all(closed_by_peer(s) for s in idle[:20]), 10, "idle connections were not dropped")
         # 500 pre-auth connections cost the learner about 30 MiB (socket and asyncio buffers),
         # and the second in-process actor's frame buffers land here too; a 2**31-byte claim
         # honoured, or growth per connection, would be far above 48 MiB.
         assert rss_bytes() - rss < 48 << 20, "memory grew with idle connections"
         for s in idle + [claim]:
             s.close()
-
-
-def _closed(sock: socket.socket) -> bool:
-    sock.setblocking(False)
-    try:
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 def _handshake_refused(address: str, make_login) -> float:

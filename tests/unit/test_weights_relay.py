@@ -30,6 +30,7 @@ from rlink_ucx.wire import keys as _keys
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.manifest import KEYED, Entry, Manifest
 from tests import fuzzing as fz
+from tests.sockets import closed_by_peer, ipv6_loopback
 
 MODEL = 8 << 20
 
@@ -347,8 +348,8 @@ def test_strangers_holding_connections_open_hold_at_most_max_pending_and_a_reade
     try:
         # The listener closes all but the newest MAX_PENDING (the oldest go first), long before
         # any handshake deadline.
-        wait(lambda: sum(1 for s in held if closed(s)) == 3 * MAX_PENDING)
-        assert [closed(s) for s in held] == [True] * (3 * MAX_PENDING) + [False] * MAX_PENDING
+        wait(lambda: sum(1 for s in held if closed_by_peer(s)) == 3 * MAX_PENDING)
+        assert [closed_by_peer(s) for s in held] == [True] * (3 * MAX_PENDING) + [False] * MAX_PENDING
         sock = dial("127.0.0.1", relay.port, LINK, KEY, 0, patient)  # a reader gets in regardless
         sock.close()
     finally:
@@ -368,19 +369,6 @@ def test_a_connection_that_does_not_prove_itself_in_time_is_closed(relay):
         # Not before the deadline; soon after it (generous: a loaded machine runs the listener late).
         assert CONFIG.handshake_timeout - 0.3 <= time.monotonic() - started <= CONFIG.handshake_timeout + 4.5
     wait(lambda: open_fds() <= before, timeout=20)
-
-
-def closed(sock: socket.socket) -> bool:
-    sock.setblocking(False)
-    try:
-        while True:
-            data = sock.recv(4096)
-            if not data:
-                return True
-    except BlockingIOError:
-        return False
-    except OSError:
-        return True
 
 
 @pytest.mark.timeout(120)
@@ -444,14 +432,6 @@ def test_the_inbox_keeps_only_the_newest_keys():
 
 def test_relay_nonces_are_fresh():
     assert len(_auth.new_nonce()) == len(LINK)
-
-
-def ipv6_loopback() -> bool:
-    try:
-        with socket.create_server(("::1", 0), family=socket.AF_INET6):
-            return True
-    except OSError:
-        return False
 
 
 @pytest.mark.timeout(30)

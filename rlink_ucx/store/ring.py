@@ -169,9 +169,7 @@ class StepRing:
         with self._ready:
             seg = self._reserve_locked(n, actor_id, seq, version, put_at)
             chunk, offset = divmod(seg.start, self.chunk_steps)
-            # Almost always one run: the frame lies in one chunk. Not when its space was claimed
-            # in pieces around a frame still arriving (``seg.runs``): it goes to those pieces.
-            one = seg.runs is None and offset + n <= self.chunk_steps
+            one = seg.runs is None and offset + n <= self.chunk_steps  # not claimed in pieces, nor across chunks
             runs = [(chunk, offset, n)] if one else self._seg_chunks(seg, 0, n)
             pos = 0
             for f, sb in enumerate(sizes):

@@ -78,7 +78,7 @@ class Subscriber:
         self._cv = threading.Condition()
         self._closed = False
         self._stream: Connection | None = None  # our weights stream, once opened
-        self._relay_in: Connection | None = None  # the relay we take versions from (key: its session id)
+        self._relay_in: Connection | None = None  # the relay we take versions from, once linked
         self._relay: RelayServer | None = None  # our listener, once the learner asked us to relay
         self._quiet_since: float | None = None  # since when a newer version is due from our relay
         self._tagger: concurrent.futures.ThreadPoolExecutor | None = None  # tags buckets while the next arrive

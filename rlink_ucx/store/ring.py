@@ -43,6 +43,35 @@ _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
 _MAX_CHUNKS = 256
 
 
+def _fields_of(payload: memoryview | list[memoryview], n: int, sizes: list[int]) -> list[memoryview]:
+    """Each field's bytes of a frame of ``n`` steps: ``payload`` is one buffer of every field,
+    one after another, or a list of buffers (one per field is used as it is)."""
+    if isinstance(payload, list):
+        if len(payload) == len(sizes) and all(len(p) == n * sb for p, sb in zip(payload, sizes)):
+            return payload
+        payload = memoryview(b"".join(payload))
+    if len(payload) != n * sum(sizes):
+        raise ProtocolError(f"a frame of {n} steps with {len(payload)} bytes of payload")
+    parts, pos = [], 0
+    for sb in sizes:
+        parts.append(payload[pos : pos + n * sb])
+        pos += n * sb
+    return parts
+
+
+def _split(start: int, n: int, capacity: int, chunk_steps: int) -> list[tuple[int, int, int]]:
+    """Positions ``[start, start + n)`` of a ring of ``capacity`` as ``(chunk, offset, count)`` runs."""
+    runs = []
+    pos = start % capacity
+    while n:
+        chunk, offset = divmod(pos, chunk_steps)
+        k = min(n, chunk_steps - offset)
+        runs.append((chunk, offset, k))
+        n -= k
+        pos = (pos + k) % capacity
+    return runs
+
+
 class StepRing:
     """A bounded queue of steps of one schema, written by the I/O threads, read by fetch()."""
 
@@ -155,44 +184,45 @@ class StepRing:
         one hold of the lock (``reserve``, a copy into ``field_views`` and ``commit`` cost a
         small frame three times as much). ``payload``: each field's bytes, one field after
         another, in one buffer or in several (one per field is copied from directly)."""
-        sizes = self._sizes
-        parts: list[memoryview] | None = None
-        if isinstance(payload, list):
-            if len(payload) == len(sizes) and all(len(p) == n * sb for p, sb in zip(payload, sizes)):
-                parts, whole = payload, memoryview(b"")
-            else:
-                whole = memoryview(b"".join(payload))
-        else:
-            whole = payload
-        if parts is None and len(whole) != n * self.schema.step_bytes:
-            raise ProtocolError(f"a frame of {n} steps with {len(whole)} bytes of payload")
         with self._ready:
-            seg = self._reserve_locked(n, actor_id, seq, version, put_at)
-            chunk, offset = divmod(seg.start, self.chunk_steps)
-            runs = [(chunk, offset, n)] if offset + n <= self.chunk_steps else self._seg_chunks(seg, 0, n)
-            pos = 0
-            for f, sb in enumerate(sizes):
-                src = parts[f] if parts is not None else whole[pos : pos + n * sb]
-                pos += n * sb
-                at = 0
-                for c, o, k in runs:  # almost always one: the frame lies in one chunk
-                    self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
-                    at += k * sb
-            freed = self._commit_locked(seg, time.monotonic())
+            freed = self._land_locked(n, actor_id, seq, version, put_at, payload)
         if freed:
             self._space_freed()
 
+    def land_many(self, frames: list[tuple[int, int, int, int, float, memoryview]]) -> list[tuple[int, Exception]]:
+        """Whole frames ``(n, actor_id, seq, version, put_at, payload)``, as :meth:`land` takes
+        them, in one hold of the lock: a pump's burst from many actors. A frame the ring
+        refuses does not stop the others; returns ``(index, error)`` for each one refused."""
+        refused: list[tuple[int, Exception]] = []
+        freed = 0
+        with self._ready:
+            for i, (n, actor_id, seq, version, put_at, payload) in enumerate(frames):
+                try:
+                    freed += self._land_locked(n, actor_id, seq, version, put_at, payload)
+                except (ProtocolError, Closed) as exc:
+                    refused.append((i, exc))
+        if freed:
+            self._space_freed()
+        return refused
+
+    def _land_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float,
+                     payload: memoryview | list[memoryview]) -> int:  # fmt: skip
+        """:meth:`land` with the lock held; returns the steps freed (see ``_commit_locked``)."""
+        parts = _fields_of(payload, n, self._sizes)
+        seg = self._reserve_locked(n, actor_id, seq, version, put_at)
+        chunk, offset = divmod(seg.start, self.chunk_steps)
+        runs = [(chunk, offset, n)] if offset + n <= self.chunk_steps else self._seg_chunks(seg, 0, n)
+        chunks = self.chunks
+        for f, (sb, src) in enumerate(zip(self._sizes, parts)):
+            at = 0
+            for c, o, k in runs:  # almost always one: the frame lies in one chunk
+                chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
+                at += k * sb
+        return self._commit_locked(seg, time.monotonic())
+
     def _split(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """Ring positions ``[start, start + n)`` as ``(chunk, offset, count)`` runs."""
-        runs = []
-        pos = start % self.capacity
-        while n:
-            chunk, offset = divmod(pos, self.chunk_steps)
-            k = min(n, self.chunk_steps - offset)
-            runs.append((chunk, offset, k))
-            n -= k
-            pos = (pos + k) % self.capacity
-        return runs
+        return _split(start, n, self.capacity, self.chunk_steps)
 
     def _seg_chunks(self, seg: Segment, skip: int, count: int) -> list[tuple[int, int, int]]:
         """Steps ``[skip, skip + count)`` of ``seg`` as ``(chunk, offset, count)`` runs."""

@@ -15,6 +15,11 @@ learner's I/O loop had had its turn (up to the 5 ms switch interval): with 1,024
 of 550 frames took 0.7 s (p99 1.2 s, against 23 ms with a thread each). With several pumps the
 GIL mostly passes between them, as it did between the threads.
 
+A pass of a pump reads every ready connection before it lands anything: a tcp receiver defers
+the whole small frames a read brought (``defer``; their bytes stay in the pump's arena) and the
+pump lands them all at the end of the pass, through the sessions' ``land_burst`` (one hold of
+the ring's lock for the burst, not one per frame).
+
 A receiver's socket is closed by the pump only once it has stopped polling it (a number closed
 elsewhere could come back as another connection's while the pump still watches it): the
 receiver's ``close`` shuts the socket down, which wakes the pump.
@@ -35,6 +40,7 @@ __all__ = ["PER_PUMP", "Pump", "pump"]
 log = logging.getLogger(__name__)
 
 PER_PUMP = 16  # connections one pump reads at most
+ARENA_BYTES = 256 * 1024  # a pump's reads of one pass; a burst that fills it lands early
 
 _IN = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 
@@ -52,6 +58,9 @@ class Pump:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poll.register(self._wake_r, select.EPOLLIN)
+        self._arena: bytearray | None = None  # allocated by the first read that wants it
+        self._arena_at = 0  # bytes of the arena the deferred frames of this pass may point into
+        self._burst: list[tuple[Any, memoryview, memoryview]] = []  # (receiver, header, payload)
         self.thread = threading.Thread(target=self._serve, name="rlink-pump", daemon=True)
         self.thread.start()
 
@@ -73,6 +82,8 @@ class Pump:
                             self._join()
                         elif (receiver := self._by_fd.get(fd)) is not None:
                             self._step(fd, receiver)
+                    if self._burst:
+                        self._land_pass()
                 except Exception:  # a bug here must not end every actor's reading
                     log.exception("pump: unexpected error; going on")
         finally:
@@ -118,6 +129,54 @@ class Pump:
             receiver.pump_step()
         except Exception as exc:  # noqa: BLE001 - reported to the receiver's session
             self._drop(fd, receiver, exc)
+
+    # --- a pass's burst of whole frames (the pump's thread only) --------------------------------
+    def room(self, size: int) -> memoryview:
+        """Where the next read of up to ``size`` bytes goes: the free part of the arena (the
+        burst so far lands first when less than that is left)."""
+        if self._arena is None:
+            self._arena = bytearray(max(ARENA_BYTES, size))
+        if len(self._arena) - self._arena_at < size:
+            self._land_pass()
+        return memoryview(self._arena)[self._arena_at : self._arena_at + size]
+
+    def used(self, n: int) -> None:
+        """The last read put ``n`` bytes at the front of ``room``: keep them until the burst lands."""
+        self._arena_at += n
+
+    def defer(self, receiver: Any, header: memoryview, payload: memoryview) -> None:
+        """A whole frame read into the arena, landed with the rest of the pass's."""
+        self._burst.append((receiver, header, payload))
+
+    @property
+    def deferred(self) -> bool:
+        return bool(self._burst)
+
+    def _land_pass(self) -> None:
+        """Land the burst and start the arena over (between two receivers' reads)."""
+        self.land_burst()
+        self._arena_at = 0
+
+    def land_burst(self, current: Any = None) -> Exception | None:
+        """Land the deferred frames, grouped by the sinks' ``land_burst``; stop reading each
+        receiver whose session refused one. ``current``: the receiver whose ``pump_step`` is
+        running, which is not dropped here: its error is returned for it to raise. The arena
+        is kept (``current`` may still be parsing from it)."""
+        burst, self._burst = self._burst, []
+        groups: dict[Any, list[tuple[Any, memoryview, memoryview]]] = {}
+        receiver_of: dict[int, Any] = {}
+        for receiver, header, payload in burst:
+            groups.setdefault(receiver.land_burst, []).append((receiver.sink, header, payload))
+            receiver_of[id(receiver.sink)] = receiver
+        mine = None
+        for land, frames in groups.items():
+            for sink, exc in land(frames):
+                receiver = receiver_of[id(sink)]
+                if receiver is current:
+                    mine = exc
+                else:
+                    self._drop(receiver.sock.fileno(), receiver, exc)
+        return mine
 
     def _drop(self, fd: int, receiver: Any, exc: Exception) -> None:
         """Stop reading ``receiver`` (which stopped on ``exc``) and close its socket."""

@@ -116,6 +116,10 @@ class SocketReceiver:
         # A sink that can take a whole frame at once (the session's ``land``) gets the frames
         # whose payload is in memory already that way: one call instead of begin, copy and end.
         self._land: Callable[[memoryview, memoryview | list[memoryview]], None] | None = getattr(sink, "land", None)
+        # One that can take many sessions' whole frames at once gets them that way from a pump
+        # (``Pump.land_burst``): a pass's reads first, then one landing for all they brought.
+        self.land_burst: Callable[[list[tuple[object, memoryview, memoryview]]], list[tuple[object, Exception]]] | None = (
+            getattr(sink, "land_burst", None))  # fmt: skip
         self.frame_started: float | None = None
         self._closed = False
         self._name = name
@@ -219,8 +223,7 @@ class TcpReceiver(SocketReceiver):
         (a scratch buffer or more) only the next header is read that way, into the header
         buffer, so a stream of large frames is never copied twice.
         """
-        scratch = _scratch()
-        tail = memoryview(self._header)[self._got :] if self._big else memoryview(scratch)
+        tail = memoryview(self._header)[self._got :] if self._big else self._room()
         try:
             if self._payload:
                 n = self.sock.recvmsg_into([*self._payload, tail], 0, socket.MSG_DONTWAIT)[0]
@@ -248,18 +251,40 @@ class TcpReceiver(SocketReceiver):
                 self._start_frame()
             self._wake_after(self._left)
         else:
-            self._parse(tail[:n])
+            deferring = self._deferring
+            if deferring:
+                assert self.pump is not None
+                self.pump.used(n)  # the frames deferred from it point into the arena
+            self._parse(tail[:n], defer=deferring)
 
-    def _parse(self, data: memoryview) -> None:
+    @property
+    def _deferring(self) -> bool:
+        """Whole frames are deferred to the pump's burst (else landed one by one)."""
+        return self.pump is not None and self.land_burst is not None
+
+    def _room(self) -> memoryview:
+        """Where a read of many small frames goes: the pump's arena when its frames are
+        deferred to the burst, else the pump thread's scratch buffer."""
+        if self._deferring:
+            assert self.pump is not None
+            return self.pump.room(_SCRATCH_BYTES)
+        return memoryview(_scratch())
+
+    def _parse(self, data: memoryview, *, defer: bool = False) -> None:
         """Frames (or their beginning) read into ``data``: headers to the sink, payload bytes
-        into its views, each whole frame ended; where ``data`` stops, the state says."""
+        into its views, each whole frame ended (or, ``defer``, handed to the pump's burst:
+        ``data`` is in its arena); where ``data`` stops, the state says."""
         pos, size = 0, len(data)
         land = self._land
         while pos < size:
             if land is not None and not self._got and not self._payload and size - pos >= FRAME_HEADER_BYTES:
                 end = pos + FRAME_HEADER_BYTES + announced_payload(data, pos)
                 if end <= size:  # the whole frame is in: validated, copied and committed in one call
-                    land(data[pos : pos + FRAME_HEADER_BYTES], data[pos + FRAME_HEADER_BYTES : end])
+                    if defer:
+                        assert self.pump is not None
+                        self.pump.defer(self, data[pos : pos + FRAME_HEADER_BYTES], data[pos + FRAME_HEADER_BYTES : end])
+                    else:
+                        land(data[pos : pos + FRAME_HEADER_BYTES], data[pos + FRAME_HEADER_BYTES : end])
                     pos = end
                     continue
             if self._payload:
@@ -281,6 +306,11 @@ class TcpReceiver(SocketReceiver):
 
     def _start_frame(self) -> None:
         """A whole header is in: the sink's views for its payload."""
+        if self.pump is not None and self.pump.deferred:
+            # This session's deferred frames come before this one: land them first (seq order).
+            error = self.pump.land_burst(current=self)
+            if error is not None:
+                raise error
         self._got = 0
         self.frame_started = time.monotonic()
         self._payload = [v for v in self.sink.begin(bytes(self._header)) if len(v)]

@@ -72,6 +72,22 @@ def _split(start: int, n: int, capacity: int, chunk_steps: int) -> list[tuple[in
     return runs
 
 
+def _reclaim(lent: list[list[np.ndarray]], pool: list[list[np.ndarray]], reserved: set[int]) -> list[list[np.ndarray]]:
+    """Move the chunks of ``lent`` nobody references any more to ``pool``; returns the rest."""
+    still = []
+    for arrays in lent:
+        # Tensors made from an array (and their views) keep it referenced through their
+        # storage; 3 = the list slot, the loop variable and getrefcount's argument.
+        if any(sys.getrefcount(a) > 3 for a in arrays):
+            still.append(arrays)
+        elif len(pool) < _POOL_CHUNKS or id(arrays) in reserved:
+            # A chunk carved from a reserve is kept whatever the pool's size: dropping it
+            # would free nothing (the reserve stays mapped) and the next spare would come
+            # from fresh memory.
+            pool.append(arrays)
+    return still
+
+
 class StepRing:
     """A bounded queue of steps of one schema, written by the I/O threads, read by fetch()."""
 
@@ -198,15 +214,16 @@ class StepRing:
         with self._ready:
             for i, (n, actor_id, seq, version, put_at, payload) in enumerate(frames):
                 try:
-                    freed += self._land_locked(n, actor_id, seq, version, put_at, payload)
+                    freed += self._land_locked(n, actor_id, seq, version, put_at, payload, wake=False)
                 except (ProtocolError, Closed) as exc:
                     refused.append((i, exc))
+            self._wake_consumer(None)  # once for the burst: the consumer cannot run before it ends anyway
         if freed:
             self._space_freed()
         return refused
 
     def _land_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float,
-                     payload: memoryview | list[memoryview]) -> int:  # fmt: skip
+                     payload: memoryview | list[memoryview], *, wake: bool = True) -> int:  # fmt: skip
         """:meth:`land` with the lock held; returns the steps freed (see ``_commit_locked``)."""
         parts = _fields_of(payload, n, self._sizes)
         seg = self._reserve_locked(n, actor_id, seq, version, put_at)
@@ -218,7 +235,7 @@ class StepRing:
             for c, o, k in runs:  # almost always one: the frame lies in one chunk
                 chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
                 at += k * sb
-        return self._commit_locked(seg, time.monotonic())
+        return self._commit_locked(seg, time.monotonic(), wake=wake)
 
     def _split(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """Ring positions ``[start, start + n)`` as ``(chunk, offset, count)`` runs."""
@@ -280,18 +297,7 @@ class StepRing:
 
     def _reclaim(self) -> None:
         """Move lent chunks nobody references any more back to the pool (lock held)."""
-        still = []
-        for arrays in self._lent:
-            # Tensors made from an array (and their views) keep it referenced through their
-            # storage; 3 = the list slot, the loop variable and getrefcount's argument.
-            if any(sys.getrefcount(a) > 3 for a in arrays):
-                still.append(arrays)
-            elif len(self._pool) < _POOL_CHUNKS or id(arrays) in self._reserved:
-                # A chunk carved from a reserve is kept whatever the pool's size: dropping it
-                # would free nothing (the reserve stays mapped) and the next spare would come
-                # from fresh memory.
-                self._pool.append(arrays)
-        self._lent = still
+        self._lent = _reclaim(self._lent, self._pool, self._reserved)
 
     def commit(self, seg: Segment) -> None:
         ready_at = time.monotonic()  # read before taking the lock, to keep the critical section short
@@ -300,9 +306,10 @@ class StepRing:
         if freed:
             self._space_freed()
 
-    def _commit_locked(self, seg: Segment, ready_at: float) -> int:
+    def _commit_locked(self, seg: Segment, ready_at: float, *, wake: bool = True) -> int:
         """``seg`` is complete (lock held); returns the steps freed because it was dropped as
-        too stale (the caller then says so, outside the lock)."""
+        too stale (the caller then says so, outside the lock). ``wake``: wake the consumer if
+        its batch is complete now (else the caller calls ``_wake_consumer`` once for many)."""
         if seg.state is not SegState.PENDING:
             return 0  # abandoned meanwhile: its space is another frame's already
         seg.state = SegState.READY
@@ -313,11 +320,18 @@ class StepRing:
         stats.frames_in += 1
         stats.bytes_in += seg.n * self.schema.step_bytes
         freed = self._drop(seg) if seg.version < self.min_version else 0
-        # Wake the consumer only once its batch can be complete: one wake-up per batch,
-        # not per frame (each costs a thread switch and a GIL hand-off).
-        if seg is self._waiting_on or (self._waiting_for and self.frames.count(self._waiting_for) >= self._waiting_for):
-            self._ready.notify_all()
+        if wake:
+            self._wake_consumer(seg)
         return freed
+
+    def _wake_consumer(self, seg: Segment | None) -> None:
+        """Wake the consumer only once its batch can be complete (lock held; ``seg``: the
+        frame just completed, None after a burst): one wake-up per batch, not per frame (each
+        costs a thread switch and a GIL hand-off)."""
+        if (seg is not None and seg is self._waiting_on) or (
+            self._waiting_for and self.frames.count(self._waiting_for) >= self._waiting_for
+        ):
+            self._ready.notify_all()
 
     def _drop(self, seg: Segment) -> int:
         """Never yield the rest of ``seg`` (too stale); lock held. Its space is reused once no

@@ -23,7 +23,7 @@ class BurstSink(Protocol):
 
     actor_id: int
 
-    def admit_landing(self, header: memoryview) -> tuple[FrameHeader, StepRing] | None: ...
+    def admit_landing(self, header: memoryview, payload_bytes: int) -> tuple[FrameHeader, StepRing] | None: ...
 
     def after_landing(self) -> None: ...
 
@@ -37,7 +37,7 @@ def land_burst(frames: list[tuple[BurstSink, memoryview, memoryview]]) -> list[t
         if session in failed:
             continue
         try:
-            admitted = session.admit_landing(header)
+            admitted = session.admit_landing(header, len(payload))
         except Exception as exc:  # noqa: BLE001 - a ProtocolError, or a bug: either ends this session only
             failed[session] = exc
             continue

@@ -307,12 +307,15 @@ class LearnerSession:
             self._count_frame(h)
         self._after_commit()
 
-    def admit_landing(self, header: memoryview) -> tuple[FrameHeader, StepRing] | None:
-        """Check a whole frame's header for ``burst.land_burst`` (any thread) and count it as
-        landed now: it lands in the ring next, in the same pass (before any later frame of
-        this session, so ``next_seq`` moves on here). None for a duplicate (counted, dropped)."""
+    def admit_landing(self, header: memoryview, payload_bytes: int) -> tuple[FrameHeader, StepRing] | None:
+        """Check a whole frame's header and the ``payload_bytes`` that came with it for
+        ``burst.land_burst`` (any thread), and count it as landed now: it lands in the ring
+        next, in the same pass (before any later frame of this session, so ``next_seq`` moves
+        on here). None for a duplicate (counted, dropped)."""
         with self._lock:
             h, ring, new = self._admit(header)
+            if payload_bytes != h.payload_bytes:  # checked before it is counted: the ring would refuse it
+                raise ProtocolError(f"a frame announcing {h.payload_bytes} bytes of payload came with {payload_bytes}")
             if not new:
                 self.stats.duplicate_steps += h.n_steps
                 return None

@@ -228,13 +228,15 @@ class StepRing:
         parts = _fields_of(payload, n, self._sizes)
         seg = self._reserve_locked(n, actor_id, seq, version, put_at)
         chunk, offset = divmod(seg.start, self.chunk_steps)
-        runs = [(chunk, offset, n)] if offset + n <= self.chunk_steps else self._seg_chunks(seg, 0, n)
-        chunks = self.chunks
-        for f, (sb, src) in enumerate(zip(self._sizes, parts)):
-            at = 0
-            for c, o, k in runs:  # almost always one: the frame lies in one chunk
-                chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
-                at += k * sb
+        if seg.runs is None and offset + n <= self.chunk_steps:  # almost always: the frame lies in one chunk
+            for array, sb, src in zip(self.chunks[chunk], self._sizes, parts):
+                array.data[offset * sb : (offset + n) * sb] = src
+        else:
+            for f, (sb, src) in enumerate(zip(self._sizes, parts)):
+                at = 0
+                for c, o, k in self._seg_chunks(seg, 0, n):
+                    self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
+                    at += k * sb
         return self._commit_locked(seg, time.monotonic(), wake=wake)
 
     def _split(self, start: int, n: int) -> list[tuple[int, int, int]]:

@@ -9,11 +9,16 @@ the ring streams, and the pump copies its bytes as they come, never waiting for 
 receiver whatever bytes came, keeping a frame that came in pieces where it stopped. A stalled frame is closed by the
 session's heartbeat check, which ends such a wait or the partial frame.
 
-A pump takes at most :data:`PER_PUMP` connections; more actors get more pumps. Every socket
-call releases the GIL, and a single pump for hundreds of actors got it back only after the
-learner's I/O loop had had its turn (up to the 5 ms switch interval): with 1,024 actors a burst
-of 550 frames took 0.7 s (p99 1.2 s, against 23 ms with a thread each). With several pumps the
-GIL mostly passes between them, as it did between the threads.
+A pump takes at most :data:`PER_PUMP` connections (a receiver may ask for another limit);
+more actors get more pumps. Every socket call releases the GIL, and a single pump for hundreds
+of actors once got it back only after the learner's I/O loop had had its turn (up to the 5 ms
+switch interval): with 1,024 actors a burst of 550 frames took 0.7 s. With frames landed a pass
+at a time that is gone, and several pumps cost more than one: each wakes for the frame or two
+of its own connections, and every read hands the GIL to another pump that woke (1,024 tcp
+actors of small frames: 30-35 us of the pumps' CPU a frame over 64 or 8 pumps, 17-19 over one;
+docs/benchmarks.md, "#51"). So small-frame tcp connections share one pump, and a connection
+moves to a pump of its own (``wants_own_pump``, ``_hand_over``) once it streams large frames,
+whose kernel copies then run on every core at once.
 
 A pass of a pump reads every ready connection before it lands anything: a tcp receiver defers
 the whole small frames a read brought (``defer``; their bytes stay in the pump's arena) and the
@@ -129,6 +134,28 @@ class Pump:
             receiver.pump_step()
         except Exception as exc:  # noqa: BLE001 - reported to the receiver's session
             self._drop(fd, receiver, exc)
+            return
+        if receiver.wants_own_pump:
+            self._hand_over(fd, receiver)
+
+    def _hand_over(self, fd: int, receiver: Any) -> None:
+        """Move ``receiver`` to a pump of its own (or the least busy other one, once
+        ``receiver.own_pump_spread`` pumps run), between two of its reads."""
+        receiver.wants_own_pump = False
+        if self._burst:
+            self._land_pass()  # its frames deferred this pass land before another pump reads it
+            if self._by_fd.get(fd) is not receiver:
+                return  # one of them was refused: it was dropped
+        target = pump(receiver.own_pump_spread, exclude=self)
+        self._by_fd.pop(fd, None)
+        try:
+            self._poll.unregister(fd)
+        except OSError:
+            pass
+        with _start_lock:
+            self.connections -= 1
+        receiver.pump = target
+        target.add(receiver)
 
     # --- a pass's burst of whole frames (the pump's thread only) --------------------------------
     def room(self, size: int) -> memoryview:
@@ -206,9 +233,10 @@ _pumps: list[Pump] = []
 _start_lock = threading.Lock()
 
 
-def pump(spread: int = 1) -> Pump:
-    """A pump with room for one more connection (counted as taken): the least busy one, or a
-    new one while fewer than ``spread`` run (or all are full).
+def pump(spread: int = 1, per_pump: int = PER_PUMP, exclude: Pump | None = None) -> Pump:
+    """A pump with room for one more connection (counted as taken): the least busy one with
+    fewer than ``per_pump``, or a new one while fewer than ``spread`` run (or all are full).
+    ``exclude``: a pump not to choose (the one a connection leaves).
 
     ``spread`` is the plane's: a tcp pump does the kernel's copy of every byte it reads, so a
     few connections streaming large frames each get a pump of their own and copy on every
@@ -216,7 +244,8 @@ def pump(spread: int = 1) -> Pump:
     past ``spread`` connections share pumps, up to :data:`PER_PUMP` each.
     """
     with _start_lock:
-        chosen = min((p for p in _pumps if p.connections < PER_PUMP), key=lambda p: p.connections, default=None)
+        room = (p for p in _pumps if p.connections < per_pump and p is not exclude)
+        chosen = min(room, key=lambda p: p.connections, default=None)
         if chosen is None or (len(_pumps) < spread and chosen.connections):
             chosen = Pump()
             _pumps.append(chosen)

@@ -20,6 +20,7 @@ from .. import pump
 from ..base import FrameSink
 from ..sockopts import close_socket, set_congestion
 
+SHARED_PER_PUMP = 1024  # small-frame connections one pump reads (their frames land a pass at a time)
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting
 
@@ -107,6 +108,9 @@ class SocketReceiver:
 
     name = "tcp"
     pump_spread = 1  # pumps started before two of these connections share one (``pump.pump``)
+    per_pump = pump.PER_PUMP  # connections of its kind one pump reads at most
+    own_pump_spread = 1  # pumps running before one that asks for its own pump shares one
+    wants_own_pump = False  # set by ``pump_step``: move me to a pump of my own (``Pump._hand_over``)
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str, congestion: str = "auto"):
         sock.setblocking(True)
@@ -130,7 +134,7 @@ class SocketReceiver:
         return self.pump is not None
 
     def start(self) -> None:
-        self.pump = pump.pump(self.pump_spread)
+        self.pump = pump.pump(self.pump_spread, self.per_pump)
         self.pump.add(self)
 
     def _failed(self, exc: Exception) -> None:
@@ -175,11 +179,14 @@ class TcpReceiver(SocketReceiver):
     While a frame's payload streams in, ``SO_RCVLOWAT`` keeps the reader asleep until
     ``RECV_LOW_WATER`` bytes have arrived (epoll honours it too): fewer wake-ups, which the
     *sender* pays for on loopback (waking us runs in its system call), and fewer trips through
-    this code. The first :attr:`pump_spread` connections get a pump each, so that a few actors
-    streaming large frames are copied on every core at once.
+    this code. Connections start on one shared pump (small frames land a pass at a time there,
+    ``pump.py``); one that streams large frames moves to a pump of its own, up to
+    :attr:`own_pump_spread` of them, so that a few actors streaming large frames are copied on
+    every core at once.
     """
 
-    pump_spread = 8
+    per_pump = SHARED_PER_PUMP
+    own_pump_spread = 8
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str = "rlink-tcp-recv", congestion: str = "auto"):
         super().__init__(sock, sink, name, congestion)
@@ -192,6 +199,7 @@ class TcpReceiver(SocketReceiver):
         self._payload: list[memoryview] = []
         self._left = 0
         self._big = False  # the last frame was large: read only the next header ahead
+        self._moved = False  # asked for a pump of its own once (it is not asked again)
 
     def _wake_after(self, owed: int) -> None:
         """Set the low-water mark for a read that is owed ``owed`` more bytes (the rest of a
@@ -316,6 +324,8 @@ class TcpReceiver(SocketReceiver):
         self._payload = [v for v in self.sink.begin(bytes(self._header)) if len(v)]
         self._left = sum(len(v) for v in self._payload)
         self._big = self._left >= _SCRATCH_BYTES
+        if self._big and not self._moved:  # it streams large frames: a pump of its own copies them
+            self.wants_own_pump = self._moved = True
         if not self._left:
             self._frame_done()
 

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from .._memory import Reserve
 from ..errors import Closed, ProtocolError
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema
+from .payload import copy_whole, fields_of, slices
 from .ready import ReadyFrames
 from .segments import Piece, RingStats, Segment, SegState
 from .space import RingSpace
@@ -41,22 +43,6 @@ __all__ = ["Piece", "RingStats", "SegState", "Segment", "StepRing"]
 
 _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
 _MAX_CHUNKS = 256
-
-
-def _fields_of(payload: memoryview | list[memoryview], n: int, sizes: list[int]) -> list[memoryview]:
-    """Each field's bytes of a frame of ``n`` steps: ``payload`` is one buffer of every field,
-    one after another, or a list of buffers (one per field is used as it is)."""
-    if isinstance(payload, list):
-        if len(payload) == len(sizes) and all(len(p) == n * sb for p, sb in zip(payload, sizes)):
-            return payload
-        payload = memoryview(b"".join(payload))
-    if len(payload) != n * sum(sizes):
-        raise ProtocolError(f"a frame of {n} steps with {len(payload)} bytes of payload")
-    parts, pos = [], 0
-    for sb in sizes:
-        parts.append(payload[pos : pos + n * sb])
-        pos += n * sb
-    return parts
 
 
 def _split(start: int, n: int, capacity: int, chunk_steps: int) -> list[tuple[int, int, int]]:
@@ -225,13 +211,13 @@ class StepRing:
     def _land_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float,
                      payload: memoryview | list[memoryview], *, wake: bool = True) -> int:  # fmt: skip
         """:meth:`land` with the lock held; returns the steps freed (see ``_commit_locked``)."""
-        parts = _fields_of(payload, n, self._sizes)
+        parts = fields_of(payload, n, self._sizes)  # None: one buffer, the frame's size (checked)
         seg = self._reserve_locked(n, actor_id, seq, version, put_at)
         chunk, offset = divmod(seg.start, self.chunk_steps)
-        if seg.runs is None and offset + n <= self.chunk_steps:  # almost always: the frame lies in one chunk
-            for array, sb, src in zip(self.chunks[chunk], self._sizes, parts):
-                array.data[offset * sb : (offset + n) * sb] = src
+        if parts is None and seg.runs is None and offset + n <= self.chunk_steps:  # almost always
+            copy_whole(self.chunks[chunk], self._sizes, offset, n, cast(memoryview, payload))
         else:
+            parts = parts or slices(cast(memoryview, payload), n, self._sizes)
             for f, (sb, src) in enumerate(zip(self._sizes, parts)):
                 at = 0
                 for c, o, k in self._seg_chunks(seg, 0, n):

@@ -10,7 +10,11 @@ that copies them out field by field, the rest) and the put -> taken latency. Wha
 can so be measured without 1,024 actor threads on the same two cores.
 
     python bench/burst_receive.py [--connections 1024] [--bursts 10] [--period 0.5] [--per-pump 16]
-                                  [--batch 10] [--json out.json]
+                                  [--spread N] [--batch 10] [--json out.json]
+
+``--per-pump`` and ``--spread`` set ``pump.PER_PUMP`` and ``TcpReceiver.pump_spread``: in a
+tree where small-frame tcp connections share one pump (#51) they change nothing for tcp; in an
+older one ``--per-pump 1024 --spread 1`` puts every connection on one pump.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import small_frames as sf  # the scale benchmark's step and a session around one
 
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.transport import pump
+from rlink_ucx.transport.tcp.stream import TcpReceiver
 from rlink_ucx.wire.frame import FrameHeader
 
 WARM_BURSTS = 2  # bursts before the measured window (connections' first reads, page faults)
@@ -78,8 +83,10 @@ def _on_cpu(tid: int | None) -> float:
         return 0.0
 
 
-def run(connections: int, bursts: int, period: float, per_pump: int, batch: int) -> dict[str, Any]:
+def run(connections: int, bursts: int, period: float, per_pump: int, batch: int, spread: int | None = None) -> dict[str, Any]:
     pump.PER_PUMP = per_pump
+    if spread is not None:
+        TcpReceiver.pump_spread = spread
     ctx = mp.get_context("spawn")
     listener = socket.create_server(("127.0.0.1", 0), backlog=connections)
     start, ready = ctx.Value("d", 0.0), ctx.Event()
@@ -131,7 +138,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int)
         raise RuntimeError(f"{got} of {total} frames taken")
     frames = total - WARM_BURSTS * connections
     lat_ms = np.array(latencies[WARM_BURSTS * connections :]) * 1e3
-    return {"connections": connections, "per_pump": per_pump, "pumps": pumps, "batch": batch,
+    return {"connections": connections, "per_pump": per_pump, "spread": TcpReceiver.pump_spread, "pumps": pumps, "batch": batch,
             "frames": frames, "cpu_us_per_frame": round(cpu / frames * 1e6, 1), "user_us_per_frame": round((after[0] - before[0]) / frames * 1e6, 1),
             "sys_us_per_frame": round((after[1] - before[1]) / frames * 1e6, 1),
             **{f"{role}_us_per_frame": round((threads_after[role] - threads_before[role]) / frames * 1e6, 1)
@@ -146,11 +153,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--period", type=float, default=0.5)
     parser.add_argument("--per-pump", type=int, default=pump.PER_PUMP, help="connections one pump reads at most")
     parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--spread", type=int, default=None,
+                        help="tcp connections that get a pump each before they share (default: the tree's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.bursts <= WARM_BURSTS:
         parser.error(f"--bursts must be more than the {WARM_BURSTS} warm-up bursts")
-    report = run(args.connections, args.bursts, args.period, args.per_pump, args.batch)
+    report = run(args.connections, args.bursts, args.period, args.per_pump, args.batch, args.spread)
     print(json.dumps(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:

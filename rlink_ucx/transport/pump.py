@@ -190,19 +190,20 @@ class Pump:
         running, which is not dropped here: its error is returned for it to raise. The arena
         is kept (``current`` may still be parsing from it)."""
         burst, self._burst = self._burst, []
-        groups: dict[Any, list[tuple[Any, memoryview, memoryview]]] = {}
-        receiver_of: dict[int, Any] = {}
-        for receiver, header, payload in burst:
-            groups.setdefault(receiver.land_burst, []).append((receiver.sink, header, payload))
-            receiver_of[id(receiver.sink)] = receiver
+        refused: list[tuple[Any, Exception]] = []
+        lands = {receiver.land_burst for receiver, _, _ in burst}  # one kind of sink, in practice
+        for land in lands:
+            refused += land([(r.sink, header, payload) for r, header, payload in burst if r.land_burst is land])
+        if not refused:
+            return None
+        receiver_of = {id(r.sink): r for r, _, _ in burst}
         mine = None
-        for land, frames in groups.items():
-            for sink, exc in land(frames):
-                receiver = receiver_of[id(sink)]
-                if receiver is current:
-                    mine = exc
-                else:
-                    self._drop(receiver.sock.fileno(), receiver, exc)
+        for sink, exc in refused:
+            receiver = receiver_of[id(sink)]
+            if receiver is current:
+                mine = exc
+            else:
+                self._drop(receiver.sock.fileno(), receiver, exc)
         return mine
 
     def _drop(self, fd: int, receiver: Any, exc: Exception) -> None:

@@ -28,28 +28,37 @@ class BurstSink(Protocol):
     def after_landing(self) -> None: ...
 
 
+_Item = tuple[int, int, int, int, float, memoryview]  # what StepRing.land_many takes for a frame
+
+
 def land_burst(frames: list[tuple[BurstSink, memoryview, memoryview]]) -> list[tuple[BurstSink, Exception]]:
     """Land whole frames ``(session, header, payload)`` in the order given (each session's in
     the order it sent them); returns each session that failed, with its first error."""
     failed: dict[BurstSink, Exception] = {}
-    by_ring: dict[StepRing, tuple[list[tuple[int, int, int, int, float, memoryview]], list[BurstSink]]] = {}
+    rings: dict[StepRing, tuple[list[_Item], list[BurstSink]]] = {}
+    ring: StepRing | None = None  # the last frame's ring, and its lists (one ring, in practice)
+    items: list[_Item] = []
+    owners: list[BurstSink] = []
     for session, header, payload in frames:
-        if session in failed:
+        if failed and session in failed:
             continue
         try:
             admitted = session.admit_landing(header, len(payload))
         except Exception as exc:  # noqa: BLE001 - a ProtocolError, or a bug: either ends this session only
             failed[session] = exc
             continue
-        if admitted is not None:  # None: a duplicate, counted and dropped
-            h, ring = admitted
-            items, owners = by_ring.setdefault(ring, ([], []))
-            items.append((h.n_steps, session.actor_id, h.seq, h.version, h.put_time_us * 1e-6, payload))
-            owners.append(session)
-    for ring, (items, owners) in by_ring.items():
-        for i, refused in ring.land_many(items):
-            failed.setdefault(owners[i], refused)
-    for session in dict.fromkeys(s for _, owners in by_ring.values() for s in owners):
+        if admitted is None:  # a duplicate, counted and dropped
+            continue
+        h, its_ring = admitted
+        if its_ring is not ring:
+            ring = its_ring
+            items, owners = rings.setdefault(ring, ([], []))
+        items.append((h.n_steps, session.actor_id, h.seq, h.version, h.put_time_us * 1e-6, payload))
+        owners.append(session)
+    for one_ring, (its_items, its_owners) in rings.items():
+        for i, refused in one_ring.land_many(its_items):
+            failed.setdefault(its_owners[i], refused)
+    for session in {s: None for _, its_owners in rings.values() for s in its_owners}:  # each once, in order
         if session not in failed:
             session.after_landing()
     return list(failed.items())

@@ -200,10 +200,11 @@ class Pump:
         mine = None
         for sink, exc in refused:
             receiver = receiver_of[id(sink)]
+            fd = receiver.sock.fileno()
             if receiver is current:
                 mine = exc
-            else:
-                self._drop(receiver.sock.fileno(), receiver, exc)
+            elif self._by_fd.get(fd) is receiver:  # not dropped already (its end is counted once)
+                self._drop(fd, receiver, exc)
         return mine
 
     def _drop(self, fd: int, receiver: Any, exc: Exception) -> None:

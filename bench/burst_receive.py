@@ -4,12 +4,17 @@ A writer process sends one one-step frame (the scale benchmark's 36-byte step) o
 tcp connections per burst, every ``--period`` seconds. This process reads them with the real
 pumps, ``TcpReceiver``, ``LearnerSession`` and one ``StepRing``; a consumer thread takes batches
 and copies each field out, as a dataset does. It reports the process's CPU per frame
-(``time.process_time``; user and system from ``os.times``, in 10 ms ticks) and the put -> taken
-latency. What a 1,024-actor burst costs the learner
+(``time.process_time``; user and system from ``os.times``, in 10 ms ticks), the same split by
+thread (``/proc``'s schedstat, nanoseconds on a CPU: the pumps that land the frames, the consumer
+that copies them out field by field, the rest) and the put -> taken latency. What a 1,024-actor burst costs the learner
 can so be measured without 1,024 actor threads on the same two cores.
 
     python bench/burst_receive.py [--connections 1024] [--bursts 10] [--period 0.5] [--per-pump 16]
-                                  [--batch 10] [--json out.json]
+                                  [--spread N] [--batch 10] [--json out.json]
+
+``--per-pump`` and ``--spread`` set ``pump.PER_PUMP`` and ``TcpReceiver.pump_spread``: in a
+tree where small-frame tcp connections share one pump (#51) they change nothing for tcp; in an
+older one ``--per-pump 1024 --spread 1`` puts every connection on one pump.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import small_frames as sf  # the scale benchmark's step and a session around one
 
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.transport import pump
+from rlink_ucx.transport.tcp.stream import TcpReceiver
 from rlink_ucx.wire.frame import FrameHeader
 
 WARM_BURSTS = 2  # bursts before the measured window (connections' first reads, page faults)
@@ -57,8 +63,30 @@ def writer(port: int, connections: int, bursts: int, period: float, start: Any, 
         s.close()
 
 
-def run(connections: int, bursts: int, period: float, per_pump: int, batch: int) -> dict[str, Any]:
+def thread_cpu() -> dict[str, float]:
+    """Seconds on a CPU so far of this process's live threads, summed by role: ``pumps`` (the
+    reading and landing), ``consumer`` (the bench's own copies out) and ``other``."""
+    out = {"pumps": 0.0, "consumer": 0.0, "other": 0.0}
+    for thread in threading.enumerate():
+        seconds = _on_cpu(thread.native_id)
+        role = "pumps" if thread.name.startswith("rlink-pump") else thread.name if thread.name == "consumer" else "other"
+        out[role] += seconds
+    return out
+
+
+def _on_cpu(tid: int | None) -> float:
+    """Seconds thread ``tid`` has run so far (0 if it ended, or where there is no /proc)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as f:
+            return int(f.read().split()[0]) * 1e-9
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def run(connections: int, bursts: int, period: float, per_pump: int, batch: int, spread: int | None = None) -> dict[str, Any]:
     pump.PER_PUMP = per_pump
+    if spread is not None:
+        TcpReceiver.pump_spread = spread
     ctx = mp.get_context("spawn")
     listener = socket.create_server(("127.0.0.1", 0), backlog=connections)
     start, ready = ctx.Value("d", 0.0), ctx.Event()
@@ -77,6 +105,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int)
     for receiver in receivers:
         receiver.start()
     total, got, latencies = connections * bursts, 0, []
+    consumer_spent = [0.0]  # the consumer's CPU when it finished (it has ended by the last look)
 
     def consume() -> None:
         nonlocal got
@@ -89,14 +118,16 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int)
                 latencies.append(now - piece.put_at)
             got += sum(p.count for p in pieces)
             ring.release(take_id)
+        consumer_spent[0] = _on_cpu(threading.get_native_id())
 
     consumer = threading.Thread(target=consume, name="consumer")
     consumer.start()
     start.value = time.time() + 0.5
     time.sleep(0.5 + WARM_BURSTS * period)
-    before, cpu_before = os.times(), time.process_time()
+    before, cpu_before, threads_before = os.times(), time.process_time(), thread_cpu()
     consumer.join(bursts * period + 60)
-    after, cpu = os.times(), time.process_time() - cpu_before
+    after, cpu, threads_after = os.times(), time.process_time() - cpu_before, thread_cpu()
+    threads_after["consumer"] = consumer_spent[0]
     pumps = len(pump._pumps)
     proc.join(30)
     for receiver in receivers:
@@ -107,9 +138,11 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int)
         raise RuntimeError(f"{got} of {total} frames taken")
     frames = total - WARM_BURSTS * connections
     lat_ms = np.array(latencies[WARM_BURSTS * connections :]) * 1e3
-    return {"connections": connections, "per_pump": per_pump, "pumps": pumps, "batch": batch,
+    return {"connections": connections, "per_pump": per_pump, "spread": TcpReceiver.pump_spread, "pumps": pumps, "batch": batch,
             "frames": frames, "cpu_us_per_frame": round(cpu / frames * 1e6, 1), "user_us_per_frame": round((after[0] - before[0]) / frames * 1e6, 1),
             "sys_us_per_frame": round((after[1] - before[1]) / frames * 1e6, 1),
+            **{f"{role}_us_per_frame": round((threads_after[role] - threads_before[role]) / frames * 1e6, 1)
+               for role in threads_after},
             "latency_ms_p50_p90_p99": [round(float(np.percentile(lat_ms, q)), 2) for q in (50, 90, 99)]}  # fmt: skip
 
 
@@ -120,11 +153,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--period", type=float, default=0.5)
     parser.add_argument("--per-pump", type=int, default=pump.PER_PUMP, help="connections one pump reads at most")
     parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--spread", type=int, default=None,
+                        help="tcp connections that get a pump each before they share (default: the tree's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.bursts <= WARM_BURSTS:
         parser.error(f"--bursts must be more than the {WARM_BURSTS} warm-up bursts")
-    report = run(args.connections, args.bursts, args.period, args.per_pump, args.batch)
+    report = run(args.connections, args.bursts, args.period, args.per_pump, args.batch, args.spread)
     print(json.dumps(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:

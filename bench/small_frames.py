@@ -5,9 +5,10 @@ the pump's thread Python work, under the GIL the fetching thread needs too. This
 real receive path with no network and no threads in one process: frames already read (as a
 tcp pump's read leaves them in its scratch buffer) go through ``TcpReceiver._parse`` into a
 real ``LearnerSession`` and ``StepRing``, which a consumer empties by ``take`` and ``release``.
-Two variants, alternating, in the same run: ``land`` (the session's one-call path) and
-``begin`` (the same frames through ``begin``, a copy per view and ``end_threadsafe``), the
-baseline. CPU time is ``time.process_time``.
+Variants, alternating, in the same run: ``land`` (the session's one-call path), ``begin`` (the
+same frames through ``begin``, a copy per view and ``end_threadsafe``), the baseline, and, in a
+tree that has it, ``burst`` (the read's frames deferred and landed as a pump's burst:
+``LearnerSession.land_burst``). CPU time is ``time.process_time``.
 
     python bench/small_frames.py [--frames 100000] [--per-read 1,16] [--rounds 3] [--json out.json]
 """
@@ -27,6 +28,7 @@ from rlink_ucx import Config
 from rlink_ucx.observe.ratelog import RateLimitedLog
 from rlink_ucx.session.learner.session import LearnerSession
 from rlink_ucx.store.ring import StepRing
+from rlink_ucx.transport import pump
 from rlink_ucx.transport.tcp.stream import TcpReceiver
 from rlink_ucx.wire import messages as _wire
 from rlink_ucx.wire.codec import Schema
@@ -64,12 +66,19 @@ def run_variant(variant: str, frames: int, per_read: int, sock: socket.socket) -
     receiver, ring = _receiver(sock)
     if variant == "begin":
         receiver._land = None  # the baseline: begin, a copy per view, end_threadsafe
+    parse = receiver._parse
+    if variant == "burst":  # a pump's pass: the read's frames deferred, then landed as one burst
+        receiver.pump = pump.Pump()  # its thread ends at once (no connection): only its burst is used
+
+        def parse(data: memoryview) -> None:
+            receiver._parse(data, defer=True)
+            receiver.pump.land_burst()
     payload = bytes(SCHEMA.step_bytes)
     wire = [FrameHeader(1, 1, ACTOR, INCARNATION, seq, 0, len(payload)).pack() + payload for seq in range(frames)]
     reads = [memoryview(b"".join(wire[i : i + per_read])) for i in range(0, frames, per_read)]
     started = time.process_time()
     for data in reads:
-        receiver._parse(data)
+        parse(data)
         if ring.used >= 4096:  # the consumer keeps up, in batches
             _, take = ring.take(ring.used, 1.0)
             ring.release(take)
@@ -94,6 +103,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         for per_read in [int(x) for x in args.per_read.split(",")]:
             runs: dict[str, list[float]] = {"begin": [], "land": []}
+            if hasattr(LearnerSession, "land_burst"):  # a tree with burst landing (a pump's whole pass)
+                runs["burst"] = []
             for _ in range(args.rounds):
                 for variant, values in runs.items():  # alternating
                     values.append(run_variant(variant, args.frames, per_read, sock))

@@ -26,6 +26,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
+from typing import cast
 
 import numpy as np
 
@@ -33,6 +34,7 @@ from .._memory import Reserve
 from ..errors import Closed, ProtocolError
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema
+from .payload import copy_whole, fields_of, slices
 from .ready import ReadyFrames
 from .segments import Piece, RingStats, Segment, SegState
 from .space import RingSpace
@@ -41,6 +43,35 @@ __all__ = ["Piece", "RingStats", "SegState", "Segment", "StepRing"]
 
 _POOL_CHUNKS = 4  # spare chunks kept for lending (more are freed)
 _MAX_CHUNKS = 256
+
+
+def _split(start: int, n: int, capacity: int, chunk_steps: int) -> list[tuple[int, int, int]]:
+    """Positions ``[start, start + n)`` of a ring of ``capacity`` as ``(chunk, offset, count)`` runs."""
+    runs = []
+    pos = start % capacity
+    while n:
+        chunk, offset = divmod(pos, chunk_steps)
+        k = min(n, chunk_steps - offset)
+        runs.append((chunk, offset, k))
+        n -= k
+        pos = (pos + k) % capacity
+    return runs
+
+
+def _reclaim(lent: list[list[np.ndarray]], pool: list[list[np.ndarray]], reserved: set[int]) -> list[list[np.ndarray]]:
+    """Move the chunks of ``lent`` nobody references any more to ``pool``; returns the rest."""
+    still = []
+    for arrays in lent:
+        # Tensors made from an array (and their views) keep it referenced through their
+        # storage; 3 = the list slot, the loop variable and getrefcount's argument.
+        if any(sys.getrefcount(a) > 3 for a in arrays):
+            still.append(arrays)
+        elif len(pool) < _POOL_CHUNKS or id(arrays) in reserved:
+            # A chunk carved from a reserve is kept whatever the pool's size: dropping it
+            # would free nothing (the reserve stays mapped) and the next spare would come
+            # from fresh memory.
+            pool.append(arrays)
+    return still
 
 
 class StepRing:
@@ -155,45 +186,48 @@ class StepRing:
         one hold of the lock (``reserve``, a copy into ``field_views`` and ``commit`` cost a
         small frame three times as much). ``payload``: each field's bytes, one field after
         another, in one buffer or in several (one per field is copied from directly)."""
-        sizes = self._sizes
-        parts: list[memoryview] | None = None
-        if isinstance(payload, list):
-            if len(payload) == len(sizes) and all(len(p) == n * sb for p, sb in zip(payload, sizes)):
-                parts, whole = payload, memoryview(b"")
-            else:
-                whole = memoryview(b"".join(payload))
-        else:
-            whole = payload
-        if parts is None and len(whole) != n * self.schema.step_bytes:
-            raise ProtocolError(f"a frame of {n} steps with {len(whole)} bytes of payload")
         with self._ready:
-            seg = self._reserve_locked(n, actor_id, seq, version, put_at)
-            chunk, offset = divmod(seg.start, self.chunk_steps)
-            one = seg.runs is None and offset + n <= self.chunk_steps  # not claimed in pieces, nor across chunks
-            runs = [(chunk, offset, n)] if one else self._seg_chunks(seg, 0, n)
-            pos = 0
-            for f, sb in enumerate(sizes):
-                src = parts[f] if parts is not None else whole[pos : pos + n * sb]
-                pos += n * sb
-                at = 0
-                for c, o, k in runs:
-                    self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
-                    at += k * sb
-            freed = self._commit_locked(seg, time.monotonic())
+            freed = self._land_locked(n, actor_id, seq, version, put_at, payload)
         if freed:
             self._space_freed()
 
+    def land_many(self, frames: list[tuple[int, int, int, int, float, memoryview]]) -> list[tuple[int, Exception]]:
+        """Whole frames ``(n, actor_id, seq, version, put_at, payload)``, as :meth:`land` takes
+        them, in one hold of the lock: a pump's burst from many actors. A frame the ring
+        refuses does not stop the others; returns ``(index, error)`` for each one refused."""
+        refused: list[tuple[int, Exception]] = []
+        freed = 0
+        with self._ready:
+            for i, (n, actor_id, seq, version, put_at, payload) in enumerate(frames):
+                try:
+                    freed += self._land_locked(n, actor_id, seq, version, put_at, payload, wake=False)
+                except (ProtocolError, Closed) as exc:
+                    refused.append((i, exc))
+            self._wake_consumer(None)  # once for the burst: the consumer cannot run before it ends anyway
+        if freed:
+            self._space_freed()
+        return refused
+
+    def _land_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float,
+                     payload: memoryview | list[memoryview], *, wake: bool = True) -> int:  # fmt: skip
+        """:meth:`land` with the lock held; returns the steps freed (see ``_commit_locked``)."""
+        parts = fields_of(payload, n, self._sizes)  # None: one buffer, the frame's size (checked)
+        seg = self._reserve_locked(n, actor_id, seq, version, put_at)
+        chunk, offset = divmod(seg.start, self.chunk_steps)
+        if parts is None and seg.runs is None and offset + n <= self.chunk_steps:  # almost always
+            copy_whole(self.chunks[chunk], self._sizes, offset, n, cast(memoryview, payload))
+        else:
+            parts = parts or slices(cast(memoryview, payload), n, self._sizes)
+            for f, (sb, src) in enumerate(zip(self._sizes, parts)):
+                at = 0
+                for c, o, k in self._seg_chunks(seg, 0, n):
+                    self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
+                    at += k * sb
+        return self._commit_locked(seg, time.monotonic(), wake=wake)
+
     def _split(self, start: int, n: int) -> list[tuple[int, int, int]]:
         """Ring positions ``[start, start + n)`` as ``(chunk, offset, count)`` runs."""
-        runs = []
-        pos = start % self.capacity
-        while n:
-            chunk, offset = divmod(pos, self.chunk_steps)
-            k = min(n, self.chunk_steps - offset)
-            runs.append((chunk, offset, k))
-            n -= k
-            pos = (pos + k) % self.capacity
-        return runs
+        return _split(start, n, self.capacity, self.chunk_steps)
 
     def _seg_chunks(self, seg: Segment, skip: int, count: int) -> list[tuple[int, int, int]]:
         """Steps ``[skip, skip + count)`` of ``seg`` as ``(chunk, offset, count)`` runs."""
@@ -251,18 +285,7 @@ class StepRing:
 
     def _reclaim(self) -> None:
         """Move lent chunks nobody references any more back to the pool (lock held)."""
-        still = []
-        for arrays in self._lent:
-            # Tensors made from an array (and their views) keep it referenced through their
-            # storage; 3 = the list slot, the loop variable and getrefcount's argument.
-            if any(sys.getrefcount(a) > 3 for a in arrays):
-                still.append(arrays)
-            elif len(self._pool) < _POOL_CHUNKS or id(arrays) in self._reserved:
-                # A chunk carved from a reserve is kept whatever the pool's size: dropping it
-                # would free nothing (the reserve stays mapped) and the next spare would come
-                # from fresh memory.
-                self._pool.append(arrays)
-        self._lent = still
+        self._lent = _reclaim(self._lent, self._pool, self._reserved)
 
     def commit(self, seg: Segment) -> None:
         ready_at = time.monotonic()  # read before taking the lock, to keep the critical section short
@@ -271,9 +294,10 @@ class StepRing:
         if freed:
             self._space_freed()
 
-    def _commit_locked(self, seg: Segment, ready_at: float) -> int:
+    def _commit_locked(self, seg: Segment, ready_at: float, *, wake: bool = True) -> int:
         """``seg`` is complete (lock held); returns the steps freed because it was dropped as
-        too stale (the caller then says so, outside the lock)."""
+        too stale (the caller then says so, outside the lock). ``wake``: wake the consumer if
+        its batch is complete now (else the caller calls ``_wake_consumer`` once for many)."""
         if seg.state is not SegState.PENDING:
             return 0  # abandoned meanwhile: its space is another frame's already
         seg.state = SegState.READY
@@ -284,11 +308,18 @@ class StepRing:
         stats.frames_in += 1
         stats.bytes_in += seg.n * self.schema.step_bytes
         freed = self._drop(seg) if seg.version < self.min_version else 0
-        # Wake the consumer only once its batch can be complete: one wake-up per batch,
-        # not per frame (each costs a thread switch and a GIL hand-off).
-        if seg is self._waiting_on or (self._waiting_for and self.frames.count(self._waiting_for) >= self._waiting_for):
-            self._ready.notify_all()
+        if wake:
+            self._wake_consumer(seg)
         return freed
+
+    def _wake_consumer(self, seg: Segment | None) -> None:
+        """Wake the consumer only once its batch can be complete (lock held; ``seg``: the
+        frame just completed, None after a burst): one wake-up per batch, not per frame (each
+        costs a thread switch and a GIL hand-off)."""
+        if (seg is not None and seg is self._waiting_on) or (
+            self._waiting_for and self.frames.count(self._waiting_for) >= self._waiting_for
+        ):
+            self._ready.notify_all()
 
     def _drop(self, seg: Segment) -> int:
         """Never yield the rest of ``seg`` (too stale); lock held. Its space is reused once no

@@ -9,11 +9,21 @@ the ring streams, and the pump copies its bytes as they come, never waiting for 
 receiver whatever bytes came, keeping a frame that came in pieces where it stopped. A stalled frame is closed by the
 session's heartbeat check, which ends such a wait or the partial frame.
 
-A pump takes at most :data:`PER_PUMP` connections; more actors get more pumps. Every socket
-call releases the GIL, and a single pump for hundreds of actors got it back only after the
-learner's I/O loop had had its turn (up to the 5 ms switch interval): with 1,024 actors a burst
-of 550 frames took 0.7 s (p99 1.2 s, against 23 ms with a thread each). With several pumps the
-GIL mostly passes between them, as it did between the threads.
+A pump takes at most :data:`PER_PUMP` connections (a receiver may ask for another limit);
+more actors get more pumps. Every socket call releases the GIL, and a single pump for hundreds
+of actors once got it back only after the learner's I/O loop had had its turn (up to the 5 ms
+switch interval): with 1,024 actors a burst of 550 frames took 0.7 s. With frames landed a pass
+at a time that is gone, and several pumps cost more than one: each wakes for the frame or two
+of its own connections, and every read hands the GIL to another pump that woke (1,024 tcp
+actors of small frames: 30-35 us of the pumps' CPU a frame over 64 or 8 pumps, 17-19 over one;
+docs/benchmarks.md, "#51"). So small-frame tcp connections share one pump, and a connection
+moves to a pump of its own (``wants_own_pump``, ``_hand_over``) once it streams large frames,
+whose kernel copies then run on every core at once.
+
+A pass of a pump reads every ready connection before it lands anything: a tcp receiver defers
+the whole small frames a read brought (``defer``; their bytes stay in the pump's arena) and the
+pump lands them all at the end of the pass, through the sessions' ``land_burst`` (one hold of
+the ring's lock for the burst, not one per frame).
 
 A receiver's socket is closed by the pump only once it has stopped polling it (a number closed
 elsewhere could come back as another connection's while the pump still watches it): the
@@ -35,6 +45,7 @@ __all__ = ["PER_PUMP", "Pump", "pump"]
 log = logging.getLogger(__name__)
 
 PER_PUMP = 16  # connections one pump reads at most
+ARENA_BYTES = 256 * 1024  # a pump's reads of one pass; a burst that fills it lands early
 
 _IN = select.EPOLLIN | select.EPOLLHUP | select.EPOLLERR
 
@@ -52,6 +63,9 @@ class Pump:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poll.register(self._wake_r, select.EPOLLIN)
+        self._arena: bytearray | None = None  # allocated by the first read that wants it
+        self._arena_at = 0  # bytes of the arena the deferred frames of this pass may point into
+        self._burst: list[tuple[Any, memoryview, memoryview]] = []  # (receiver, header, payload)
         self.thread = threading.Thread(target=self._serve, name="rlink-pump", daemon=True)
         self.thread.start()
 
@@ -73,6 +87,8 @@ class Pump:
                             self._join()
                         elif (receiver := self._by_fd.get(fd)) is not None:
                             self._step(fd, receiver)
+                    if self._burst:
+                        self._land_pass()
                 except Exception:  # a bug here must not end every actor's reading
                     log.exception("pump: unexpected error; going on")
         finally:
@@ -118,6 +134,78 @@ class Pump:
             receiver.pump_step()
         except Exception as exc:  # noqa: BLE001 - reported to the receiver's session
             self._drop(fd, receiver, exc)
+            return
+        if receiver.wants_own_pump:
+            self._hand_over(fd, receiver)
+
+    def _hand_over(self, fd: int, receiver: Any) -> None:
+        """Move ``receiver`` to a pump of its own (or the least busy other one, once
+        ``receiver.own_pump_spread`` pumps run), between two of its reads."""
+        receiver.wants_own_pump = False
+        if self._burst:
+            self._land_pass()  # its frames deferred this pass land before another pump reads it
+            if self._by_fd.get(fd) is not receiver:
+                return  # one of them was refused: it was dropped
+        target = pump(receiver.own_pump_spread, exclude=self)
+        self._by_fd.pop(fd, None)
+        try:
+            self._poll.unregister(fd)
+        except OSError:
+            pass
+        with _start_lock:
+            self.connections -= 1
+        receiver.pump = target
+        target.add(receiver)
+
+    # --- a pass's burst of whole frames (the pump's thread only) --------------------------------
+    def room(self, size: int) -> memoryview:
+        """Where the next read of up to ``size`` bytes goes: the free part of the arena (the
+        burst so far lands first when less than that is left)."""
+        if self._arena is None:
+            self._arena = bytearray(max(ARENA_BYTES, size))
+        if len(self._arena) - self._arena_at < size:
+            self._land_pass()
+        return memoryview(self._arena)[self._arena_at : self._arena_at + size]
+
+    def used(self, n: int) -> None:
+        """The last read put ``n`` bytes at the front of ``room``: keep them until the burst lands."""
+        self._arena_at += n
+
+    def defer(self, receiver: Any, header: memoryview, payload: memoryview) -> None:
+        """A whole frame read into the arena, landed with the rest of the pass's."""
+        self._burst.append((receiver, header, payload))
+
+    @property
+    def deferred(self) -> bool:
+        return bool(self._burst)
+
+    def _land_pass(self) -> None:
+        """Land the burst and start the arena over (between two receivers' reads)."""
+        self.land_burst()
+        self._arena_at = 0
+
+    def land_burst(self, current: Any = None) -> Exception | None:
+        """Land the deferred frames, grouped by the sinks' ``land_burst``; stop reading each
+        receiver whose session refused one. ``current``: the receiver whose ``pump_step`` is
+        running, which is not dropped here: its error is returned for it to raise. The arena
+        is kept (``current`` may still be parsing from it)."""
+        burst, self._burst = self._burst, []
+        refused: list[tuple[Any, Exception]] = []
+        lands = {receiver.land_burst for receiver, _, _ in burst}  # one kind of sink, in practice
+        for land in lands:
+            refused += land([(r.sink, header, payload) for r, header, payload in burst if r.land_burst is land])
+        if not refused:
+            return None
+        receiver_of = {id(r.sink): r for r, _, _ in burst}
+        mine = None
+        for sink, exc in refused:
+            receiver = receiver_of[id(sink)]
+            fd = receiver.sock.fileno()
+            if receiver is current:
+                mine = exc
+            elif self._by_fd.get(fd) is receiver:  # not dropped already (its end is counted once)
+                self._drop(fd, receiver, exc)
+        return mine
 
     def _drop(self, fd: int, receiver: Any, exc: Exception) -> None:
         """Stop reading ``receiver`` (which stopped on ``exc``) and close its socket."""
@@ -147,9 +235,10 @@ _pumps: list[Pump] = []
 _start_lock = threading.Lock()
 
 
-def pump(spread: int = 1) -> Pump:
-    """A pump with room for one more connection (counted as taken): the least busy one, or a
-    new one while fewer than ``spread`` run (or all are full).
+def pump(spread: int = 1, per_pump: int = PER_PUMP, exclude: Pump | None = None) -> Pump:
+    """A pump with room for one more connection (counted as taken): the least busy one with
+    fewer than ``per_pump``, or a new one while fewer than ``spread`` run (or all are full).
+    ``exclude``: a pump not to choose (the one a connection leaves).
 
     ``spread`` is the plane's: a tcp pump does the kernel's copy of every byte it reads, so a
     few connections streaming large frames each get a pump of their own and copy on every
@@ -157,7 +246,8 @@ def pump(spread: int = 1) -> Pump:
     past ``spread`` connections share pumps, up to :data:`PER_PUMP` each.
     """
     with _start_lock:
-        chosen = min((p for p in _pumps if p.connections < PER_PUMP), key=lambda p: p.connections, default=None)
+        room = (p for p in _pumps if p.connections < per_pump and p is not exclude)
+        chosen = min(room, key=lambda p: p.connections, default=None)
         if chosen is None or (len(_pumps) < spread and chosen.connections):
             chosen = Pump()
             _pumps.append(chosen)

@@ -144,7 +144,7 @@ def test_small_frames_measures_landing_against_begin_copy_end(tmp_path):
     _run("bench/small_frames.py", "--frames", "3000", "--per-read", "1,8", "--rounds", "1", "--json", str(out))
     report = json.loads(out.read_text())
     rows = {(r["per_read"], r["variant"]): r for r in report["rows"]}
-    assert set(rows) == {(1, "begin"), (1, "land"), (8, "begin"), (8, "land")}
+    assert set(rows) == {(n, v) for n in (1, 8) for v in ("begin", "land", "burst")}
     for (per_read, variant), row in rows.items():
         assert row["us_per_frame"] > 0 and row["min"] <= row["us_per_frame"] <= row["max"]
         assert row["ratio"] == 1.0 if variant == "begin" else row["ratio"] > 0
@@ -156,8 +156,9 @@ def test_burst_receive_measures_the_learners_receive_path_per_frame(tmp_path):
          "--json", str(out))  # fmt: skip
     report = json.loads(out.read_text())
     assert report["frames"] == 64 * 3  # the bursts after the 2 warm-up ones, every frame taken
-    assert report["pumps"] == 8  # the first 8 connections get a pump each, the rest share them
+    assert report["pumps"] == 1  # small-frame connections share one pump
     assert report["cpu_us_per_frame"] > 0
+    assert report["pumps_us_per_frame"] > 0 and report["consumer_us_per_frame"] > 0  # by thread, from /proc
     p50, p90, p99 = report["latency_ms_p50_p90_p99"]
     assert 0 < p50 <= p90 <= p99
 

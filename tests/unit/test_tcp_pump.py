@@ -273,21 +273,35 @@ def test_a_pump_whose_last_connection_ended_stops_its_thread_and_the_next_gets_a
     assert not receiver.pump.thread.is_alive()
 
 
-def test_the_first_connections_get_a_pump_each_and_later_ones_share_the_least_busy(monkeypatch):
-    # A pump does the kernel copy of every byte it reads: a few actors streaming large frames
-    # must not queue behind one thread (shm's receivers share from the first).
+def test_small_frame_connections_share_a_pump_and_one_streaming_large_frames_gets_its_own(monkeypatch):
+    # Pumps that each wake for a frame or two of their own hand the GIL around on every read;
+    # a pump does the kernel copy of every byte it reads, though, so a few actors streaming
+    # large frames each move to a pump of their own (shm's receivers share from the first).
     monkeypatch.setattr(pump, "_pumps", [])
-    pairs = [_loopback() for _ in range(TcpReceiver.pump_spread + 3)]
-    receivers = [TcpReceiver(learner_side, _Sink()) for _, learner_side in pairs]
+    pairs = [_loopback() for _ in range(TcpReceiver.own_pump_spread + 3)]
+    sinks = [_Sink() for _ in pairs]
+    receivers = [TcpReceiver(learner_side, sink) for (_, learner_side), sink in zip(pairs, sinks)]
     for receiver in receivers:
         receiver.start()
-    spread = TcpReceiver.pump_spread
-    pumps = [r.pump for r in receivers]
-    assert len(set(map(id, pumps[:spread]))) == spread  # one each
-    assert all(p in pumps[:spread] for p in pumps[spread:])  # then shared
-    assert sorted(p.connections for p in pump._pumps) == [1] * (spread - 3) + [2] * 3
+    shared = receivers[0].pump
+    assert shared is not None and all(r.pump is shared for r in receivers) and len(pump._pumps) == 1
+    big = _payloads([3 * _SCRATCH_BYTES + 5, 3 * _SCRATCH_BYTES + 7], seed=5)
+    for i, (actor_side, _) in enumerate(pairs):
+        if i < 2:  # two connections stream large frames, the rest small ones
+            actor_side.sendall(_wire(0, big[i]) + _wire(1, b"s" * 40))
+        else:
+            actor_side.sendall(_wire(0, b"x" * 40) + _wire(1, b"y" * 40))
+    for sink in sinks:
+        for _ in range(2):
+            assert sink.done.acquire(timeout=10)
+    assert [bytes(f) for f in sinks[0].frames] == [big[0], b"s" * 40] and sinks[1].frames[0] == big[1]
+    assert all(sink.seqs == [0, 1] and not sink.failed for sink in sinks)
+    movers = {id(receivers[0].pump), id(receivers[1].pump)}
+    assert shared not in (receivers[0].pump, receivers[1].pump) and len(movers) == 2  # one each
+    assert all(r.pump is shared for r in receivers[2:])
+    assert sorted(p.connections for p in pump._pumps) == [1, 1, len(pairs) - 2]
     for actor_side, _ in pairs:
         actor_side.close()
-    for p in pumps[:spread]:
+    for p in list(pump._pumps):
         p.thread.join(5)
         assert not p.thread.is_alive()

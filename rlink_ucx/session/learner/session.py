@@ -24,6 +24,7 @@ from ...wire import keys as _keys
 from ...wire import messages as _wire
 from ...wire.codec import Schema
 from ...wire.frame import FrameHeader
+from .burst import land_burst
 from .flow import SessionFlow
 from .landing import Landing
 
@@ -67,6 +68,8 @@ class SessionStats:
 
 class LearnerSession:
     """Implements the transport's FrameSink for one authenticated actor."""
+
+    land_burst = staticmethod(land_burst)  # whole frames of many sessions at once (a pump's burst)
 
     def __init__(self, server: Owner, session_id: int, control: ControlConnection, hello: _wire.Hello,
                  actor_id: int, transport: str, reason: str, ticket: bytes):  # fmt: skip
@@ -308,6 +311,26 @@ class LearnerSession:
             ring.land(h.n_steps, self.actor_id, h.seq, h.version, h.put_time_us * 1e-6, payload)
             self._spend(h.n_steps)
             self._count_frame(h)
+        self._after_commit()
+
+    def admit_landing(self, header: memoryview, payload_bytes: int) -> tuple[FrameHeader, StepRing] | None:
+        """Check a whole frame's header and the ``payload_bytes`` that came with it for
+        ``burst.land_burst`` (any thread), and count it as landed now: it lands in the ring
+        next, in the same pass (before any later frame of this session, so ``next_seq`` moves
+        on here). None for a duplicate (counted, dropped)."""
+        with self._lock:
+            h, ring, new = self._admit(header)
+            if payload_bytes != h.payload_bytes:  # checked before it is counted: the ring would refuse it
+                raise ProtocolError(f"a frame announcing {h.payload_bytes} bytes of payload came with {payload_bytes}")
+            if not new:
+                self.stats.duplicate_steps += h.n_steps
+                return None
+            self._spend(h.n_steps)
+            self._count_frame(h)
+            return h, ring
+
+    def after_landing(self) -> None:
+        """This session's frames of a burst are in the ring (``burst.land_burst``)."""
         self._after_commit()
 
     def _after_commit(self) -> None:

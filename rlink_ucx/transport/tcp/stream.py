@@ -20,6 +20,7 @@ from .. import pump
 from ..base import FrameSink
 from ..sockopts import close_socket, set_congestion
 
+SHARED_PER_PUMP = 1024  # small-frame connections one pump reads (their frames land a pass at a time)
 RECV_LOW_WATER = 256 * 1024  # bytes of a frame to wait for before a blocked read returns
 MIN_LOW_WATER = 16 * 1024  # below this a low-water mark saves too little to be worth setting
 
@@ -107,6 +108,9 @@ class SocketReceiver:
 
     name = "tcp"
     pump_spread = 1  # pumps started before two of these connections share one (``pump.pump``)
+    per_pump = pump.PER_PUMP  # connections of its kind one pump reads at most
+    own_pump_spread = 1  # pumps running before one that asks for its own pump shares one
+    wants_own_pump = False  # set by ``pump_step``: move me to a pump of my own (``Pump._hand_over``)
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str, congestion: str = "auto"):
         sock.setblocking(True)
@@ -116,6 +120,10 @@ class SocketReceiver:
         # A sink that can take a whole frame at once (the session's ``land``) gets the frames
         # whose payload is in memory already that way: one call instead of begin, copy and end.
         self._land: Callable[[memoryview, memoryview | list[memoryview]], None] | None = getattr(sink, "land", None)
+        # One that can take many sessions' whole frames at once gets them that way from a pump
+        # (``Pump.land_burst``): a pass's reads first, then one landing for all they brought.
+        self.land_burst: Callable[[list[tuple[object, memoryview, memoryview]]], list[tuple[object, Exception]]] | None = (
+            getattr(sink, "land_burst", None))  # fmt: skip
         self.frame_started: float | None = None
         self._closed = False
         self._name = name
@@ -126,7 +134,7 @@ class SocketReceiver:
         return self.pump is not None
 
     def start(self) -> None:
-        self.pump = pump.pump(self.pump_spread)
+        self.pump = pump.pump(self.pump_spread, self.per_pump)
         self.pump.add(self)
 
     def _failed(self, exc: Exception) -> None:
@@ -171,11 +179,14 @@ class TcpReceiver(SocketReceiver):
     While a frame's payload streams in, ``SO_RCVLOWAT`` keeps the reader asleep until
     ``RECV_LOW_WATER`` bytes have arrived (epoll honours it too): fewer wake-ups, which the
     *sender* pays for on loopback (waking us runs in its system call), and fewer trips through
-    this code. The first :attr:`pump_spread` connections get a pump each, so that a few actors
-    streaming large frames are copied on every core at once.
+    this code. Connections start on one shared pump (small frames land a pass at a time there,
+    ``pump.py``); one that streams large frames moves to a pump of its own, up to
+    :attr:`own_pump_spread` of them, so that a few actors streaming large frames are copied on
+    every core at once.
     """
 
-    pump_spread = 8
+    per_pump = SHARED_PER_PUMP
+    own_pump_spread = 8
 
     def __init__(self, sock: socket.socket, sink: FrameSink, name: str = "rlink-tcp-recv", congestion: str = "auto"):
         super().__init__(sock, sink, name, congestion)
@@ -188,6 +199,7 @@ class TcpReceiver(SocketReceiver):
         self._payload: list[memoryview] = []
         self._left = 0
         self._big = False  # the last frame was large: read only the next header ahead
+        self._moved = False  # asked for a pump of its own once (it is not asked again)
 
     def _wake_after(self, owed: int) -> None:
         """Set the low-water mark for a read that is owed ``owed`` more bytes (the rest of a
@@ -219,8 +231,7 @@ class TcpReceiver(SocketReceiver):
         (a scratch buffer or more) only the next header is read that way, into the header
         buffer, so a stream of large frames is never copied twice.
         """
-        scratch = _scratch()
-        tail = memoryview(self._header)[self._got :] if self._big else memoryview(scratch)
+        tail = memoryview(self._header)[self._got :] if self._big else self._room()
         try:
             if self._payload:
                 n = self.sock.recvmsg_into([*self._payload, tail], 0, socket.MSG_DONTWAIT)[0]
@@ -248,18 +259,40 @@ class TcpReceiver(SocketReceiver):
                 self._start_frame()
             self._wake_after(self._left)
         else:
-            self._parse(tail[:n])
+            deferring = self._deferring
+            if deferring:
+                assert self.pump is not None
+                self.pump.used(n)  # the frames deferred from it point into the arena
+            self._parse(tail[:n], defer=deferring)
 
-    def _parse(self, data: memoryview) -> None:
+    @property
+    def _deferring(self) -> bool:
+        """Whole frames are deferred to the pump's burst (else landed one by one)."""
+        return self.pump is not None and self.land_burst is not None
+
+    def _room(self) -> memoryview:
+        """Where a read of many small frames goes: the pump's arena when its frames are
+        deferred to the burst, else the pump thread's scratch buffer."""
+        if self._deferring:
+            assert self.pump is not None
+            return self.pump.room(_SCRATCH_BYTES)
+        return memoryview(_scratch())
+
+    def _parse(self, data: memoryview, *, defer: bool = False) -> None:
         """Frames (or their beginning) read into ``data``: headers to the sink, payload bytes
-        into its views, each whole frame ended; where ``data`` stops, the state says."""
+        into its views, each whole frame ended (or, ``defer``, handed to the pump's burst:
+        ``data`` is in its arena); where ``data`` stops, the state says."""
         pos, size = 0, len(data)
         land = self._land
         while pos < size:
             if land is not None and not self._got and not self._payload and size - pos >= FRAME_HEADER_BYTES:
                 end = pos + FRAME_HEADER_BYTES + announced_payload(data, pos)
                 if end <= size:  # the whole frame is in: validated, copied and committed in one call
-                    land(data[pos : pos + FRAME_HEADER_BYTES], data[pos + FRAME_HEADER_BYTES : end])
+                    if defer:
+                        assert self.pump is not None
+                        self.pump.defer(self, data[pos : pos + FRAME_HEADER_BYTES], data[pos + FRAME_HEADER_BYTES : end])
+                    else:
+                        land(data[pos : pos + FRAME_HEADER_BYTES], data[pos + FRAME_HEADER_BYTES : end])
                     pos = end
                     continue
             if self._payload:
@@ -281,11 +314,18 @@ class TcpReceiver(SocketReceiver):
 
     def _start_frame(self) -> None:
         """A whole header is in: the sink's views for its payload."""
+        if self.pump is not None and self.pump.deferred:
+            # This session's deferred frames come before this one: land them first (seq order).
+            error = self.pump.land_burst(current=self)
+            if error is not None:
+                raise error
         self._got = 0
         self.frame_started = time.monotonic()
         self._payload = [v for v in self.sink.begin(bytes(self._header)) if len(v)]
         self._left = sum(len(v) for v in self._payload)
         self._big = self._left >= _SCRATCH_BYTES
+        if self._big and not self._moved:  # it streams large frames: a pump of its own copies them
+            self.wants_own_pump = self._moved = True
         if not self._left:
             self._frame_done()
 

@@ -45,6 +45,14 @@ class ReadyFrames:
     def complete(self, seg: Segment) -> None:
         self.completed.append(seg)
 
+    def landed(self, segs: list[Segment]) -> None:
+        """Frames placed and completed at once, in this order (``block.py``)."""
+        for seg in segs[:-1]:  # placed() for each but the last, without its compaction check
+            self._placed.append(seg)
+        if segs:
+            self.placed(segs[-1])
+        self.completed.extend(segs)
+
     def count(self, enough: int | None = None) -> int:
         """Steps ready to take, counted up to ``enough`` (all when None): a backlog of many
         small frames (hundreds of actors) is not walked whole on every take."""

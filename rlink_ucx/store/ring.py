@@ -34,6 +34,7 @@ from .._memory import Reserve
 from ..errors import Closed, ProtocolError
 from ..errors import TimeoutError as RLinkTimeout
 from ..wire.codec import Schema
+from . import block
 from .payload import copy_whole, fields_of, slices
 from .ready import ReadyFrames
 from .segments import Piece, RingStats, Segment, SegState
@@ -56,6 +57,24 @@ def _split(start: int, n: int, capacity: int, chunk_steps: int) -> list[tuple[in
         n -= k
         pos = (pos + k) % capacity
     return runs
+
+
+def _runs_of(runs: list[tuple[int, int]], skip: int, count: int, capacity: int,
+             chunk_steps: int) -> list[tuple[int, int, int]]:  # fmt: skip
+    """Steps ``[skip, skip + count)`` of a frame held in ``runs`` (``Segment.runs``) as
+    ``(chunk, offset, count)`` runs."""
+    out = []
+    for start, k in runs:
+        if skip >= k:
+            skip -= k
+            continue
+        m = min(k - skip, count)
+        out += _split(start + skip, m, capacity, chunk_steps)
+        count -= m
+        skip = 0
+        if not count:
+            break
+    return out
 
 
 def _reclaim(lent: list[list[np.ndarray]], pool: list[list[np.ndarray]], reserved: set[int]) -> list[list[np.ndarray]]:
@@ -195,18 +214,25 @@ class StepRing:
         """Whole frames ``(n, actor_id, seq, version, put_at, payload)``, as :meth:`land` takes
         them, in one hold of the lock: a pump's burst from many actors. A frame the ring
         refuses does not stop the others; returns ``(index, error)`` for each one refused."""
-        refused: list[tuple[int, Exception]] = []
-        freed = 0
         with self._ready:
-            for i, (n, actor_id, seq, version, put_at, payload) in enumerate(frames):
-                try:
-                    freed += self._land_locked(n, actor_id, seq, version, put_at, payload, wake=False)
-                except (ProtocolError, Closed) as exc:
-                    refused.append((i, exc))
+            refused, freed = block.land_each_locked(self, frames)
             self._wake_consumer(None)  # once for the burst: the consumer cannot run before it ends anyway
         if freed:
             self._space_freed()
         return refused
+
+    def land_block(self, n_steps: int, actor_ids: list[int], seqs: list[int], versions: list[int],
+                   put_at: list[float], payload: np.ndarray) -> bool:  # fmt: skip
+        """Whole frames of ``n_steps`` steps each, side by side in one hold of the lock, their
+        payloads the rows of ``payload`` (``block.land_block_locked``). False, landing none,
+        where the free space is not one run (land them with :meth:`land_many`)."""
+        with self._ready:
+            freed = block.land_block_locked(self, n_steps, actor_ids, seqs, versions, put_at, payload)
+            if freed is not None:
+                self._wake_consumer(None)
+        if freed:
+            self._space_freed()
+        return freed is not None
 
     def _land_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float,
                      payload: memoryview | list[memoryview], *, wake: bool = True) -> int:  # fmt: skip
@@ -233,18 +259,7 @@ class StepRing:
         """Steps ``[skip, skip + count)`` of ``seg`` as ``(chunk, offset, count)`` runs."""
         if seg.runs is None:
             return self._split(seg.start + skip, count)
-        out = []
-        for start, k in seg.runs:
-            if skip >= k:
-                skip -= k
-                continue
-            m = min(k - skip, count)
-            out += self._split(start + skip, m)
-            count -= m
-            skip = 0
-            if not count:
-                break
-        return out
+        return _runs_of(seg.runs, skip, count, self.capacity, self.chunk_steps)
 
     def field_views(self, seg: Segment) -> list[list[memoryview]]:
         """Raw byte views of the segment: per field (schema order), one view per chunk run."""
@@ -400,7 +415,9 @@ class StepRing:
             if k:
                 seq = seg.seq + seg.consumed
                 at = seg.consumed
-                runs = self._split(seg.start + at, k) if seg.runs is None else self._seg_chunks(seg, at, k)
+                pos = seg.start + at
+                one = seg.runs is None and pos % chunk_steps + k <= chunk_steps  # one piece: most frames
+                runs = [(0, pos, k)] if one else self._seg_chunks(seg, at, k)
                 for chunk, offset, n in runs:
                     pieces.append(Piece(chunk * chunk_steps + offset, n, seg.actor_id, seq, seg.version,
                                         seg.ready_at, seg.put_at))  # fmt: skip

@@ -43,6 +43,18 @@ class RingSpace:
         self.head = (start + count) % self.capacity
         return runs[0][0], runs if len(runs) > 1 else None
 
+    def claim_run(self, n: int) -> int | None:
+        """Room for ``n`` steps in one run from the cursor (a burst of frames landed side by
+        side), or None, claiming nothing, when the free run there is shorter."""
+        if not self.used:
+            self.head = 0
+        head = self.head
+        if not self._free.take_at(n, head):
+            return None
+        self.used += n
+        self.head = head + n
+        return head
+
     def give(self, seg: Segment) -> int:
         """Give ``seg``'s space back now; returns the steps freed (0 if given back already)."""
         if seg.released:

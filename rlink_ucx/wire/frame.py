@@ -9,6 +9,8 @@ from __future__ import annotations
 import struct
 from typing import NamedTuple
 
+import numpy as np
+
 from ..errors import ProtocolError
 from .messages import PROTOCOL_VERSION
 
@@ -58,3 +60,17 @@ class FrameHeader(NamedTuple):
 
 
 _new_header = tuple.__new__  # FrameHeader without the generated __new__'s keyword handling
+
+
+# The header as a numpy record, field for field: a burst's headers are checked as arrays
+# (``session/learner/burst.py``) instead of one ``unpack`` each.
+HEADER_DTYPE = np.dtype([("magic", "S4"), ("proto", "<u2"), ("flags", "<u2"), ("schema_id", "<u4"), ("n_steps", "<u4"),
+                         ("actor_id", "<u8"), ("incarnation", "<u8"), ("seq", "<u8"), ("version", "<i8"),
+                         ("payload_bytes", "<u8"), ("put_time_us", "<u8")])  # fmt: skip
+assert HEADER_DTYPE.itemsize == FRAME_HEADER_BYTES
+
+
+def unpack_many(headers: bytes) -> np.ndarray:
+    """Frame headers one after another, as records of :data:`HEADER_DTYPE` (nothing checked:
+    the caller compares the fields, magic and protocol version included, as arrays)."""
+    return np.frombuffer(headers, dtype=HEADER_DTYPE)

@@ -1,40 +1,152 @@
 """A pump's burst of whole small frames from many sessions, landed at once (``land_burst``).
 
 A tcp pump reads every connection that is ready before it lands anything, then hands the
-whole frames it read to :func:`land_burst`: each is checked against its session (one hold of
-that session's lock), then all of one ring's are copied and committed in one hold of the
-ring's lock, and each session's wake-up check runs once for the burst, not once per frame.
-A frame that fails ends only its own session: the frames of that session after it in the
-burst are skipped (they would follow a frame that never landed), every other frame lands.
+whole frames it read to :func:`land_burst`. In a lockstep burst of hundreds of actors each
+session brings one small frame, and checking and landing each one in the interpreter was
+most of the learner's CPU per frame (docs/benchmarks.md, "#51"). So the burst lands in
+*blocks* first (:func:`_land_blocks`): every header is checked as one numpy array against
+what its session expects (``LearnerSession.lane``, with the sessions' locks held), and the
+frames that pass, grouped by their number of steps, each land with one claim of ring space
+and one copy per field (``StepRing.land_block``); each session then counts its frame.
+
+Everything else takes the one-by-one path, which gives each refusal its precise error: a
+session with several frames in the burst, a frame that fails any check (a duplicate after a
+reconnect, a bad seq, another actor's id, a truncated payload ...), a resumed stream's first
+frame, a frame too large to copy once more, a ring whose free space is not one run. Each
+frame there is checked against its session (one hold of that session's lock), then all of one
+ring's are copied and committed in one hold of the ring's lock. A frame that fails ends only
+its own session: its later frames in the burst are skipped (they would follow a frame that
+never landed), every other frame lands. Each session's wake-up check runs once per burst.
 """
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from typing import Protocol
 
-from ...store.ring import StepRing
-from ...wire.frame import FrameHeader
+import numpy as np
 
-__all__ = ["BurstSink", "land_burst"]
+from ...errors import Closed
+from ...store.ring import StepRing
+from ...wire.frame import FRAME_MAGIC, FrameHeader, unpack_many
+from ...wire.messages import PROTOCOL_VERSION
+
+__all__ = ["BLOCK_MAX_PAYLOAD", "BLOCK_MIN", "BurstSink", "land_burst"]
+
+BLOCK_MIN = 8  # frames a burst needs before it lands in blocks (a few cost more as arrays)
+BLOCK_MAX_PAYLOAD = 4096  # bytes: a larger frame lands alone (a block copies each payload once more)
+_SEQ_LIMIT = np.uint64(1 << 63)  # seqs are int64 in a batch (Batch.seq)
 
 
 class BurstSink(Protocol):
     """What :func:`land_burst` needs of a session (``LearnerSession``)."""
 
     actor_id: int
+    incarnation: int
+    lock: threading.Lock
+
+    def lane(self) -> tuple[int, int, int, StepRing] | None: ...
+
+    def count_landed(self, n_steps: int, payload_bytes: int, now: float) -> bool: ...
 
     def admit_landing(self, header: memoryview, payload_bytes: int) -> tuple[FrameHeader, StepRing] | None: ...
 
     def after_landing(self) -> None: ...
 
 
+_Frame = tuple[BurstSink, memoryview, memoryview]
 _Item = tuple[int, int, int, int, float, memoryview]  # what StepRing.land_many takes for a frame
 
 
-def land_burst(frames: list[tuple[BurstSink, memoryview, memoryview]]) -> list[tuple[BurstSink, Exception]]:
+def land_burst(frames: list[_Frame]) -> list[tuple[BurstSink, Exception]]:
     """Land whole frames ``(session, header, payload)`` in the order given (each session's in
     the order it sent them); returns each session that failed, with its first error."""
     failed: dict[BurstSink, Exception] = {}
+    if len(frames) >= BLOCK_MIN:
+        frames = _land_blocks(frames, failed)
+    if frames:
+        _land_each(frames, failed)
+    return list(failed.items())
+
+
+def _land_blocks(frames: list[_Frame], failed: dict[BurstSink, Exception]) -> list[_Frame]:
+    """Land what can land in blocks; returns the frames left for :func:`_land_each`."""
+    per_session = collections.Counter(session for session, _, _ in frames)
+    picked = [f for f in frames if per_session[f[0]] == 1 and len(f[2]) <= BLOCK_MAX_PAYLOAD]
+    if len(picked) < BLOCK_MIN:
+        return frames
+    landed: set[BurstSink] = set()
+    wake: list[BurstSink] = []
+    locks = [session.lock for session, _, _ in picked]
+    for lock in locks:  # only a pump takes several sessions' locks, and each session is one pump's
+        lock.acquire()
+    try:
+        for group, records, ring, n_steps in _blocks(picked):
+            batch = [picked[i] for i in group]
+            try:
+                done = _land_block(batch, records, ring, n_steps, wake)
+            except Closed as exc:  # the learner is closing: these sessions end, as one by one
+                failed.update((session, exc) for session, _, _ in batch)
+                done = True
+            if done:
+                landed.update(session for session, _, _ in batch)
+    finally:
+        for lock in locks:
+            lock.release()
+    for session in wake:
+        session.after_landing()
+    return [f for f in frames if f[0] not in landed] if landed else frames
+
+
+def _blocks(picked: list[_Frame]) -> list[tuple[list[int], np.ndarray, StepRing, int]]:
+    """The frames of ``picked`` that pass every check, as blocks of one ring and one number of
+    steps: their indexes, their headers (records of ``HEADER_DTYPE``), the ring and the number
+    of steps. The sessions' locks are held."""
+    lanes = [session.lane() for session, _, _ in picked]
+    ring = next((lane[3] for lane in lanes if lane is not None), None)
+    if ring is None:
+        return []
+    usable = np.array([lane is not None and lane[3] is ring for lane in lanes])
+    expect = np.array([lane[:3] if lane is not None else (-1, -1, -1) for lane in lanes], dtype=np.int64)
+    h = unpack_many(b"".join(header for _, header, _ in picked))
+    n = h["n_steps"].astype(np.int64)
+    ok = usable & (h["magic"] == FRAME_MAGIC) & (h["proto"] == PROTOCOL_VERSION)
+    ok &= h["schema_id"].astype(np.int64) == expect[:, 0]
+    ok &= h["actor_id"] == np.array([s.actor_id for s, _, _ in picked], dtype=np.uint64)
+    ok &= h["incarnation"] == np.array([s.incarnation for s, _, _ in picked], dtype=np.uint64)
+    ok &= (n > 0) & (n <= ring.max_frame_steps) & (n <= expect[:, 2])
+    ok &= (h["seq"] < _SEQ_LIMIT - n.astype(np.uint64)) & (h["seq"].astype(np.int64) == expect[:, 1])
+    ok &= h["payload_bytes"] == (n * ring.schema.step_bytes).astype(np.uint64)
+    ok &= h["payload_bytes"] == np.array([len(payload) for _, _, payload in picked], dtype=np.uint64)
+    good = np.flatnonzero(ok)
+    if len(good) < BLOCK_MIN:
+        return []
+    blocks = []
+    for k in np.unique(n[good]):
+        group = good[n[good] == k]
+        blocks.append((group.tolist(), h[group], ring, int(k)))
+    return blocks
+
+
+def _land_block(batch: list[_Frame], h: np.ndarray, ring: StepRing, n_steps: int, wake: list[BurstSink]) -> bool:
+    """Land ``batch`` (frames that passed every check, ``n_steps`` each, their headers ``h``)
+    in ``ring`` and count them; False, nothing landed or counted, where its free space is not
+    one run."""
+    payload = np.frombuffer(b"".join(payload for _, _, payload in batch), dtype=np.uint8).reshape(len(batch), -1)
+    actors = [session.actor_id for session, _, _ in batch]
+    put_at = (h["put_time_us"] * 1e-6).tolist()
+    if not ring.land_block(n_steps, actors, h["seq"].tolist(), h["version"].tolist(), put_at, payload):
+        return False
+    now = time.monotonic()
+    size = payload.shape[1]
+    wake.extend(session for session, _, _ in batch if session.count_landed(n_steps, size, now))
+    return True
+
+
+def _land_each(frames: list[_Frame], failed: dict[BurstSink, Exception]) -> None:
+    """The one-by-one path: each frame's checks, then one ``land_many`` per ring."""
     rings: dict[StepRing, tuple[list[_Item], list[BurstSink]]] = {}
     ring: StepRing | None = None  # the last frame's ring, and its lists (one ring, in practice)
     items: list[_Item] = []
@@ -61,4 +173,3 @@ def land_burst(frames: list[tuple[BurstSink, memoryview, memoryview]]) -> list[t
     for session in {s: None for _, its_owners in rings.values() for s in its_owners}:  # each once, in order
         if session not in failed:
             session.after_landing()
-    return list(failed.items())

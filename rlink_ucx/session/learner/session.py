@@ -100,7 +100,7 @@ class LearnerSession:
         self._land = Landing()  # the frame in progress and its scratch buffer
         self.weights = Membership()  # its place in the weights fan-out: the publisher's to write
         # begin/end run on the UCX progress thread for the ucx plane, grant on the I/O loop.
-        self._lock = threading.Lock()
+        self.lock = threading.Lock()  # burst.py holds many sessions' at once, across a block's checks and counts
 
     # --- control ----------------------------------------------------------------------------
     async def serve(self) -> None:
@@ -147,7 +147,7 @@ class LearnerSession:
 
     def _on_returned(self, steps: int) -> None:
         flow = self.flow
-        with self._lock:
+        with self.lock:
             if not 0 <= steps <= flow.credit:
                 raise ProtocolError(f"actor returned {steps} steps of credit but holds {flow.credit}")
             flow.credit -= steps
@@ -222,7 +222,7 @@ class LearnerSession:
 
     def grant(self, steps: int, low_water: int) -> None:
         flow = self.flow
-        with self._lock:
+        with self.lock:
             flow.credit += steps
             flow.low_water = low_water
         flow.owed_since = None  # never while a Revoke is outstanding: this is its entitlement now
@@ -230,7 +230,7 @@ class LearnerSession:
 
     # --- FrameSink ------------------------------------------------------------------------------
     def begin(self, header: bytes) -> list[memoryview]:
-        with self._lock:
+        with self.lock:
             return self._begin(header)
 
     def _admit(self, header: bytes | memoryview) -> tuple[FrameHeader, StepRing, bool]:
@@ -303,7 +303,7 @@ class LearnerSession:
         """A whole frame whose payload is already in hand (any thread; ``begin``, the copy and
         ``end_threadsafe`` in one step, under one hold of the session's lock and one of the
         ring's): what a pump does with the small frames a read brought in."""
-        with self._lock:
+        with self.lock:
             h, ring, new = self._admit(header)
             if not new:
                 self.stats.duplicate_steps += h.n_steps
@@ -318,7 +318,7 @@ class LearnerSession:
         ``burst.land_burst`` (any thread), and count it as landed now: it lands in the ring
         next, in the same pass (before any later frame of this session, so ``next_seq`` moves
         on here). None for a duplicate (counted, dropped)."""
-        with self._lock:
+        with self.lock:
             h, ring, new = self._admit(header)
             if payload_bytes != h.payload_bytes:  # checked before it is counted: the ring would refuse it
                 raise ProtocolError(f"a frame announcing {h.payload_bytes} bytes of payload came with {payload_bytes}")
@@ -328,6 +328,25 @@ class LearnerSession:
             self._spend(h.n_steps)
             self._count_frame(h)
             return h, ring
+
+    def lane(self) -> tuple[int, int, int, StepRing] | None:
+        """What this session's next frame must carry to land in a block (``burst.py``; the
+        session's ``lock`` held): its schema id, seq and at most this credit, and its ring.
+        None while only :meth:`admit_landing`'s checks may take a frame (the session closed,
+        a resumed stream's first frame)."""
+        if self.state is not SessionState.OPEN or self.resumed or self.next_seq is None:
+            return None
+        if self.schema_id is None or self.ring is None:
+            return None
+        return self.schema_id, self.next_seq, self.flow.credit, self.ring
+
+    def count_landed(self, n_steps: int, payload_bytes: int, now: float) -> bool:
+        """A frame that matched :meth:`lane` is in the ring (the ``lock`` held). True when
+        :meth:`after_landing` has something to do (a flush waits for it, or credit is low)."""
+        self._spend(n_steps)
+        self._counted(n_steps, payload_bytes, now)
+        flow = self.flow
+        return (self.next_seq or 0) >= flow.ack_wanted or flow.credit <= flow.low_water
 
     def after_landing(self) -> None:
         """This session's frames of a burst are in the ring (``burst.land_burst``)."""
@@ -342,7 +361,7 @@ class LearnerSession:
             self.server.credit_low()
 
     def _commit(self) -> None:
-        with self._lock:
+        with self.lock:
             land = self._land
             assert land.frame is not None and self.ring is not None
             h, seg = land.frame
@@ -361,11 +380,15 @@ class LearnerSession:
 
     def _count_frame(self, h: FrameHeader) -> None:
         """A new frame's steps are in the ring (lock held)."""
-        self.flow.last_frame = self.last_heard = time.monotonic()
-        self.next_seq = h.seq + h.n_steps
-        self.stats.frames += 1
-        self.stats.steps += h.n_steps
-        self.stats.bytes += h.payload_bytes
+        self._counted(h.n_steps, h.payload_bytes, time.monotonic())
+
+    def _counted(self, n_steps: int, payload_bytes: int, now: float) -> None:
+        self.flow.last_frame = self.last_heard = now
+        self.next_seq = (self.next_seq or 0) + n_steps
+        stats = self.stats
+        stats.frames += 1
+        stats.steps += n_steps
+        stats.bytes += payload_bytes
 
     def _after_frame(self) -> None:
         if self.state is not SessionState.OPEN:
@@ -377,7 +400,7 @@ class LearnerSession:
 
     def abandon(self) -> None:
         """The receiver guarantees nothing more is written: a frame in progress is torn."""
-        with self._lock:
+        with self.lock:
             frame = self._land.drop()
         if frame is not None and frame[1] is not None and self.ring is not None:
             self.ring.abandon(frame[1])
@@ -413,7 +436,7 @@ class LearnerSession:
         asked to reconnect elsewhere), or else closed (a goodbye, or the learner closing)."""
         if self.state is not SessionState.OPEN:
             return
-        with self._lock:  # after this, no frame commits: next_seq is where a reconnect resumes
+        with self.lock:  # after this, no frame commits: next_seq is where a reconnect resumes
             self.state = SessionState.LOST if lost else SessionState.MOVED if moved else SessionState.CLOSED
             credit, self.flow.credit = self.flow.credit, 0
         self.error = reason if lost else None

@@ -3,14 +3,17 @@
 A writer process sends one one-step frame (the scale benchmark's 36-byte step) on each of N
 tcp connections per burst, every ``--period`` seconds. This process reads them with the real
 pumps, ``TcpReceiver``, ``LearnerSession`` and one ``StepRing``; a consumer thread takes batches
-and copies each field out, as a dataset does. It reports the process's CPU per frame
+of ``--batch`` steps and assembles each with the dataset's ``BatchAssembler`` (numpy format), as
+``RLinkDataset`` does (``--consumer pieces``: each piece's fields copied on their own, the
+consumer of the runs recorded before #51's second round, with ``--batch 10``). It reports the process's CPU per frame
 (``time.process_time``; user and system from ``os.times``, in 10 ms ticks), the same split by
 thread (``/proc``'s schedstat, nanoseconds on a CPU: the pumps that land the frames, the consumer
 that copies them out field by field, the rest) and the put -> taken latency. What a 1,024-actor burst costs the learner
 can so be measured without 1,024 actor threads on the same two cores.
 
     python bench/burst_receive.py [--connections 1024] [--bursts 10] [--period 0.5] [--per-pump 16]
-                                  [--spread N] [--batch 10] [--json out.json]
+                                  [--spread N] [--batch 256] [--consumer dataset|pieces]
+                                  [--json out.json]
 
 ``--per-pump`` and ``--spread`` set ``pump.PER_PUMP`` and ``TcpReceiver.pump_spread``: in a
 tree where small-frame tcp connections share one pump (#51) they change nothing for tcp; in an
@@ -34,10 +37,12 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import small_frames as sf  # the scale benchmark's step and a session around one receiver
 
+from rlink_ucx.store.gather import BatchAssembler
 from rlink_ucx.store.ring import StepRing
 from rlink_ucx.transport import pump
 from rlink_ucx.transport.tcp.stream import TcpReceiver
 from rlink_ucx.wire.frame import FrameHeader
+from rlink_ucx.wire.frameworks import adapter
 
 WARM_BURSTS = 2  # bursts before the measured window (connections' first reads, page faults)
 
@@ -83,7 +88,8 @@ def _on_cpu(tid: int | None) -> float:
         return 0.0
 
 
-def run(connections: int, bursts: int, period: float, per_pump: int, batch: int, spread: int | None = None) -> dict[str, Any]:
+def run(connections: int, bursts: int, period: float, per_pump: int, batch: int, spread: int | None = None,
+        consumer_kind: str = "dataset") -> dict[str, Any]:  # fmt: skip
     pump.PER_PUMP = per_pump
     if spread is not None:
         TcpReceiver.pump_spread = spread
@@ -107,16 +113,21 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
     total, got, latencies = connections * bursts, 0, []
     consumer_spent = [0.0]  # the consumer's CPU when it finished (it has ended by the last look)
 
+    assembler = BatchAssembler(ring, batch, adapter("numpy")) if consumer_kind == "dataset" else None
+
     def consume() -> None:
         nonlocal got
         while got < total:
             pieces, take_id = ring.take(min(batch, total - got), 30.0)
             now = time.time()
+            latencies.extend(now - piece.put_at for piece in pieces)
+            got += sum(p.count for p in pieces)
+            if assembler is not None:  # what RLinkDataset does with a take: one batch, field by field
+                assembler.assemble(pieces, take_id, 0)  # releases the take
+                continue
             for piece in pieces:
                 for f in range(len(sf.SCHEMA.fields)):
                     ring.piece_bytes(f, piece).copy()
-                latencies.append(now - piece.put_at)
-            got += sum(p.count for p in pieces)
             ring.release(take_id)
         consumer_spent[0] = _on_cpu(threading.get_native_id())
 
@@ -138,7 +149,8 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
         raise RuntimeError(f"{got} of {total} frames taken")
     frames = total - WARM_BURSTS * connections
     lat_ms = np.array(latencies[WARM_BURSTS * connections :]) * 1e3
-    return {"connections": connections, "per_pump": per_pump, "spread": TcpReceiver.pump_spread, "pumps": pumps, "batch": batch,
+    return {"connections": connections, "per_pump": per_pump, "spread": TcpReceiver.pump_spread, "pumps": pumps,
+            "batch": batch, "consumer": consumer_kind,
             "frames": frames, "cpu_us_per_frame": round(cpu / frames * 1e6, 1), "user_us_per_frame": round((after[0] - before[0]) / frames * 1e6, 1),
             "sys_us_per_frame": round((after[1] - before[1]) / frames * 1e6, 1),
             **{f"{role}_us_per_frame": round((threads_after[role] - threads_before[role]) / frames * 1e6, 1)
@@ -152,14 +164,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--bursts", type=int, default=10)
     parser.add_argument("--period", type=float, default=0.5)
     parser.add_argument("--per-pump", type=int, default=pump.PER_PUMP, help="connections one pump reads at most")
-    parser.add_argument("--batch", type=int, default=10)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--consumer", choices=["dataset", "pieces"], default="dataset",
+                        help="dataset: batches assembled as RLinkDataset does; pieces: each piece's fields copied on their own")
     parser.add_argument("--spread", type=int, default=None,
                         help="tcp connections that get a pump each before they share (default: the tree's)")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
     if args.bursts <= WARM_BURSTS:
         parser.error(f"--bursts must be more than the {WARM_BURSTS} warm-up bursts")
-    report = run(args.connections, args.bursts, args.period, args.per_pump, args.batch, args.spread)
+    report = run(args.connections, args.bursts, args.period, args.per_pump, args.batch, args.spread, args.consumer)
     print(json.dumps(report), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -21,7 +21,6 @@ never landed), every other frame lands. Each session's wake-up check runs once p
 
 from __future__ import annotations
 
-import collections
 import threading
 import time
 from typing import Protocol
@@ -73,17 +72,17 @@ def land_burst(frames: list[_Frame]) -> list[tuple[BurstSink, Exception]]:
 
 def _land_blocks(frames: list[_Frame], failed: dict[BurstSink, Exception]) -> list[_Frame]:
     """Land what can land in blocks; returns the frames left for :func:`_land_each`."""
-    per_session = collections.Counter(session for session, _, _ in frames)
-    picked = [f for f in frames if per_session[f[0]] == 1 and len(f[2]) <= BLOCK_MAX_PAYLOAD]
+    large = {session for session, _, payload in frames if len(payload) > BLOCK_MAX_PAYLOAD}
+    picked = [f for f in frames if f[0] not in large] if large else frames
     if len(picked) < BLOCK_MIN:
         return frames
+    sessions = list(dict.fromkeys(session for session, _, _ in picked))  # each once, in order
     landed: set[BurstSink] = set()
     wake: list[BurstSink] = []
-    locks = [session.lock for session, _, _ in picked]
-    for lock in locks:  # only a pump takes several sessions' locks, and each session is one pump's
-        lock.acquire()
+    for session in sessions:  # only a pump takes several sessions' locks, and each session is one pump's
+        session.lock.acquire()
     try:
-        for group, records, ring, n_steps in _blocks(picked):
+        for group, records, ring, n_steps in _blocks(picked, sessions):
             batch = [picked[i] for i in group]
             try:
                 done = _land_block(batch, records, ring, n_steps, wake)
@@ -93,33 +92,44 @@ def _land_blocks(frames: list[_Frame], failed: dict[BurstSink, Exception]) -> li
             if done:
                 landed.update(session for session, _, _ in batch)
     finally:
-        for lock in locks:
-            lock.release()
-    for session in wake:
+        for session in sessions:
+            session.lock.release()
+    for session in dict.fromkeys(wake):
         session.after_landing()
     return [f for f in frames if f[0] not in landed] if landed else frames
 
 
-def _blocks(picked: list[_Frame]) -> list[tuple[list[int], np.ndarray, StepRing, int]]:
+def _blocks(picked: list[_Frame], sessions: list[BurstSink]) -> list[tuple[list[int], np.ndarray, StepRing, int]]:
     """The frames of ``picked`` that pass every check, as blocks of one ring and one number of
     steps: their indexes, their headers (records of ``HEADER_DTYPE``), the ring and the number
-    of steps. The sessions' locks are held."""
-    lanes = [session.lane() for session, _, _ in picked]
+    of steps. A session whose frames do not all pass, or differ in their number of steps, has
+    none in a block. The sessions' locks are held."""
+    lanes = [session.lane() for session in sessions]
     ring = next((lane[3] for lane in lanes if lane is not None), None)
     if ring is None:
         return []
-    usable = np.array([lane is not None and lane[3] is ring for lane in lanes])
-    expect = np.array([lane[:3] if lane is not None else (-1, -1, -1) for lane in lanes], dtype=np.int64)
+    index = {session: i for i, session in enumerate(sessions)}
+    at = np.array([index[session] for session, _, _ in picked])  # each frame's session
+    usable = np.array([lane is not None and lane[3] is ring for lane in lanes])[at]
+    expect = np.array([lane[:3] if lane is not None else (-1, -1, -1) for lane in lanes], dtype=np.int64)[at]
     h = unpack_many(b"".join(header for _, header, _ in picked))
     n = h["n_steps"].astype(np.int64)
+    before = _steps_before(at, n) if len(sessions) < len(picked) else 0  # a session's earlier frames in the burst
     ok = usable & (h["magic"] == FRAME_MAGIC) & (h["proto"] == PROTOCOL_VERSION)
     ok &= h["schema_id"].astype(np.int64) == expect[:, 0]
-    ok &= h["actor_id"] == np.array([s.actor_id for s, _, _ in picked], dtype=np.uint64)
-    ok &= h["incarnation"] == np.array([s.incarnation for s, _, _ in picked], dtype=np.uint64)
-    ok &= (n > 0) & (n <= ring.max_frame_steps) & (n <= expect[:, 2])
-    ok &= (h["seq"] < _SEQ_LIMIT - n.astype(np.uint64)) & (h["seq"].astype(np.int64) == expect[:, 1])
+    ok &= h["actor_id"] == np.array([s.actor_id for s in sessions], dtype=np.uint64)[at]
+    ok &= h["incarnation"] == np.array([s.incarnation for s in sessions], dtype=np.uint64)[at]
+    ok &= (n > 0) & (n <= ring.max_frame_steps) & (before + n <= expect[:, 2])
+    ok &= (h["seq"] < _SEQ_LIMIT - n.astype(np.uint64)) & (h["seq"].astype(np.int64) == expect[:, 1] + before)
     ok &= h["payload_bytes"] == (n * ring.schema.step_bytes).astype(np.uint64)
     ok &= h["payload_bytes"] == np.array([len(payload) for _, _, payload in picked], dtype=np.uint64)
+    if len(sessions) < len(picked):  # all of a session's frames, or none: they land in order, in one block
+        least, most = np.full(len(sessions), 1 << 40), np.zeros(len(sessions), np.int64)
+        np.minimum.at(least, at, n)
+        np.maximum.at(most, at, n)
+        refused = least != most  # frames of different sizes: they would land in two blocks, out of order
+        np.logical_or.at(refused, at, ~ok)
+        ok &= ~refused[at]
     good = np.flatnonzero(ok)
     if len(good) < BLOCK_MIN:
         return []
@@ -128,6 +138,20 @@ def _blocks(picked: list[_Frame]) -> list[tuple[list[int], np.ndarray, StepRing,
         group = good[n[good] == k]
         blocks.append((group.tolist(), h[group], ring, int(k)))
     return blocks
+
+
+def _steps_before(at: np.ndarray, n: np.ndarray) -> np.ndarray:
+    """For each frame, the steps of its session's frames before it in the burst (``at``: each
+    frame's session; ``n``: its steps)."""
+    order = np.argsort(at, kind="stable")  # each session's frames together, in burst order
+    counts = n[order]
+    ends = np.cumsum(counts)
+    first = np.ones(len(order), bool)
+    first[1:] = at[order][1:] != at[order][:-1]
+    starts = np.maximum.accumulate(np.where(first, ends - counts, 0))  # where each frame's session begins
+    out = np.empty_like(n)
+    out[order] = ends - counts - starts
+    return out
 
 
 def _land_block(batch: list[_Frame], h: np.ndarray, ring: StepRing, n_steps: int, wake: list[BurstSink]) -> bool:

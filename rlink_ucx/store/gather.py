@@ -181,12 +181,19 @@ def joined(pieces: list[Piece], chunk_steps: int) -> list[Piece]:
     position and count mean anything). Frames of several actors land side by side in the ring,
     so a batch of hundreds of small frames is copied in a few slices per field, not hundreds."""
     out: list[Piece] = []
-    for p in pieces:
-        last = out[-1] if out else None
-        if last is not None and p.start % chunk_steps and last.start + last.count == p.start:
-            out[-1] = Piece(last.start, last.count + p.count, last.actor_id, last.seq, last.version)
-        else:
-            out.append(p)
+    if not pieces:
+        return out
+    first = pieces[0]
+    start, end = first.start, first.start + first.count
+    for p in pieces[1:]:
+        if p.start == end and p.start % chunk_steps:  # goes on from the run, in the same chunk
+            end += p.count
+            continue
+        out.append(first if end - start == first.count else Piece(start, end - start, first.actor_id, first.seq,
+                                                                  first.version))  # fmt: skip
+        first, start, end = p, p.start, p.start + p.count
+    out.append(first if end - start == first.count else Piece(start, end - start, first.actor_id, first.seq,
+                                                              first.version))  # fmt: skip
     return out
 
 

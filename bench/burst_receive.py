@@ -8,7 +8,9 @@ of ``--batch`` steps and assembles each with the dataset's ``BatchAssembler`` (n
 consumer of the runs recorded before #51's second round, with ``--batch 10``). It reports the process's CPU per frame
 (``time.process_time``; user and system from ``os.times``, in 10 ms ticks), the same split by
 thread (``/proc``'s schedstat, nanoseconds on a CPU: the pumps that land the frames, the consumer
-that copies them out field by field, the rest) and the put -> taken latency. What a 1,024-actor burst costs the learner
+that copies them out field by field, the rest), the frames taken per second of the measured
+window (with ``--period 0`` the writer sends as fast as it can: the learner's ingest rate) and
+the put -> taken latency. What a 1,024-actor burst costs the learner
 can so be measured without 1,024 actor threads on the same two cores.
 
     python bench/burst_receive.py [--connections 1024] [--bursts 10] [--period 0.5] [--per-pump 16]
@@ -136,7 +138,9 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
     start.value = time.time() + 0.5
     time.sleep(0.5 + WARM_BURSTS * period)
     before, cpu_before, threads_before = os.times(), time.process_time(), thread_cpu()
+    taken_before, wall_before = got, time.monotonic()
     consumer.join(bursts * period + 60)
+    wall = time.monotonic() - wall_before
     after, cpu, threads_after = os.times(), time.process_time() - cpu_before, thread_cpu()
     threads_after["consumer"] = consumer_spent[0]
     pumps = len(pump._pumps)
@@ -147,7 +151,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
     listener.close()
     if got != total:
         raise RuntimeError(f"{got} of {total} frames taken")
-    frames = total - WARM_BURSTS * connections
+    frames = total - taken_before  # taken in the measured window (the warm-up bursts, when they are apart)
     lat_ms = np.array(latencies[WARM_BURSTS * connections :]) * 1e3
     return {"connections": connections, "per_pump": per_pump, "spread": TcpReceiver.pump_spread, "pumps": pumps,
             "batch": batch, "consumer": consumer_kind,
@@ -155,6 +159,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
             "sys_us_per_frame": round((after[1] - before[1]) / frames * 1e6, 1),
             **{f"{role}_us_per_frame": round((threads_after[role] - threads_before[role]) / frames * 1e6, 1)
                for role in threads_after},
+            "frames_per_s": round((total - taken_before) / wall),
             "latency_ms_p50_p90_p99": [round(float(np.percentile(lat_ms, q)), 2) for q in (50, 90, 99)]}  # fmt: skip
 
 

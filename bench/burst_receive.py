@@ -151,7 +151,8 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
     listener.close()
     if got != total:
         raise RuntimeError(f"{got} of {total} frames taken")
-    frames = total - taken_before  # taken in the measured window (the warm-up bursts, when they are apart)
+    # the bursts after the warm-up ones; back to back (--period 0), what was taken in the window
+    frames = total - (WARM_BURSTS * connections if period > 0 else taken_before)
     lat_ms = np.array(latencies[WARM_BURSTS * connections :]) * 1e3
     return {"connections": connections, "per_pump": per_pump, "spread": TcpReceiver.pump_spread, "pumps": pumps,
             "batch": batch, "consumer": consumer_kind,

@@ -159,6 +159,7 @@ def test_burst_receive_measures_the_learners_receive_path_per_frame(tmp_path):
     assert report["pumps"] == 1  # small-frame connections share one pump
     assert report["cpu_us_per_frame"] > 0
     assert report["pumps_us_per_frame"] > 0 and report["consumer_us_per_frame"] > 0  # by thread, from /proc
+    assert report["consumer"] == "dataset" and report["batch"] == 256 and report["frames_per_s"] > 0
     p50, p90, p99 = report["latency_ms_p50_p90_p99"]
     assert 0 < p50 <= p90 <= p99
 

@@ -219,37 +219,3 @@ def test_torn_frames_behind_a_frame_nobody_takes_yet_are_forgotten():
     assert len(ring.frames._placed) <= 2048
     assert ring.used == 2 and ring.stats.torn_frames == 10_000
     assert take_values(ring, 2) == [(1, 0, 0), (1, 1, 1)]
-
-
-def test_a_whole_frame_landed_around_a_frame_still_arriving_goes_to_its_own_positions():
-    """The free space after the cursor is two runs, around a frame still arriving: a whole frame
-    landed there is written to those runs, not over the other frame's steps (it was, until a
-    helper's review found it: ``land`` wrote contiguous positions)."""
-    ring = StepRing(SCHEMA, 64 * 8, 4, chunk_steps=8)
-
-    def data(*values: int) -> memoryview:
-        return memoryview(np.array(values, np.int64).tobytes())
-
-    def drain(count: int) -> None:
-        _, take = ring.take(count, 1.0)
-        ring.release(take)
-
-    ring.land(2, 1, 0, 0, 0.0, data(10, 11))  # positions 0-1
-    arriving = ring.reserve(2, 2, 0, 0)  # positions 2-3, its bytes still on their way
-    drain(2)
-    seq = 0
-    while ring._space.head >= 4:  # frames come and go until the cursor wraps to position 0
-        ring.land(4, 3, seq, 0, 0.0, data(*range(100 + seq, 104 + seq)))
-        drain(4)
-        seq += 4
-    assert ring._space.head == 0 and ring._space._free.extents()[0] == (0, 2)
-    ring.land(4, 5, 0, 0, 0.0, data(50, 51, 52, 53))  # in positions 0-1 and 4-5
-    for view in ring.field_views(arriving)[0]:
-        view[:] = np.array([20, 21], np.int64).tobytes()
-    ring.commit(arriving)
-    pieces, take = ring.take(6, 1.0)
-    got: dict[int, list[int]] = {}
-    for piece in pieces:
-        got.setdefault(piece.actor_id, []).extend(np.frombuffer(ring.piece_bytes(0, piece).tobytes(), np.int64).tolist())
-    ring.release(take)
-    assert got == {5: [50, 51, 52, 53], 2: [20, 21]}

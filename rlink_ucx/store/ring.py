@@ -223,9 +223,8 @@ class StepRing:
 
     def land_block(self, n_steps: int, actor_ids: list[int], seqs: list[int], versions: list[int],
                    put_at: list[float], payload: np.ndarray) -> bool:  # fmt: skip
-        """Whole frames of ``n_steps`` steps each, side by side in one hold of the lock, their
-        payloads the rows of ``payload`` (``block.land_block_locked``). False, landing none,
-        where the free space is not one run (land them with :meth:`land_many`)."""
+        """Whole frames of ``n_steps`` steps each, side by side, payloads the rows of ``payload``
+        (``block.land_block_locked``); False, landing none, where free space is not one run."""
         with self._ready:
             freed = block.land_block_locked(self, n_steps, actor_ids, seqs, versions, put_at, payload)
             if freed is not None:
@@ -237,6 +236,8 @@ class StepRing:
     def _land_locked(self, n: int, actor_id: int, seq: int, version: int, put_at: float,
                      payload: memoryview | list[memoryview], *, wake: bool = True) -> int:  # fmt: skip
         """:meth:`land` with the lock held; returns the steps freed (see ``_commit_locked``)."""
+        if isinstance(payload, list) and len(payload) == 1:
+            payload = payload[0]  # one buffer of every field's bytes (an shm ring frame): no join
         parts = fields_of(payload, n, self._sizes)  # None: one buffer, the frame's size (checked)
         seg = self._reserve_locked(n, actor_id, seq, version, put_at)
         chunk, offset = divmod(seg.start, self.chunk_steps)
@@ -244,9 +245,10 @@ class StepRing:
             copy_whole(self.chunks[chunk], self._sizes, offset, n, cast(memoryview, payload))
         else:
             parts = parts or slices(cast(memoryview, payload), n, self._sizes)
+            runs = self._seg_chunks(seg, 0, n)  # once: the same for every field
             for f, (sb, src) in enumerate(zip(self._sizes, parts)):
                 at = 0
-                for c, o, k in self._seg_chunks(seg, 0, n):
+                for c, o, k in runs:
                     self.chunks[c][f].data[o * sb : (o + k) * sb] = src[at : at + k * sb]
                     at += k * sb
         return self._commit_locked(seg, time.monotonic(), wake=wake)

@@ -63,7 +63,8 @@ class Pump:
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
         self._poll.register(self._wake_r, select.EPOLLIN)
-        self._arena: bytearray | None = None  # allocated by the first read that wants it
+        self._arena: memoryview | None = None  # allocated by the first read that wants it
+        self._arena_size = 0
         self._arena_at = 0  # bytes of the arena the deferred frames of this pass may point into
         self._burst: list[tuple[Any, memoryview, memoryview]] = []  # (receiver, header, payload)
         self.thread = threading.Thread(target=self._serve, name="rlink-pump", daemon=True)
@@ -82,11 +83,7 @@ class Pump:
         try:
             while not self._retired():
                 try:
-                    for fd, _ in self._poll.poll():
-                        if fd == self._wake_r:
-                            self._join()
-                        elif (receiver := self._by_fd.get(fd)) is not None:
-                            self._step(fd, receiver)
+                    self._read_pass(self._poll.poll())
                     if self._burst:
                         self._land_pass()
                 except Exception:  # a bug here must not end every actor's reading
@@ -129,14 +126,23 @@ class Pump:
                 continue
             self._by_fd[fd] = receiver
 
-    def _step(self, fd: int, receiver: Any) -> None:
-        try:
-            receiver.pump_step()
-        except Exception as exc:  # noqa: BLE001 - reported to the receiver's session
-            self._drop(fd, receiver, exc)
-            return
-        if receiver.wants_own_pump:
-            self._hand_over(fd, receiver)
+    def _read_pass(self, events: list[tuple[int, int]]) -> None:
+        """Let each ready receiver read what came (one loop for the pass: with a thousand
+        connections ready, every call saved here is a thousand calls)."""
+        by_fd = self._by_fd
+        for fd, _ in events:
+            receiver = by_fd.get(fd)
+            if receiver is None:
+                if fd == self._wake_r:
+                    self._join()
+                continue
+            try:
+                receiver.pump_step()
+            except Exception as exc:  # noqa: BLE001 - reported to the receiver's session
+                self._drop(fd, receiver, exc)
+                continue
+            if receiver.wants_own_pump:
+                self._hand_over(fd, receiver)
 
     def _hand_over(self, fd: int, receiver: Any) -> None:
         """Move ``receiver`` to a pump of its own (or the least busy other one, once
@@ -161,11 +167,16 @@ class Pump:
     def room(self, size: int) -> memoryview:
         """Where the next read of up to ``size`` bytes goes: the free part of the arena (the
         burst so far lands first when less than that is left)."""
-        if self._arena is None:
-            self._arena = bytearray(max(ARENA_BYTES, size))
-        if len(self._arena) - self._arena_at < size:
-            self._land_pass()
-        return memoryview(self._arena)[self._arena_at : self._arena_at + size]
+        at = self._arena_at
+        if self._arena_size - at < size:
+            if self._arena is None:
+                self._arena = memoryview(bytearray(max(ARENA_BYTES, size)))
+                self._arena_size = len(self._arena)
+            else:
+                self._land_pass()
+            at = self._arena_at
+        assert self._arena is not None
+        return self._arena[at : at + size]
 
     def used(self, n: int) -> None:
         """The last read put ``n`` bytes at the front of ``room``: keep them until the burst lands."""

@@ -27,6 +27,12 @@ def announced_payload(buf: bytes | bytearray | memoryview, pos: int = 0) -> int:
     return int(_PAYLOAD_BYTES.unpack_from(buf, pos + _PAYLOAD_AT)[0])
 
 
+# ``announced_payload`` without its call, for a loop that reads thousands of headers:
+# ``unpack_payload_bytes(buf, pos + PAYLOAD_BYTES_AT)[0]``.
+PAYLOAD_BYTES_AT = _PAYLOAD_AT
+unpack_payload_bytes = _PAYLOAD_BYTES.unpack_from
+
+
 class FrameHeader(NamedTuple):
     """A data frame's header fields (immutable). A named tuple rather than a frozen dataclass:
     the learner makes one per frame it receives, and a tuple is made several times faster."""

@@ -37,6 +37,7 @@ __all__ = ["BLOCK_MAX_PAYLOAD", "BLOCK_MIN", "BurstSink", "land_burst"]
 BLOCK_MIN = 8  # frames a burst needs before it lands in blocks (a few cost more as arrays)
 BLOCK_MAX_PAYLOAD = 4096  # bytes: a larger frame lands alone (a block copies each payload once more)
 _SEQ_LIMIT = np.uint64(1 << 63)  # seqs are int64 in a batch (Batch.seq)
+_NO_LANE = (-1, -1, -1)
 
 
 class BurstSink(Protocol):
@@ -46,7 +47,7 @@ class BurstSink(Protocol):
     incarnation: int
     lock: threading.Lock
 
-    def lane(self) -> tuple[int, int, int, StepRing] | None: ...
+    def lane(self) -> tuple[int, int, int, int, int, StepRing] | None: ...
 
     def count_landed(self, n_steps: int, payload_bytes: int, now: float) -> bool: ...
 
@@ -105,20 +106,20 @@ def _blocks(picked: list[_Frame], sessions: list[BurstSink]) -> list[tuple[list[
     of steps. A session whose frames do not all pass, or differ in their number of steps, has
     none in a block. The sessions' locks are held."""
     lanes = [session.lane() for session in sessions]
-    ring = next((lane[3] for lane in lanes if lane is not None), None)
+    ring = next((lane[5] for lane in lanes if lane is not None), None)
     if ring is None:
         return []
     index = {session: i for i, session in enumerate(sessions)}
     at = np.array([index[session] for session, _, _ in picked])  # each frame's session
-    usable = np.array([lane is not None and lane[3] is ring for lane in lanes])[at]
-    expect = np.array([lane[:3] if lane is not None else (-1, -1, -1) for lane in lanes], dtype=np.int64)[at]
+    # Each session's schema id, seq and credit (-1s: none of its frames may land in a block)
+    # and its actor id and incarnation, as each of its frames must carry them.
+    expect = np.array([lane[:3] if lane is not None and lane[5] is ring else _NO_LANE for lane in lanes], np.int64)[at]
+    ids = np.array([lane[3:5] if lane is not None else (0, 0) for lane in lanes], np.uint64)[at]
     h = unpack_many(b"".join(header for _, header, _ in picked))
     n = h["n_steps"].astype(np.int64)
     before = _steps_before(at, n) if len(sessions) < len(picked) else 0  # a session's earlier frames in the burst
-    ok = usable & (h["magic"] == FRAME_MAGIC) & (h["proto"] == PROTOCOL_VERSION)
-    ok &= h["schema_id"].astype(np.int64) == expect[:, 0]
-    ok &= h["actor_id"] == np.array([s.actor_id for s in sessions], dtype=np.uint64)[at]
-    ok &= h["incarnation"] == np.array([s.incarnation for s in sessions], dtype=np.uint64)[at]
+    ok = (expect[:, 0] >= 0) & (h["magic"] == FRAME_MAGIC) & (h["proto"] == PROTOCOL_VERSION)
+    ok &= (h["schema_id"].astype(np.int64) == expect[:, 0]) & (h["actor_id"] == ids[:, 0]) & (h["incarnation"] == ids[:, 1])
     ok &= (n > 0) & (n <= ring.max_frame_steps) & (before + n <= expect[:, 2])
     ok &= (h["seq"] < _SEQ_LIMIT - n.astype(np.uint64)) & (h["seq"].astype(np.int64) == expect[:, 1] + before)
     ok &= h["payload_bytes"] == (n * ring.schema.step_bytes).astype(np.uint64)
@@ -133,11 +134,10 @@ def _blocks(picked: list[_Frame], sessions: list[BurstSink]) -> list[tuple[list[
     good = np.flatnonzero(ok)
     if len(good) < BLOCK_MIN:
         return []
-    blocks = []
-    for k in np.unique(n[good]):
-        group = good[n[good] == k]
-        blocks.append((group.tolist(), h[group], ring, int(k)))
-    return blocks
+    sizes = n[good]
+    if sizes.min() == sizes.max():  # one block: every frame of one size (a lockstep burst)
+        return [(good.tolist(), h[good], ring, int(sizes[0]))]
+    return [(good[sizes == k].tolist(), h[good[sizes == k]], ring, int(k)) for k in np.unique(sizes)]
 
 
 def _steps_before(at: np.ndarray, n: np.ndarray) -> np.ndarray:

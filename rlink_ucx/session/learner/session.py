@@ -329,16 +329,16 @@ class LearnerSession:
             self._count_frame(h)
             return h, ring
 
-    def lane(self) -> tuple[int, int, int, StepRing] | None:
+    def lane(self) -> tuple[int, int, int, int, int, StepRing] | None:
         """What this session's next frame must carry to land in a block (``burst.py``; the
-        session's ``lock`` held): its schema id, seq and at most this credit, and its ring.
-        None while only :meth:`admit_landing`'s checks may take a frame (the session closed,
-        a resumed stream's first frame)."""
+        session's ``lock`` held): its schema id, seq, at most this credit, its actor id and
+        incarnation, and its ring. None while only :meth:`admit_landing`'s checks may take a
+        frame (the session closed, a resumed stream's first frame)."""
         if self.state is not SessionState.OPEN or self.resumed or self.next_seq is None:
             return None
         if self.schema_id is None or self.ring is None:
             return None
-        return self.schema_id, self.next_seq, self.flow.credit, self.ring
+        return self.schema_id, self.next_seq, self.flow.credit, self.actor_id, self.incarnation, self.ring
 
     def count_landed(self, n_steps: int, payload_bytes: int, now: float) -> bool:
         """A frame that matched :meth:`lane` is in the ring (the ``lock`` held). True when

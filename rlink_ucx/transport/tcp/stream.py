@@ -15,7 +15,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from ...wire.frame import FRAME_HEADER_BYTES, announced_payload
+from ...wire.frame import FRAME_HEADER_BYTES, PAYLOAD_BYTES_AT, announced_payload, unpack_payload_bytes
 from .. import pump
 from ..base import FrameSink
 from ..sockopts import close_socket, set_congestion
@@ -231,8 +231,8 @@ class TcpReceiver(SocketReceiver):
         (a scratch buffer or more) only the next header is read that way, into the header
         buffer, so a stream of large frames is never copied twice.
         """
-        if not (self._payload or self._got or self._big) and self._land is not None and self._deferring:
-            self._read_frames()
+        if not (self._payload or self._got or self._big) and self.land_burst is not None and self._land is not None:
+            self._read_frames()  # the pump calling it lands bursts: whole frames are deferred to it
             return
         tail = memoryview(self._header)[self._got :] if self._big else self._room()
         try:
@@ -284,7 +284,7 @@ class TcpReceiver(SocketReceiver):
         pump.used(n)
         pos = 0
         while n - pos >= FRAME_HEADER_BYTES:
-            end = pos + FRAME_HEADER_BYTES + announced_payload(room, pos)
+            end = pos + FRAME_HEADER_BYTES + unpack_payload_bytes(room, pos + PAYLOAD_BYTES_AT)[0]
             if end > n:
                 break
             pump.defer(self, room[pos : pos + FRAME_HEADER_BYTES], room[pos + FRAME_HEADER_BYTES : end])

@@ -22,6 +22,7 @@ __all__ = ["IN_ORDER_GRACE", "ReadyFrames"]
 
 IN_ORDER_GRACE = 0.002  # seconds a take waits for a young frame ahead of it in ring order
 _COMPACT_MIN = 1024
+_DEAD, _PENDING, _READY = SegState.DEAD, SegState.PENDING, SegState.READY
 
 
 class ReadyFrames:
@@ -47,8 +48,7 @@ class ReadyFrames:
 
     def landed(self, segs: list[Segment]) -> None:
         """Frames placed and completed at once, in this order (``block.py``)."""
-        for seg in segs[:-1]:  # placed() for each but the last, without its compaction check
-            self._placed.append(seg)
+        self._placed.extend(segs[:-1])  # placed() for each but the last, without its compaction check
         if segs:
             self.placed(segs[-1])
         self.completed.extend(segs)
@@ -70,11 +70,14 @@ class ReadyFrames:
         """A frame still arriving among the first ``need`` untaken steps in ring order that
         began less than ``IN_ORDER_GRACE`` ago, and the seconds left of its grace; else (0, None)."""
         total = 0
-        for seg in self._live():
-            if seg.state is SegState.PENDING:
+        for seg in self._placed:  # the frames of _live(), without a generator: a take walks hundreds
+            state, untaken = seg.state, seg.n - seg.consumed
+            if state is _DEAD or untaken <= 0:
+                continue
+            if state is _PENDING:
                 left = seg.placed_at + IN_ORDER_GRACE - time.monotonic()
                 return (left, seg) if left > 0 else (0.0, None)
-            total += seg.n - seg.consumed
+            total += untaken
             if total >= need:
                 break
         return 0.0, None
@@ -84,11 +87,14 @@ class ReadyFrames:
         those are all complete, else in completion order."""
         frames: collections.deque[Segment] = collections.deque()
         total = 0
-        for seg in self._live():
-            if seg.state is not SegState.READY:
+        for seg in self._placed:  # as in young_ahead
+            state, untaken = seg.state, seg.n - seg.consumed
+            if state is _DEAD or untaken <= 0:
+                continue
+            if state is not _READY:
                 return self.completed
             frames.append(seg)
-            total += seg.n - seg.consumed
+            total += untaken
             if total >= need:
                 return frames
         return self.completed
@@ -96,7 +102,7 @@ class ReadyFrames:
     def prune(self) -> None:
         """Forget fully taken frames at the front of both orders (after a take)."""
         for frames in (self.completed, self._placed):
-            while frames and (frames[0].state is SegState.DEAD or frames[0].consumed >= frames[0].n):
+            while frames and ((seg := frames[0]).state is _DEAD or seg.consumed >= seg.n):
                 frames.popleft()
 
     def _live(self) -> collections.abc.Iterator[Segment]:

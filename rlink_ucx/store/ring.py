@@ -406,30 +406,31 @@ class StepRing:
     def _claim(self, need: int) -> list[Piece]:
         """The next ``need`` READY steps, in ring order or in completion order (``ready.py``);
         lock held."""
-        pieces = []
+        pieces: list[Piece] = []
         self._takes += 1
         take, finished = self._takes, []
         chunk_steps = self.chunk_steps
         segs = self.frames.order_for(need)
         while need and segs:
             seg = segs[0]
-            k = min(need, seg.n - seg.consumed)
+            at, n = seg.consumed, seg.n
+            k = min(need, n - at)
             if k:
-                seq = seg.seq + seg.consumed
-                at = seg.consumed
                 pos = seg.start + at
-                one = seg.runs is None and pos % chunk_steps + k <= chunk_steps  # one piece: most frames
-                runs = [(0, pos, k)] if one else self._seg_chunks(seg, at, k)
-                for chunk, offset, n in runs:
-                    pieces.append(Piece(chunk * chunk_steps + offset, n, seg.actor_id, seq, seg.version,
-                                        seg.ready_at, seg.put_at))  # fmt: skip
-                    seq += n
-                seg.consumed += k
+                if seg.runs is None and pos % chunk_steps + k <= chunk_steps:  # one piece: most frames
+                    pieces.append(Piece(pos, k, seg.actor_id, seg.seq + at, seg.version, seg.ready_at, seg.put_at))
+                else:
+                    seq = seg.seq + at
+                    for chunk, offset, m in self._seg_chunks(seg, at, k):
+                        pieces.append(Piece(chunk * chunk_steps + offset, m, seg.actor_id, seq, seg.version,
+                                            seg.ready_at, seg.put_at))  # fmt: skip
+                        seq += m
+                seg.consumed = at = at + k
                 seg.taken_by = take
                 need -= k
-                if seg.consumed == seg.n:
+                if at == n:
                     finished.append(seg)
-            if seg.consumed == seg.n:
+            if at == n:
                 segs.popleft()
         self.frames.prune()
         if finished:

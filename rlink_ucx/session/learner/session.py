@@ -54,7 +54,7 @@ class Owner(Protocol):
     def session_ended(self, session: LearnerSession, error: PeerLost | None) -> None: ...
 
 
-@dataclass
+@dataclass(slots=True)
 class SessionStats:
     frames: int = 0
     steps: int = 0

@@ -105,7 +105,10 @@ class BatchAssembler:
                 i += p.count
         else:
             # (seq is a u64 on the wire, counted from 0: int64 holds it for 2**63 steps)
-            per_piece = np.array([(p.count, p.version, p.actor_id, p.seq) for p in pieces], dtype=np.int64)
+            flat: list[int] = []  # one flat list: numpy takes it several times faster than tuples
+            for p in pieces:
+                flat += (p.count, p.version, p.actor_id, p.seq)
+            per_piece = np.array(flat, dtype=np.int64).reshape(-1, 4)
             counts = per_piece[:, 0]
             n = int(counts.sum())
             meta[0, :n] = np.repeat(per_piece[:, 1], counts)

@@ -154,11 +154,12 @@ class Publisher:
             if member.streamer and latest is not None:  # it may join the chain now, before the next version
                 self._relink(latest.manifest.total_bytes)
                 self._cast.plan(self.server.sessions, backend_of(latest))
-            if member.peers and not member.suspect and latest is not None and latest.version == version:
-                place = location_of(where, latest.manifest.total_bytes)
+            newest = self._newest()
+            if member.peers and not member.suspect and newest is not None and newest.version == version and newest.sealed:
+                place = location_of(where, newest.manifest.total_bytes)
                 if place is not None:
                     member.held = (version, place)
-                    serve_peers(self.server.sessions, session, latest, place, self._tell_peer)
+                    serve_peers(self.server.sessions, session, newest, place, self._tell_peer)
             self.cv.notify_all()
 
     def on_session_end(self, session: Member) -> None:
@@ -201,7 +202,17 @@ class Publisher:
             self._take_over(successor)
 
     def _take_over(self, successor: Member | None) -> None:
-        take_over(self.server.sessions, successor, self.latest, self._tell_peer, self._send)
+        take_over(self.server.sessions, successor, self._newest(), self._tell_peer, self._send)
+
+    def _newest(self) -> Snapshot | None:
+        """The newest version published: ``pending`` (sealed, or still being copied) unless its
+        copy failed, else ``latest``. Not ``latest`` alone: ``publish`` sets it only once the
+        snapshot is sealed, and its Seal goes out at once (``_fan_out``, the streams), so on a
+        loaded machine an actor's Got can come first. Judged against ``latest``, that Got
+        served its host's peers nothing, and a streamer elected meanwhile was told of the
+        version before: they waited for the next version (a ``publish`` unconfirmed for 60 s)."""
+        pending = self.pending
+        return pending if pending is not None and pending.failed is None else self.latest
 
     def _tell_peer(self, peer: Member, snap: Snapshot, where: list[Any]) -> None:
         """Where ``peer`` reads ``snap``, and its key and Seal under its own key (lock held)."""

@@ -98,6 +98,18 @@ class Cluster:
         assert line, f"the learner ended ({self.learner.poll()})"
         return json.loads(line)
 
+    def publish(self, version: int) -> dict[str, Any]:
+        """Publish ``version`` and wait until every live actor has it; unconfirmed: say who lacks
+        it, what the learner knows of each, and each lacking actor's last lines."""
+        reply = self.ask(f"publish {version}")
+        if not reply["confirmed"]:
+            stats = self.ask("stats")
+            lacking = {a: v for a, v in stats["actors"].items() if v < version}
+            raise AssertionError(json.dumps({"version": version, "reply": reply, "lacking": lacking,
+                                             "weights": stats["weights"],
+                                             "lines": {a: self.lines[int(a)][-6:] for a in lacking}}, default=str))
+        return reply
+
     def versions(self, actor_id: int) -> dict[int, str]:
         return {int(p[1]): p[2] for p in (line.split() for line in list(self.lines[actor_id])) if p[:1] == ["version"]}
 
@@ -145,7 +157,7 @@ class Cluster:
 
 def _start(cluster: Cluster, count: int) -> dict[str, Any]:
     """Version 2, once every actor holds version 1: it goes out on the chain."""
-    assert cluster.ask("publish 2")["confirmed"]
+    cluster.publish(2)
     weights = cluster.ask("stats")["weights"]
     assert len(weights["relay"]["order"]) == count, weights["relay"]
     return weights
@@ -170,7 +182,7 @@ def test_a_relay_killed_or_stopped_in_the_middle_of_a_version_is_spliced_out():
             assert json.loads(cluster.learner.stdout.readline())["confirmed"]  # type: ignore[union-attr]
             alive = [a for a in everyone if a != killed]
             assert cluster.wait_all(3, alive, 1) < 1  # every live actor has it, bit-exact
-            assert cluster.ask("publish 4")["confirmed"]
+            cluster.publish(4)
             cluster.wait_all(4, alive, WEIGHTS_TIMEOUT)
             weights = cluster.ask("stats")["weights"]
             assert len(weights["relay"]["order"]) == count, weights  # the killed one's host has another streamer
@@ -200,8 +212,7 @@ def test_a_relay_killed_or_stopped_in_the_middle_of_a_version_is_spliced_out():
                 relay = cluster.ask("stats")["weights"]["relay"]
                 linked = len(relay["order"]) == count and all(relay["from"][h] != "learner" for h in relay["order"][1:])
                 version += 1
-                reply = cluster.ask(f"publish {version}")
-                assert reply["confirmed"], reply
+                reply = cluster.publish(version)
                 cluster.wait_all(version, alive, WEIGHTS_TIMEOUT)
                 time.sleep(0.3)
             assert reply["sent"] <= 2 * floats * 4, (reply, relay)
@@ -230,7 +241,7 @@ def test_a_relay_that_flips_a_byte_has_its_copies_refused_and_leaves_the_chain()
             while len(weights["hosts"][flippers_host]["refused"]) < 2:  # each refused twice in a row
                 assert version < 40, (weights["relay"], weights["hosts"])
                 version += 1
-                assert cluster.ask(f"publish {version}")["confirmed"], version  # everyone has it
+                cluster.publish(version)  # everyone has it
                 cluster.wait_all(version, everyone, WEIGHTS_TIMEOUT)
                 time.sleep(0.3)
                 weights = cluster.ask("stats")["weights"]
@@ -239,12 +250,12 @@ def test_a_relay_that_flips_a_byte_has_its_copies_refused_and_leaves_the_chain()
             while weights["relay"]["from"][second] != head:  # the chain closed around them
                 assert version < 50, weights["relay"]
                 version += 1
-                assert cluster.ask(f"publish {version}")["confirmed"]
+                cluster.publish(version)
                 cluster.wait_all(version, everyone, WEIGHTS_TIMEOUT)
                 time.sleep(0.3)
                 weights = cluster.ask("stats")["weights"]
             version += 1
-            assert cluster.ask(f"publish {version}")["confirmed"]  # through the honest chain
+            cluster.publish(version)  # through the honest chain
             cluster.wait_all(version, everyone, WEIGHTS_TIMEOUT)
             stats = cluster.close()
         finally:

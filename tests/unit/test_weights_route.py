@@ -4,6 +4,7 @@ weights streams both follow it. No sockets: the publisher's control messages are
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from types import SimpleNamespace
 from typing import Any
@@ -12,11 +13,12 @@ import numpy as np
 import pytest
 
 from rlink_ucx.transport.session_state import SessionState
+from rlink_ucx.weights import publisher as publisher_mod
 from rlink_ucx.weights.hosts import note_refusal, note_served, peers_of
 from rlink_ucx.weights.membership import Membership
-from rlink_ucx.weights.streams import _Stream
 from rlink_ucx.weights.route import Route, delivery
 from rlink_ucx.weights.snapshot import BufferPool, snapshot
+from rlink_ucx.weights.streams import _Stream
 from rlink_ucx.wire import messages as _wire
 
 IN_SHARED_MEMORY = SimpleNamespace(shared=[1, 3, b"n" * 16, 64])
@@ -242,3 +244,60 @@ def test_a_refused_holder_confirming_a_version_serves_it_to_nobody(publisher):
     assert sent_types(publisher, sessions) == {1: [], 2: [], 3: []} and members[1].held is None
     publisher.on_got(sessions[2], 5, [4243, 8, b"m" * 16, snap.manifest.total_bytes])
     assert sent_types(publisher, sessions) == {1: [], 2: [], 3: [_wire.Mapped, _wire.WeightsKey, _wire.Seal]}
+
+
+def without_fan_out(publisher) -> None:
+    """``publisher.publish`` starts no fan-out thread: only the messages under test go out."""
+    done = threading.Thread(target=lambda: None)
+    done.start()
+    done.join()
+    publisher._thread = done
+
+
+@pytest.mark.timeout(30)
+def test_a_got_that_comes_before_publish_marks_its_version_latest_still_serves_the_hosts_peers(publisher,
+                                                                                              monkeypatch):  # fmt: skip
+    """A version's Seal goes out as soon as it is sealed, before ``publish`` sets it as ``latest``:
+    on a loaded machine the streamer's Got came in between, its host's peers were told nothing,
+    and they waited for the next version (a relay test's publish went unconfirmed for 60 s)."""
+    publisher.latest = snapshot({"w": np.full(1000, 4, np.float32)}, 4, 1 << 20, BufferPool())
+    publisher.server.version = 4
+    members = {1: peer("h2", streamer=True), 2: peer("h2"), 3: peer("h2")}
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    without_fan_out(publisher)
+    seal, got = publisher_mod.fill, []
+
+    def fill_then_got(snap: Any, srcs: Any) -> None:
+        seal(snap, srcs)  # sealed: its Seal is out, the streamer verifies it and confirms
+        got.append([4242, 7, b"n" * 16, snap.manifest.total_bytes])
+        publisher.on_got(sessions[1], snap.version, got[0])
+
+    monkeypatch.setattr(publisher_mod, "fill", fill_then_got)
+    assert publisher.publish({"w": np.full(1000, 5, np.float32)}, wait=False, timeout=None) == 5
+    assert sent_types(publisher, sessions) == {1: [], 2: [_wire.Mapped, _wire.WeightsKey, _wire.Seal],
+                                               3: [_wire.Mapped, _wire.WeightsKey, _wire.Seal]}  # fmt: skip
+    assert (members[2].sent, members[3].sent, members[1].held) == (5, 5, (5, got[0]))
+
+
+@pytest.mark.timeout(30)
+def test_a_streamer_elected_while_a_version_is_being_copied_is_told_of_that_version(publisher, monkeypatch):
+    publisher.latest = snapshot({"w": np.full(1000, 4, np.float32)}, 4, 1 << 20, BufferPool())
+    publisher.server.version = 4
+    members = {1: peer("h2", streamer=True), 2: peer("h2"), 3: peer("h2")}
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    without_fan_out(publisher)
+    copy = publisher_mod.fill
+
+    def streamer_ends_then_fill(snap: Any, srcs: Any) -> None:
+        sessions[1].state = SessionState.CLOSED  # its fan-out routed 2 and 3 to its copy
+        publisher.on_session_end(sessions[1])
+        copy(snap, srcs)
+
+    monkeypatch.setattr(publisher_mod, "fill", streamer_ends_then_fill)
+    assert publisher.publish({"w": np.full(1000, 5, np.float32)}, wait=False, timeout=None) == 5
+    assert members[2].streamer
+    publisher.loop.run_until_complete(asyncio.sleep(0))  # run the sends queued for the loop
+    told = sessions[2].control.sent
+    assert [(type(m), m.version) for m in told] == [(_wire.Version, 5)], told  # it opens a stream for it

@@ -37,7 +37,7 @@ from ..wire.codec import Schema
 from . import block
 from .payload import copy_whole, fields_of, slices
 from .ready import ReadyFrames
-from .segments import Piece, RingStats, Segment, SegState
+from .segments import Piece, RingStats, Segment, SegState, pieces_of
 from .space import RingSpace
 
 __all__ = ["Piece", "RingStats", "SegState", "Segment", "StepRing"]
@@ -420,11 +420,7 @@ class StepRing:
                 if seg.runs is None and pos % chunk_steps + k <= chunk_steps:  # one piece: most frames
                     pieces.append(Piece(pos, k, seg.actor_id, seg.seq + at, seg.version, seg.ready_at, seg.put_at))
                 else:
-                    seq = seg.seq + at
-                    for chunk, offset, m in self._seg_chunks(seg, at, k):
-                        pieces.append(Piece(chunk * chunk_steps + offset, m, seg.actor_id, seq, seg.version,
-                                            seg.ready_at, seg.put_at))  # fmt: skip
-                        seq += m
+                    pieces += pieces_of(seg, at, self._seg_chunks(seg, at, k), chunk_steps)
                 seg.consumed = at = at + k
                 seg.taken_by = take
                 need -= k

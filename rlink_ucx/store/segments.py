@@ -5,7 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-__all__ = ["Piece", "RingStats", "SegState", "Segment"]
+__all__ = ["Piece", "RingStats", "SegState", "Segment", "pieces_of"]
 
 
 class SegState(enum.Enum):
@@ -62,3 +62,13 @@ class RingStats:
     wait_seconds: float = 0.0
     stale_dropped: int = 0  # steps dropped for being older than min_version
     peak_used: int = 0  # most steps ever held at once: how close the learner came to its cap
+
+
+def pieces_of(seg: Segment, at: int, runs: list[tuple[int, int, int]], chunk_steps: int) -> list[Piece]:
+    """The pieces of ``seg``'s steps from ``at`` on that lie in ``runs`` (``(chunk, offset,
+    count)``, in step order)."""
+    pieces, seq = [], seg.seq + at
+    for chunk, offset, m in runs:
+        pieces.append(Piece(chunk * chunk_steps + offset, m, seg.actor_id, seq, seg.version, seg.ready_at, seg.put_at))
+        seq += m
+    return pieces

@@ -164,6 +164,13 @@ class Streams:
         pub = self.pub
         timeout = pub.config.weights_timeout
         source = self._host_copy(snap)  # a CUDA version: once sealed, in host memory
+        with pub.cv:
+            # Sent from its first byte: an actor stopped mid-version is then behind what it was
+            # sent, and its chain's stall rule (``membership.stalled``) can splice it out; noted
+            # only once the Seal went out, a stopped chain head was never behind and starved its
+            # readers.
+            member = stream.session.weights
+            member.sent = max(member.sent, source.version)
         send = stream.sock.sendall
         send(_wire.encode(_wire.Publish(source.manifest)) + _wire.encode(pub.weights_key(stream.key, source)))
         for i, (a, b) in enumerate(source.manifest.buckets()):
@@ -173,8 +180,6 @@ class Streams:
         send(_wire.encode(pub.seal(stream.key, source)[1]))
         stream.sent = source.version
         with pub.cv:
-            member = stream.session.weights
-            member.sent = max(member.sent, source.version)
             pub.stats["streamed"] += 1
             pub.stats["streamed_bytes"] += source.manifest.total_bytes
             sent = pub.stats["bytes_per_version"]  # the learner's own sends, newest versions only

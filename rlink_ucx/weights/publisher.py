@@ -287,7 +287,11 @@ class Publisher:
             cast = [s for s in subscribed if routes[s.id] is Route.BROADCAST]  # bytes by broadcast (broadcast.py)
             self._cast.submit(snap, cast)
             streaming = [s for s in subscribed if s.id in self.streams.by_session and routes[s.id] in _ON_STREAMS]
-            for s in sharing + relayed + cast:
+            # Routed by stream but with none open: told of the version below, and sent it from
+            # then on, so a host's streamer stopped before it opened its stream is behind too
+            # (the chain's stall rule splices it out; noted only by a stream's push, it never was).
+            announced = [s for s in subscribed if routes[s.id] is Route.STREAM and s.id not in self.streams.by_session]
+            for s in sharing + relayed + cast + announced:
                 s.weights.sent = snap.version
             for s in relayed:  # whose copy it reads: a refusal strikes that relay (chain.py)
                 s.weights.relay_read = s.weights.relay_from

@@ -14,8 +14,10 @@ import pytest
 
 from rlink_ucx.transport.session_state import SessionState
 from rlink_ucx.weights import publisher as publisher_mod
+from rlink_ucx.weights.chain import RELAY_MIN_BYTES
 from rlink_ucx.weights.hosts import note_refusal, note_served, peers_of
 from rlink_ucx.weights.membership import Membership
+from rlink_ucx.weights.relay import stall_timeout
 from rlink_ucx.weights.route import Route, delivery
 from rlink_ucx.weights.snapshot import BufferPool, snapshot
 from rlink_ucx.weights.streams import _Stream
@@ -301,3 +303,29 @@ def test_a_streamer_elected_while_a_version_is_being_copied_is_told_of_that_vers
     publisher.loop.run_until_complete(asyncio.sleep(0))  # run the sends queued for the loop
     told = sessions[2].control.sent
     assert [(type(m), m.version) for m in told] == [(_wire.Version, 5)], told  # it opens a stream for it
+
+
+@pytest.mark.timeout(30)
+def test_a_streamer_stopped_before_it_opened_its_stream_leaves_the_chain(publisher):
+    """A host's streamer routed by stream with no stream open is told of each version: that
+    counts as sent, so one stopped before it opened its stream (unlinked from its relay a
+    moment before its SIGSTOP) is behind, and the chain's stall rule splices it out. Counted
+    only by a stream's push, it stayed in the chain and its host behind it took nothing (a
+    relay test's rare failure)."""
+    snap = snapshot({"w": np.zeros(RELAY_MIN_BYTES // 4, np.float32)}, 5, 1 << 20, BufferPool())
+    members = {1: peer("h2", streamer=True, relay=True), 2: peer("h3", streamer=True, relay=True),
+               3: peer("h4", streamer=True, relay=True)}  # fmt: skip
+    sessions = {sid: session(sid, m) for sid, m in members.items()}
+    publisher.server.sessions.update(sessions)
+    publisher.latest = snap
+
+    publisher._fan_out(snap)  # nobody has a stream open: each is told of version 5
+    relay_then_version = [_wire.RelayServe, _wire.Version]  # h2 and h3 are asked to relay to the next host
+    assert sent_types(publisher, sessions) == {1: relay_then_version, 2: relay_then_version, 3: [_wire.Version]}
+    assert [m.sent for m in members.values()] == [5, 5, 5] and publisher._chain.order == [1, 2, 3]
+    for sid in (1, 3):  # they confirm it; the second is stopped
+        publisher.on_got(sessions[sid], 5)
+    stall, now = stall_timeout(publisher.config), time.monotonic()
+    assert [s.id for s in publisher._chain._plan(sessions.values(), snap.manifest.total_bytes, now)] == [1, 2, 3]
+    later = publisher._chain._plan(sessions.values(), snap.manifest.total_bytes, now + stall + 1)
+    assert [s.id for s in later] == [1, 3]  # spliced out: h4 takes the next version from h2

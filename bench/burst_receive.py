@@ -8,7 +8,8 @@ of ``--batch`` steps and assembles each with the dataset's ``BatchAssembler`` (n
 consumer of the runs recorded before #51's second round, with ``--batch 10``). It reports the process's CPU per frame
 (``time.process_time``; user and system from ``os.times``, in 10 ms ticks), the same split by
 thread (``/proc``'s schedstat, nanoseconds on a CPU: the pumps that land the frames, the consumer
-that copies them out field by field, the rest), the frames taken per second of the measured
+that copies them out field by field, the rest), the pumps' CPU split into reading a pass and
+landing it (``PassClock``: µs a frame each, polls a burst, frames a landed pass), the frames taken per second of the measured
 window (with ``--period 0`` the writer sends as fast as it can: the learner's ingest rate) and
 the put -> taken latency. What a 1,024-actor burst costs the learner
 can so be measured without 1,024 actor threads on the same two cores.
@@ -81,6 +82,41 @@ def thread_cpu() -> dict[str, float]:
     return out
 
 
+class PassClock:
+    """The pumps' CPU split between reading a pass and landing it (``time.thread_time`` around
+    ``Pump._read_pass`` and ``Pump._land_pass``, two clock reads a pass, not a frame), with the
+    polls and the frames landed; a tree without those two methods reports nothing."""
+
+    def __init__(self) -> None:
+        self.totals = {"read": 0.0, "land": 0.0, "polls": 0, "passes": 0}
+        read, land = getattr(pump.Pump, "_read_pass", None), getattr(pump.Pump, "_land_pass", None)
+        self.active = read is not None and land is not None
+        if not self.active:
+            return
+        totals = self.totals
+
+        def timed_read(pump_self: Any, events: Any) -> None:
+            t = time.thread_time()
+            read(pump_self, events)
+            totals["read"] += time.thread_time() - t
+            totals["polls"] += 1
+
+        def timed_land(pump_self: Any) -> None:
+            totals["passes"] += bool(pump_self._burst)
+            t = time.thread_time()
+            land(pump_self)
+            totals["land"] += time.thread_time() - t
+
+        pump.Pump._read_pass, pump.Pump._land_pass = timed_read, timed_land  # type: ignore[method-assign]
+
+    def report(self, before: dict[str, float], frames: int, bursts: int) -> dict[str, Any]:
+        if not self.active:
+            return {}
+        d = {k: self.totals[k] - before[k] for k in self.totals}
+        return {"read_us_per_frame": round(d["read"] / frames * 1e6, 1), "land_us_per_frame": round(d["land"] / frames * 1e6, 1),
+                "polls_per_burst": round(d["polls"] / bursts, 1), "frames_per_pass": round(frames / max(d["passes"], 1), 1)}  # fmt: skip
+
+
 def _on_cpu(tid: int | None) -> float:
     """Seconds thread ``tid`` has run so far (0 if it ended, or where there is no /proc)."""
     try:
@@ -93,6 +129,7 @@ def _on_cpu(tid: int | None) -> float:
 def run(connections: int, bursts: int, period: float, per_pump: int, batch: int, spread: int | None = None,
         consumer_kind: str = "dataset") -> dict[str, Any]:  # fmt: skip
     pump.PER_PUMP = per_pump
+    passes = PassClock()
     if spread is not None:
         TcpReceiver.pump_spread = spread
     ctx = mp.get_context("spawn")
@@ -138,7 +175,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
     start.value = time.time() + 0.5
     time.sleep(0.5 + WARM_BURSTS * period)
     before, cpu_before, threads_before = os.times(), time.process_time(), thread_cpu()
-    taken_before, wall_before = got, time.monotonic()
+    taken_before, wall_before, passes_before = got, time.monotonic(), dict(passes.totals)
     consumer.join(bursts * period + 60)
     wall = time.monotonic() - wall_before
     after, cpu, threads_after = os.times(), time.process_time() - cpu_before, thread_cpu()
@@ -160,6 +197,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
             "sys_us_per_frame": round((after[1] - before[1]) / frames * 1e6, 1),
             **{f"{role}_us_per_frame": round((threads_after[role] - threads_before[role]) / frames * 1e6, 1)
                for role in threads_after},
+            **passes.report(passes_before, frames, bursts - WARM_BURSTS if period > 0 else 1),
             "frames_per_s": round((total - taken_before) / wall),
             "latency_ms_p50_p90_p99": [round(float(np.percentile(lat_ms, q)), 2) for q in (50, 90, 99)]}  # fmt: skip
 

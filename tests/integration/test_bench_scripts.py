@@ -160,6 +160,10 @@ def test_burst_receive_measures_the_learners_receive_path_per_frame(tmp_path):
     assert report["cpu_us_per_frame"] > 0
     assert report["pumps_us_per_frame"] > 0 and report["consumer_us_per_frame"] > 0  # by thread, from /proc
     assert report["consumer"] == "dataset" and report["batch"] == 256 and report["frames_per_s"] > 0
+    # The pumps' CPU split into reading and landing (thread clocks around each pass): within theirs.
+    assert 0 < report["read_us_per_frame"] and 0 < report["land_us_per_frame"]
+    assert report["read_us_per_frame"] + report["land_us_per_frame"] <= report["pumps_us_per_frame"] * 1.1 + 1
+    assert report["polls_per_burst"] >= 1 and 1 <= report["frames_per_pass"] <= 64
     p50, p90, p99 = report["latency_ms_p50_p90_p99"]
     assert 0 < p50 <= p90 <= p99
 

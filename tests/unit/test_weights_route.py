@@ -256,18 +256,24 @@ def without_fan_out(publisher) -> None:
     publisher._thread = done
 
 
-@pytest.mark.timeout(30)
-def test_a_got_that_comes_before_publish_marks_its_version_latest_still_serves_the_hosts_peers(publisher,
-                                                                                              monkeypatch):  # fmt: skip
-    """A version's Seal goes out as soon as it is sealed, before ``publish`` sets it as ``latest``:
-    on a loaded machine the streamer's Got came in between, its host's peers were told nothing,
-    and they waited for the next version (a relay test's publish went unconfirmed for 60 s)."""
+def one_host_at_version_4(publisher) -> tuple[dict[int, Membership], dict[int, Any]]:
+    """Version 4 published; host h2's streamer (1) and two peers hold it; no fan-out thread."""
     publisher.latest = snapshot({"w": np.full(1000, 4, np.float32)}, 4, 1 << 20, BufferPool())
     publisher.server.version = 4
     members = {1: peer("h2", streamer=True), 2: peer("h2"), 3: peer("h2")}
     sessions = {sid: session(sid, m) for sid, m in members.items()}
     publisher.server.sessions.update(sessions)
     without_fan_out(publisher)
+    return members, sessions
+
+
+@pytest.mark.timeout(30)
+def test_a_got_that_comes_before_publish_marks_its_version_latest_still_serves_the_hosts_peers(publisher,
+                                                                                              monkeypatch):  # fmt: skip
+    """A version's Seal goes out as soon as it is sealed, before ``publish`` sets it as ``latest``:
+    on a loaded machine the streamer's Got came in between, its host's peers were told nothing,
+    and they waited for the next version (a relay test's publish went unconfirmed for 60 s)."""
+    members, sessions = one_host_at_version_4(publisher)
     seal, got = publisher_mod.fill, []
 
     def fill_then_got(snap: Any, srcs: Any) -> None:
@@ -284,12 +290,7 @@ def test_a_got_that_comes_before_publish_marks_its_version_latest_still_serves_t
 
 @pytest.mark.timeout(30)
 def test_a_streamer_elected_while_a_version_is_being_copied_is_told_of_that_version(publisher, monkeypatch):
-    publisher.latest = snapshot({"w": np.full(1000, 4, np.float32)}, 4, 1 << 20, BufferPool())
-    publisher.server.version = 4
-    members = {1: peer("h2", streamer=True), 2: peer("h2"), 3: peer("h2")}
-    sessions = {sid: session(sid, m) for sid, m in members.items()}
-    publisher.server.sessions.update(sessions)
-    without_fan_out(publisher)
+    members, sessions = one_host_at_version_4(publisher)
     copy = publisher_mod.fill
 
     def streamer_ends_then_fill(snap: Any, srcs: Any) -> None:

@@ -33,15 +33,16 @@ WEIGHTS_TIMEOUT = 6.0  # every process's: a relay that stalls is given up on aft
 
 @pytest.mark.timeout(420)
 def test_eight_hosts_of_four_actors_take_each_version_through_a_chain():
-    # Five versions timed, their median taken: under a heavily loaded machine the chain may still
-    # be linking its last hosts for the first version or two (each then costs one copy more).
-    report = run(8, 4, mb=8, mbit=400, versions=5, modes=("relay",))
+    # Seven versions timed, their median taken: under a heavily loaded machine the chain may still
+    # be linking its last hosts for the first versions (each then costs one copy more; once, in
+    # about 40 runs, three of five did, and the median of five was 2.004 copies).
+    report = run(8, 4, mb=8, mbit=400, versions=7, modes=("relay",))
     mode = report["modes"]["relay"]
     print(json.dumps({k: v for k, v in mode.items() if k != "actors"}), report["raw_transfer_seconds"])
     assert mode["all_confirmed"] and mode["every_version_exact"], mode["actors"]
     assert len(mode["actors"]) == 32
     for actor in mode["actors"]:
-        assert actor["exact"] and actor["versions"][-1] == 6, actor
+        assert actor["exact"] and actor["versions"][-1] == 8, actor
     # The targets: the learner's link carries <= 2x the model per version (a star: 32x),
     # and every actor holds it within 3x one raw transfer over one link (a star: ~26x).
     assert mode["x_model_bytes"] <= 2.0, mode["x_model_bytes"]

@@ -109,10 +109,10 @@ class PassClock:
 
         pump.Pump._read_pass, pump.Pump._land_pass = timed_read, timed_land  # type: ignore[method-assign]
 
-    def report(self, before: dict[str, float], frames: int, bursts: int) -> dict[str, Any]:
+    def report(self, before: dict[str, float], after: dict[str, float], frames: int, bursts: int) -> dict[str, Any]:
         if not self.active:
             return {}
-        d = {k: self.totals[k] - before[k] for k in self.totals}
+        d = {k: after[k] - before[k] for k in self.totals}
         return {"read_us_per_frame": round(d["read"] / frames * 1e6, 1), "land_us_per_frame": round(d["land"] / frames * 1e6, 1),
                 "polls_per_burst": round(d["polls"] / bursts, 1), "frames_per_pass": round(frames / max(d["passes"], 1), 1)}  # fmt: skip
 
@@ -179,6 +179,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
     consumer.join(bursts * period + 60)
     wall = time.monotonic() - wall_before
     after, cpu, threads_after = os.times(), time.process_time() - cpu_before, thread_cpu()
+    passes_after = dict(passes.totals)  # now, as the threads' CPU: the connections' ends come after
     threads_after["consumer"] = consumer_spent[0]
     pumps = len(pump._pumps)
     proc.join(30)
@@ -197,7 +198,7 @@ def run(connections: int, bursts: int, period: float, per_pump: int, batch: int,
             "sys_us_per_frame": round((after[1] - before[1]) / frames * 1e6, 1),
             **{f"{role}_us_per_frame": round((threads_after[role] - threads_before[role]) / frames * 1e6, 1)
                for role in threads_after},
-            **passes.report(passes_before, frames, bursts - WARM_BURSTS if period > 0 else 1),
+            **passes.report(passes_before, passes_after, frames, bursts - WARM_BURSTS if period > 0 else 1),
             "frames_per_s": round((total - taken_before) / wall),
             "latency_ms_p50_p90_p99": [round(float(np.percentile(lat_ms, q)), 2) for q in (50, 90, 99)]}  # fmt: skip
 

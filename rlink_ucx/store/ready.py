@@ -107,4 +107,4 @@ class ReadyFrames:
 
     def _live(self) -> collections.abc.Iterator[Segment]:
         """Frames in ring order that still hold untaken steps (torn ones hold none)."""
-        return (s for s in self._placed if s.state is not SegState.DEAD and s.consumed < s.n)
+        return (s for s in self._placed if s.state is not _DEAD and s.consumed < s.n)  # the rule young_ahead and order_for inline

@@ -18,18 +18,17 @@ FRAME_MAGIC = b"RLNK"
 FRAME_HEADER = struct.Struct("<4sHHIIQQQqQQ")
 FRAME_HEADER_BYTES = FRAME_HEADER.size  # 64
 _PAYLOAD_BYTES = struct.Struct("<Q")
-_PAYLOAD_AT = struct.calcsize("<4sHHIIQQQq")  # the payload size is the header's tenth field
+PAYLOAD_BYTES_AT = struct.calcsize("<4sHHIIQQQq")  # the payload size is the header's tenth field
 
 
 def announced_payload(buf: bytes | bytearray | memoryview, pos: int = 0) -> int:
     """The payload size the header at ``buf[pos:]`` announces, read without unpacking (or
     validating: :meth:`FrameHeader.unpack` does that) the rest."""
-    return int(_PAYLOAD_BYTES.unpack_from(buf, pos + _PAYLOAD_AT)[0])
+    return int(_PAYLOAD_BYTES.unpack_from(buf, pos + PAYLOAD_BYTES_AT)[0])
 
 
 # ``announced_payload`` without its call, for a loop that reads thousands of headers:
 # ``unpack_payload_bytes(buf, pos + PAYLOAD_BYTES_AT)[0]``.
-PAYLOAD_BYTES_AT = _PAYLOAD_AT
 unpack_payload_bytes = _PAYLOAD_BYTES.unpack_from
 
 

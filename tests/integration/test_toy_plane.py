@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import time
 from typing import Any
 
 import msgspec
@@ -95,6 +96,11 @@ def toy_learner(n_actors: int, n_steps: int, batch_size: int, addresses: Any, re
             got["obs"].append(batch["obs"].numpy().copy())
             got["actor"].append(batch.actor_id.numpy().copy())
             got["seq"].append(batch.seq.numpy().copy())
+        # The actors' flushes ask for an ack of what we hold: closing before they have it fails
+        # their flush with Closed (the learner sends no ack with its Bye).
+        deadline = time.monotonic() + 30
+        while learner.stats()["actors"] and time.monotonic() < deadline:
+            time.sleep(0.05)
         stats = learner.stats()
         rows = [*stats["actors"], *stats["ended_actors"]]
         results.put(({k: np.concatenate(v) for k, v in got.items()}, stats["toy_attached"],
